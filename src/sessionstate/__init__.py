@@ -1,0 +1,84 @@
+"""Immutable, typed per-session state for autoregressive diffusion world models.
+
+Models thread an immutable record through ``step(state, inputs) -> (state, out)``; a thin
+`SessionStateManager` keeps the latest record per session under an LRU cap and reports the
+bytes every session holds, per device.
+
+>>> import torch, sessionstate as ss
+>>> manager = ss.SessionStateManager(max_sessions=4)
+>>> state = manager.get_or_create("cam-1", ss.SessionState)
+>>> manager.put("cam-1", state.with_attrs(latent=torch.zeros(8)))
+>>> manager.stats()["nbytes:cpu"]
+32
+"""
+
+from sessionstate._accounting import nbytes_by_device, nbytes_by_key
+from sessionstate._config import (
+    ENV_ENABLE,
+    ENV_MAX_SESSIONS,
+    OmniDiffusionConfig,
+    SessionStateSettings,
+    parse_env_flag,
+    resolve_session_state_config,
+)
+from sessionstate._errors import (
+    ImmutableRecordError,
+    NotAllocatedError,
+    SessionAdmissionError,
+    SessionStateLostError,
+    UnsupportedTensorError,
+)
+from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
+from sessionstate._objects import LatentBuffer, StateObject
+from sessionstate._session import SessionAttr, SessionState
+from sessionstate._tree import (
+    NAMESPACE,
+    PyTree,
+    field,
+    record,
+    register_record,
+    static_field,
+    tree_equal,
+    tree_flatten,
+    tree_flatten_with_keys,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "DEFAULT_MAX_SESSIONS",
+    "ENV_ENABLE",
+    "ENV_MAX_SESSIONS",
+    "NAMESPACE",
+    "ImmutableRecordError",
+    "LatentBuffer",
+    "NotAllocatedError",
+    "OmniDiffusionConfig",
+    "PyTree",
+    "SessionAdmissionError",
+    "SessionAttr",
+    "SessionState",
+    "SessionStateLostError",
+    "SessionStateManager",
+    "SessionStateSettings",
+    "StateObject",
+    "UnsupportedTensorError",
+    "__version__",
+    "field",
+    "nbytes_by_device",
+    "nbytes_by_key",
+    "parse_env_flag",
+    "record",
+    "register_record",
+    "resolve_session_state_config",
+    "static_field",
+    "tree_equal",
+    "tree_flatten",
+    "tree_flatten_with_keys",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+]

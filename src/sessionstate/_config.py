@@ -1,0 +1,205 @@
+"""Deploy configuration and the environment overrides that flip the manager per process."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from sessionstate._manager import DEFAULT_MAX_SESSIONS
+
+__all__ = [
+    "ENV_ENABLE",
+    "ENV_MAX_SESSIONS",
+    "OmniDiffusionConfig",
+    "SessionStateSettings",
+    "parse_env_flag",
+    "resolve_session_state_config",
+]
+
+ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
+ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+logger = logging.getLogger("sessionstate")
+
+
+def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        msg = (
+            f"`{attribute.name}` must be a bool (true or false), got {value!r} "
+            f"({type(value).__name__})."
+        )
+        raise TypeError(msg)
+
+
+def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, Mapping):
+        msg = (
+            f"`{attribute.name}` must be a mapping of model settings, got {value!r} "
+            f"({type(value).__name__})."
+        )
+        raise TypeError(msg)
+
+
+@attrs.frozen
+class OmniDiffusionConfig:
+    """A deploy configuration.
+
+    Args:
+        enable_session_state_manager: Use the manager-backed session state path. Off by
+            default; with it off, models run their bespoke state paths unchanged. The
+            environment variable ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` overrides it.
+        model: The model's own settings (for DreamZero: ``preset`` and geometry overrides),
+            validated by the model.
+
+    >>> OmniDiffusionConfig(enable_session_state_manager=True).enable_session_state_manager
+    True
+    """
+
+    enable_session_state_manager: bool = attrs.field(default=False, validator=_check_bool)
+    model: Mapping[str, Any] = attrs.field(factory=dict, validator=_check_mapping)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], /) -> OmniDiffusionConfig:
+        """Build a config from a mapping (a parsed deploy YAML); unknown keys are errors.
+
+        Raises:
+            KeyError: for an unknown key, naming it and the known ones.
+            TypeError: for a value of the wrong type, naming the key and the value.
+
+        >>> OmniDiffusionConfig.from_dict({"enable_session_state_manager": True})
+        OmniDiffusionConfig(enable_session_state_manager=True, model={})
+        """
+        if not isinstance(data, Mapping):
+            msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
+            raise TypeError(msg)
+        known = {a.name for a in attrs.fields(cls)}
+        for key in data:
+            if key not in known:
+                msg = (
+                    f"Unknown deploy config key {key!r} (value {data[key]!r}); known keys: "
+                    f"{sorted(known)}."
+                )
+                raise KeyError(msg)
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], /) -> OmniDiffusionConfig:
+        """Load a deploy YAML file.
+
+        Raises:
+            FileNotFoundError: if there is no such file.
+            ValueError: if the file is not valid YAML (the parser's message included).
+            KeyError, TypeError: as `from_dict`.
+
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "deploy.yaml"
+        >>> _ = p.write_text("enable_session_state_manager: true\\n")
+        >>> OmniDiffusionConfig.from_yaml(p).enable_session_state_manager
+        True
+        """
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            msg = f"Deploy config {str(path)!r} is not valid YAML: {exc}"
+            raise ValueError(msg) from None
+        return cls.from_dict({} if data is None else data)
+
+
+@attrs.frozen
+class SessionStateSettings:
+    """The resolved session-state settings of one process.
+
+    >>> SessionStateSettings(enabled=True, max_sessions=4)
+    SessionStateSettings(enabled=True, max_sessions=4)
+    """
+
+    enabled: bool
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+
+
+def parse_env_flag(value: str | None, /) -> bool | None:
+    """Parse a boolean environment value; None when unset or unparsable.
+
+    Accepts ``1/true/yes/on`` and ``0/false/no/off``, in any case, with surrounding
+    whitespace.
+
+    >>> parse_env_flag(" On "), parse_env_flag("0"), parse_env_flag("maybe")
+    (True, False, None)
+    """
+    if value is None:
+        return None
+    token = value.strip().lower()
+    if token in _TRUE:
+        return True
+    if token in _FALSE:
+        return False
+    return None
+
+
+def _parse_positive_int(value: str) -> int | None:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+def resolve_session_state_config(
+    config: OmniDiffusionConfig | None, environ: Mapping[str, str] | None = None
+) -> SessionStateSettings:
+    """Resolve whether the manager is on, and its session cap, for this process.
+
+    A set ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` overrides the config field in both
+    directions; unset or unparsable falls back to the config (unparsable logs a warning).
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS`` sets the cap to a positive int; any
+    other value logs a warning naming the variable and the value and is ignored. The cap is
+    deliberately not a config field: it mirrors the bespoke path's fixed constant.
+
+    Args:
+        config: The deploy config (None reads as the defaults).
+        environ: The environment to read; ``os.environ`` when None.
+
+    >>> cfg = OmniDiffusionConfig(enable_session_state_manager=True)
+    >>> resolve_session_state_config(cfg, {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "off"})
+    SessionStateSettings(enabled=False, max_sessions=64)
+    """
+    env = os.environ if environ is None else environ
+    enabled = config.enable_session_state_manager if config is not None else False
+
+    raw_flag = env.get(ENV_ENABLE)
+    flag = parse_env_flag(raw_flag)
+    if flag is not None:
+        enabled = flag
+    elif raw_flag is not None:
+        logger.warning(
+            "Ignoring %s=%r: expected one of 1/0/true/false/yes/no/on/off; using the config "
+            "value enable_session_state_manager=%s.",
+            ENV_ENABLE,
+            raw_flag,
+            enabled,
+        )
+
+    max_sessions = DEFAULT_MAX_SESSIONS
+    raw_cap = env.get(ENV_MAX_SESSIONS)
+    if raw_cap is not None:
+        cap = _parse_positive_int(raw_cap)
+        if cap is None:
+            logger.warning(
+                "Ignoring %s=%r: expected a positive int; using the default cap %d.",
+                ENV_MAX_SESSIONS,
+                raw_cap,
+                DEFAULT_MAX_SESSIONS,
+            )
+        else:
+            max_sessions = cap
+    return SessionStateSettings(enabled=enabled, max_sessions=max_sessions)

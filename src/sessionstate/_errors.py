@@ -1,0 +1,46 @@
+"""Exceptions raised by the library.
+
+Each one subclasses the builtin a caller would already catch for that kind of mistake, so
+``except ValueError`` keeps working, while the library's own class lets a caller be precise.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = [
+    "ImmutableRecordError",
+    "NotAllocatedError",
+    "SessionAdmissionError",
+    "SessionStateLostError",
+    "UnsupportedTensorError",
+]
+
+
+class NotAllocatedError(RuntimeError):
+    """A `StateObject` was used before `allocate()` (or after `evict()`)."""
+
+
+class UnsupportedTensorError(TypeError):
+    """A tensor whose storage the byte accounting cannot attribute (e.g. an opaque subclass)."""
+
+
+class SessionStateLostError(KeyError):
+    """A continuation asked for a session the manager does not hold (never created, or evicted)."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; a full sentence reads better unquoted.
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionAdmissionError(RuntimeError):
+    """A new session was refused because the manager is full and configured to refuse."""
+
+
+class ImmutableRecordError(attrs.exceptions.FrozenInstanceError):
+    """An assignment to a field of an immutable record (a `FrozenInstanceError`)."""
+
+    def __init__(self, msg: str) -> None:
+        AttributeError.__init__(self, msg)
+        self.msg = msg
+        self.args = (msg,)

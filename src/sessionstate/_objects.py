@@ -1,0 +1,278 @@
+"""State objects: units of session state with a lifecycle the manager can act on."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from sessionstate._accounting import nbytes_by_device
+from sessionstate._errors import NotAllocatedError
+from sessionstate._tree import field, register_record, static_field
+
+__all__ = ["LatentBuffer", "StateObject"]
+
+_S = TypeVar("_S", bound="StateObject")
+
+
+class StateObject(abc.ABC):
+    """The lifecycle contract of one typed unit of session state.
+
+    Every method except the queries (`view`, `nbytes_by_device`, `is_allocated`) is a pure
+    transition: it returns a new object and leaves ``self`` valid and unchanged. Implementations
+    are `record` classes, so a session moves between devices with
+    ``tree_map(lambda t: t.to(device), state)`` and keeps its configuration.
+
+    Lifecycle: ``allocate(**sizing)`` makes an object usable; ``commit(payload)`` adds to it;
+    ``view(...)`` reads it; ``reset()`` empties it and keeps its configuration; ``evict()``
+    releases its storage and makes it non-resident (``allocate`` again before further use).
+    """
+
+    @property
+    @abc.abstractmethod
+    def is_allocated(self) -> bool:
+        """Whether the object may be committed to and viewed."""
+
+    @abc.abstractmethod
+    def allocate(self: _S, **sizing: Any) -> _S:
+        """Return a new, empty, allocated object sized by ``sizing``."""
+
+    @abc.abstractmethod
+    def commit(self: _S, payload: Any, /) -> _S:
+        """Return a new object holding ``payload`` as well."""
+
+    @abc.abstractmethod
+    def view(self) -> Any:
+        """Read the object's contents (a query; nothing changes)."""
+
+    @abc.abstractmethod
+    def reset(self: _S) -> _S:
+        """Return a new, empty object with the same configuration."""
+
+    @abc.abstractmethod
+    def evict(self: _S) -> _S:
+        """Return a new object whose storage is released (not resident)."""
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes this object keeps alive, per device (see `sessionstate.nbytes_by_device`)."""
+        return nbytes_by_device(self)
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_maxlen(maxlen: object) -> int | None:
+    if maxlen is None:
+        return None
+    if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0:
+        msg = (
+            f"`maxlen` must be a positive int or None, got {_describe(maxlen)}. "
+            "Use `maxlen=None` to keep every chunk, or `maxlen=k` for a ring of the last k."
+        )
+        raise ValueError(msg)
+    return maxlen
+
+
+@register_record
+@attrs.frozen(eq=False)
+class LatentBuffer(StateObject):
+    """A sequence of tensor chunks along a time dimension: accumulating, or a bounded ring.
+
+    ``allocate(maxlen=None)`` keeps every committed chunk; ``allocate(maxlen=k)`` keeps the
+    last ``k`` (the oldest is dropped). Chunks are held by reference, never copied: a commit
+    builds a new tuple of the same tensors, so the previous buffer stays valid and unchanged
+    and the new one costs one tuple. No method writes into a tensor.
+
+    Chunks must agree with the ones already held on dtype, device and every dimension except
+    ``dim`` (the time dimension readers concatenate along).
+
+    Args:
+        name: Used in error messages (e.g. the session value the buffer holds).
+        dim: The time dimension of each chunk; `concat` joins chunks along it.
+        maxlen: Ring size, or None to accumulate. Set through `allocate`.
+        chunks: Retained chunks, oldest first. Set through `commit`.
+
+    >>> import torch
+    >>> ring = LatentBuffer(name="latents", dim=0).allocate(maxlen=2)
+    >>> for i in range(3):
+    ...     ring = ring.commit(torch.full((1, 2), float(i)))
+    >>> len(ring), ring.concat()
+    (2, tensor([[1., 1.],
+            [2., 2.]]))
+    >>> ring.view(last=1)
+    (tensor([[2., 2.]]),)
+    """
+
+    chunks: tuple[torch.Tensor, ...] = field(default=(), converter=tuple)
+    name: str = static_field(default="buffer", kw_only=True)
+    dim: int = static_field(default=2, kw_only=True)
+    maxlen: int | None = static_field(default=None, kw_only=True)
+    allocated: bool = static_field(default=False, kw_only=True)
+
+    @property
+    def is_allocated(self) -> bool:
+        """Whether the buffer was allocated (and not evicted since).
+
+        >>> LatentBuffer().is_allocated, LatentBuffer().allocate().is_allocated
+        (False, True)
+        """
+        return self.allocated
+
+    def __len__(self) -> int:
+        """The number of retained chunks.
+
+        >>> len(LatentBuffer().allocate())
+        0
+        """
+        return len(self.chunks)
+
+    def allocate(self, *, maxlen: int | None = None) -> LatentBuffer:  # type: ignore[override]
+        """Return an empty, allocated buffer: a ring of ``maxlen`` chunks, or unbounded if None.
+
+        Raises:
+            ValueError: if ``maxlen`` is not None or a positive int.
+
+        >>> LatentBuffer().allocate(maxlen=2).maxlen
+        2
+        """
+        maxlen = _check_maxlen(maxlen)
+        return attrs.evolve(self, chunks=(), maxlen=maxlen, allocated=True)
+
+    def commit(self, chunk: torch.Tensor, /) -> LatentBuffer:
+        """Return a buffer that also holds ``chunk`` (a ring drops its oldest when full).
+
+        Raises:
+            NotAllocatedError: if the buffer is not allocated.
+            TypeError: if ``chunk`` is not a tensor.
+            ValueError: if ``chunk`` disagrees with the held chunks on dtype, device, rank or a
+                dimension other than ``dim``.
+
+        >>> import torch
+        >>> buf = LatentBuffer(dim=0).allocate()
+        >>> bigger = buf.commit(torch.zeros(1, 3))
+        >>> len(buf), len(bigger)
+        (0, 1)
+        """
+        self._require_allocated("commit to")
+        self._check_chunk(chunk)
+        chunks = (*self.chunks, chunk)
+        if self.maxlen is not None and len(chunks) > self.maxlen:
+            chunks = chunks[len(chunks) - self.maxlen :]
+        return attrs.evolve(self, chunks=chunks)
+
+    def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The retained chunks, oldest to newest; with ``last=n``, the newest ``min(n, len)``.
+
+        Raises:
+            NotAllocatedError: if the buffer is not allocated.
+            ValueError: if ``last`` is negative, or exceeds a ring's ``maxlen`` (asking a ring
+                for more than it can ever retain is a bug, never a silently shorter window).
+
+        >>> import torch
+        >>> ring = LatentBuffer(dim=0).allocate(maxlen=3).commit(torch.zeros(1))
+        >>> len(ring.view(last=3))
+        1
+        """
+        self._require_allocated("view")
+        if last is None:
+            return self.chunks
+        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+            msg = f"`last` must be a non-negative int or None, got {_describe(last)}."
+            raise ValueError(msg)
+        if self.maxlen is not None and last > self.maxlen:
+            msg = (
+                f"Requested {last} chunks but the ring `{self.name}` retains at most "
+                f"{self.maxlen}; ask for at most {self.maxlen}, or allocate a larger ring."
+            )
+            raise ValueError(msg)
+        return self.chunks[len(self.chunks) - min(last, len(self.chunks)) :]
+
+    def concat(self, *, last: int | None = None) -> torch.Tensor:
+        """The retained chunks (or the newest ``last``) joined along ``dim`` into one tensor.
+
+        Always a new tensor, so writing to it cannot reach the buffer.
+
+        Raises:
+            ValueError: if there is nothing to join (check ``len(buf)`` first), or as `view`.
+
+        >>> import torch
+        >>> buf = LatentBuffer(dim=0).allocate().commit(torch.ones(1)).commit(torch.zeros(2))
+        >>> buf.concat()
+        tensor([1., 0., 0.])
+        """
+        chunks = self.view(last=last)
+        if not chunks:
+            msg = f"LatentBuffer `{self.name}` is empty; check `len(buffer)` before `concat()`."
+            raise ValueError(msg)
+        return torch.cat(chunks, dim=self.dim)
+
+    def reset(self) -> LatentBuffer:
+        """Return an empty buffer with the same configuration (still allocated).
+
+        >>> import torch
+        >>> buf = LatentBuffer(dim=0).allocate(maxlen=2).commit(torch.ones(1)).reset()
+        >>> len(buf), buf.maxlen, buf.is_allocated
+        (0, 2, True)
+        """
+        self._require_allocated("reset")
+        return attrs.evolve(self, chunks=())
+
+    def evict(self) -> LatentBuffer:
+        """Return a buffer with its chunks released and not resident; `allocate` to reuse it.
+
+        >>> import torch
+        >>> buf = LatentBuffer(dim=0).allocate().commit(torch.ones(4)).evict()
+        >>> buf.is_allocated, buf.nbytes_by_device()
+        (False, {})
+        """
+        return attrs.evolve(self, chunks=(), maxlen=None, allocated=False)
+
+    def _require_allocated(self, action: str) -> None:
+        if not self.allocated:
+            msg = (
+                f"Cannot {action} LatentBuffer `{self.name}`: it is not allocated; "
+                "call `.allocate(maxlen=...)` first."
+            )
+            raise NotAllocatedError(msg)
+
+    def _check_chunk(self, chunk: object) -> None:
+        if not isinstance(chunk, torch.Tensor):
+            msg = (
+                f"LatentBuffer `{self.name}` holds tensors, got {type(chunk).__name__}; "
+                "commit a torch.Tensor."
+            )
+            raise TypeError(msg)
+        if chunk.dim() <= self.dim:
+            msg = (
+                f"LatentBuffer `{self.name}` concatenates along dim {self.dim}, so a chunk needs "
+                f"at least {self.dim + 1} dims; got shape {tuple(chunk.shape)}."
+            )
+            raise ValueError(msg)
+        if not self.chunks:
+            return
+        ref = self.chunks[-1]
+        expected = _without_dim(ref.shape, self.dim)
+        if (
+            chunk.dtype != ref.dtype
+            or chunk.device != ref.device
+            or _without_dim(chunk.shape, self.dim) != expected
+        ):
+            msg = (
+                f"LatentBuffer `{self.name}` holds chunks of dtype {ref.dtype} on {ref.device} "
+                f"with shape {_shape_pattern(ref.shape, self.dim)}; got dtype {chunk.dtype} on "
+                f"{chunk.device} with shape {tuple(chunk.shape)}. Convert the chunk "
+                "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
+            )
+            raise ValueError(msg)
+
+
+def _without_dim(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    return (*shape[:dim], *shape[dim + 1 :]) if len(shape) > dim else tuple(shape)
+
+
+def _shape_pattern(shape: torch.Size, dim: int) -> str:
+    parts = ["T" if i == dim else str(s) for i, s in enumerate(shape)]
+    return f"({', '.join(parts)})"

@@ -1,0 +1,289 @@
+"""The session record: named state objects plus carried attributes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar, Generic, TypeVar, overload
+
+import attrs
+
+from sessionstate._accounting import nbytes_by_device, nbytes_by_key
+from sessionstate._objects import StateObject
+from sessionstate._tree import field, register_record
+
+__all__ = ["SessionAttr", "SessionState"]
+
+_V = TypeVar("_V")
+_St = TypeVar("_St", bound="SessionState")
+_O = TypeVar("_O", bound=StateObject)
+
+_UNSET: Any = object()
+
+
+class SessionAttr(Generic[_V]):
+    """Declare one carried value of a session class: its default, coercion and meaning.
+
+    Declared on a `SessionState` subclass, one line per value. Reading an unset attribute
+    returns its default; writing goes through `SessionState.with_attrs`, which returns a new
+    state and applies ``coerce`` to non-None values.
+
+    Args:
+        default: What reading the attribute returns while it is unset. Shared between
+            sessions, so use an immutable value (``0``, ``None``, ``False``).
+        coerce: Optional callable applied to every non-None value written.
+        doc: What the value is; becomes the attribute's docstring.
+
+    >>> class Counter(SessionState):
+    ...     steps = SessionAttr(0, coerce=int, doc="Completed steps.")
+    >>> s = Counter()
+    >>> s.steps, s.with_attrs(steps="3").steps
+    (0, 3)
+    """
+
+    def __init__(
+        self,
+        default: _V,
+        *,
+        coerce: Callable[[Any], _V] | None = None,
+        doc: str = "",
+    ) -> None:
+        self.default = default
+        self.coerce = coerce
+        self.__doc__ = doc
+        self.name = "<unbound>"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> SessionAttr[_V]: ...
+    @overload
+    def __get__(self, instance: SessionState, owner: type) -> _V: ...
+
+    def __get__(self, instance: SessionState | None, owner: type) -> SessionAttr[_V] | _V:
+        if instance is None:
+            return self
+        value: _V = instance.attrs.get(self.name, self.default)
+        return value
+
+    def __set__(self, instance: SessionState, value: _V) -> None:
+        # Records are frozen; route through the record's refusal so the message names the fix.
+        setattr(instance, self.name, value)
+
+    def __repr__(self) -> str:
+        return f"SessionAttr(name={self.name!r}, default={self.default!r})"
+
+    def convert(self, value: Any) -> Any:
+        """Apply ``coerce`` to ``value`` (None passes through unchanged).
+
+        >>> SessionAttr(0, coerce=int).convert("7")
+        7
+        """
+        if value is None or self.coerce is None:
+            return value
+        return self.coerce(value)
+
+
+def _as_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict(value) if value is not None else {}
+
+
+@register_record
+@attrs.frozen(eq=False)
+class SessionState:
+    """One session's state: named `StateObject`s and carried attributes, as one record.
+
+    A generic session is built directly: ``SessionState(objects={...}, attrs={...})``. A model
+    subclasses it and declares its attributes with `SessionAttr`; subclasses are registered as
+    pytree nodes automatically. Every method that changes something returns a new state;
+    byte accounting covers both buckets and counts an alias between them once.
+
+    Choosing the bucket: a value the manager must be able to act on (release, accumulate,
+    stage and commit, rebuild) is a `StateObject`; a value the model assigns wholesale, reads
+    back and clears is an attribute. Size is not the criterion; the accounting counts both.
+
+    >>> import torch
+    >>> from sessionstate import LatentBuffer
+    >>> s = SessionState(objects={"frames": LatentBuffer(dim=0).allocate(maxlen=4)})
+    >>> s = s.update_object("frames", lambda b: b.commit(torch.zeros(1, 8)))
+    >>> s = s.with_attrs(step=1)
+    >>> len(s.object("frames")), s.attrs["step"], s.nbytes_by_device()
+    (1, 1, {'cpu': 32})
+    """
+
+    _objects: dict[str, StateObject] = field(factory=dict, converter=_as_dict)
+    _attrs: dict[str, Any] = field(factory=dict, converter=_as_dict)
+
+    __assignment_fix__: ClassVar[str] = "state = state.with_attrs({name}=...)"
+    __session_attrs__: ClassVar[Mapping[str, SessionAttr[Any]]] = MappingProxyType({})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared: dict[str, SessionAttr[Any]] = {}
+        for klass in reversed(cls.__mro__):
+            for name, value in vars(klass).items():
+                if isinstance(value, SessionAttr):
+                    declared[name] = value
+        cls.__session_attrs__ = MappingProxyType(declared)
+        register_record(cls)
+
+    @property
+    def objects(self) -> Mapping[str, StateObject]:
+        """The named state objects (read-only view).
+
+        >>> SessionState().objects
+        mappingproxy({})
+        """
+        return MappingProxyType(self._objects)
+
+    @property
+    def attrs(self) -> Mapping[str, Any]:
+        """The attributes that are set (read-only view; unset declared ones read as defaults).
+
+        >>> SessionState(attrs={"a": 1}).attrs
+        mappingproxy({'a': 1})
+        """
+        return MappingProxyType(self._attrs)
+
+    def object(self, name: str, /) -> StateObject:
+        """The state object called ``name``.
+
+        Raises:
+            KeyError: naming the missing object and the ones the session has.
+
+        >>> from sessionstate import LatentBuffer
+        >>> SessionState(objects={"ring": LatentBuffer()}).object("ring").name
+        'buffer'
+        """
+        try:
+            return self._objects[name]
+        except KeyError:
+            msg = (
+                f"Session has no state object `{name}`; it has {sorted(self._objects)}. "
+                "Add it with `state.with_object(name, obj)`."
+            )
+            raise KeyError(msg) from None
+
+    def with_object(self: _St, name: str, obj: StateObject, /) -> _St:
+        """Return a new state with ``obj`` stored under ``name`` (added or replaced).
+
+        >>> from sessionstate import LatentBuffer
+        >>> s = SessionState().with_object("ring", LatentBuffer())
+        >>> list(s.objects)
+        ['ring']
+        """
+        if not isinstance(obj, StateObject):
+            msg = (
+                f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
+                f"{type(obj).__name__}; carried values go in `with_attrs({name}=...)`."
+            )
+            raise TypeError(msg)
+        return attrs.evolve(self, objects={**self._objects, name: obj})
+
+    def update_object(self: _St, name: str, fn: Callable[[_O], _O], /) -> _St:
+        """Return a new state with the object ``name`` replaced by ``fn(object)``.
+
+        >>> from sessionstate import LatentBuffer
+        >>> s = SessionState(objects={"r": LatentBuffer()})
+        >>> s.update_object("r", lambda b: b.allocate(maxlen=2)).object("r").maxlen
+        2
+        """
+        return self.with_object(name, fn(self.object(name)))  # type: ignore[arg-type]
+
+    def with_attrs(self: _St, **values: Any) -> _St:
+        """Return a new state with the given attributes set (coerced where declared).
+
+        A class that declares attributes with `SessionAttr` accepts only those names.
+
+        Raises:
+            AttributeError: for a name the session class does not declare.
+
+        >>> SessionState().with_attrs(language="hello").attrs["language"]
+        'hello'
+        """
+        declared = type(self).__session_attrs__
+        new = dict(self._attrs)
+        for name, value in values.items():
+            if declared:
+                if name not in declared:
+                    msg = (
+                        f"`{type(self).__name__}` declares no attribute `{name}`; declared: "
+                        f"{sorted(declared)}. Declare it with `{name} = SessionAttr(...)`."
+                    )
+                    raise AttributeError(msg)
+                value = declared[name].convert(value)
+            new[name] = value
+        return attrs.evolve(self, attrs=new)
+
+    def clear_attrs(self: _St, *names: str) -> _St:
+        """Return a new state with ``names`` unset (they read as their defaults again).
+
+        >>> s = SessionState(attrs={"a": 1, "b": 2}).clear_attrs("a")
+        >>> dict(s.attrs)
+        {'b': 2}
+        """
+        return attrs.evolve(
+            self, attrs={k: v for k, v in self._attrs.items() if k not in set(names)}
+        )
+
+    def get_attr(self, name: str, default: Any = _UNSET, /) -> Any:
+        """The attribute ``name``: its value, else its declared default, else ``default``.
+
+        Raises:
+            KeyError: if the name is unset, undeclared and no ``default`` is given.
+
+        >>> SessionState().get_attr("missing", 5)
+        5
+        """
+        if name in self._attrs:
+            return self._attrs[name]
+        declared = type(self).__session_attrs__.get(name)
+        if declared is not None:
+            return declared.default
+        if default is not _UNSET:
+            return default
+        msg = f"Session attribute `{name}` is not set; set it with `state.with_attrs({name}=...)`."
+        raise KeyError(msg)
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes this session keeps alive, per device, over both buckets, each storage once.
+
+        >>> import torch
+        >>> x = torch.zeros(80)  # 320 bytes
+        >>> from sessionstate import LatentBuffer
+        >>> ring = LatentBuffer(dim=0).allocate().commit(x)
+        >>> SessionState(objects={"r": ring}, attrs={"alias": x[:8]}).nbytes_by_device()
+        {'cpu': 320}
+        """
+        return nbytes_by_device(self)
+
+    def nbytes_by_value(self) -> dict[str, dict[str, int]]:
+        """Bytes per named value (objects first, then attrs), each storage counted once.
+
+        A storage reachable from two values is attributed to the first in that order, so the
+        per-value figures sum to `nbytes_by_device`.
+
+        >>> import torch
+        >>> x = torch.zeros(4)
+        >>> SessionState(attrs={"a": x, "b": x, "n": 3}).nbytes_by_value()
+        {'a': {'cpu': 16}, 'b': {}, 'n': {}}
+        """
+        per_key = nbytes_by_key({"objects": self._objects, "attrs": self._attrs})
+        out: dict[str, dict[str, int]] = {name: {} for name in _chain(self._objects, self._attrs)}
+        for key, by_device in per_key.items():
+            name = _value_name(key)
+            for device, nbytes in by_device.items():
+                out[name][device] = out[name].get(device, 0) + nbytes
+        return out
+
+
+def _chain(*names: Iterable[str]) -> Iterable[str]:
+    for group in names:
+        yield from group
+
+
+def _value_name(key: str) -> str:
+    # Keys look like "['objects']['frames'].chunks[0]"; the value's name is the second entry.
+    start = key.index("[", 1) + 2
+    return key[start : key.index("']", start)]

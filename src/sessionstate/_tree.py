@@ -1,0 +1,316 @@
+"""Pytree plumbing: the ``record`` decorator and ``tree_*`` helpers in the library's namespace.
+
+optree is wrapped here once. Every other module goes through these helpers, so the namespace
+is never forgotten and records flatten the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias, TypeVar, overload
+
+import attrs
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+from optree.integrations import attrs as optree_attrs
+
+from sessionstate._errors import ImmutableRecordError
+
+__all__ = [
+    "NAMESPACE",
+    "PyTree",
+    "PyTreeSpec",
+    "field",
+    "format_accessor",
+    "record",
+    "register_record",
+    "static_field",
+    "tree_equal",
+    "tree_flatten",
+    "tree_flatten_with_keys",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+]
+
+NAMESPACE = "sessionstate"
+"""The optree registry namespace that records are registered in."""
+
+PyTree: TypeAlias = Any
+"""Any nesting of records, tuples, lists, dicts and leaves (tensors and plain values)."""
+
+PyTreeSpec: TypeAlias = optree.PyTreeSpec
+
+_T = TypeVar("_T")
+_C = TypeVar("_C", bound=type)
+
+
+def field(**kwargs: Any) -> Any:
+    """A record field that is a pytree child (tensors live here).
+
+    Same arguments as `attrs.field`.
+
+    >>> import attrs
+    >>> @record
+    ... class Box:
+    ...     value: object = field()
+    >>> attrs.fields(Box).value.metadata["pytree_node"]
+    True
+    """
+    return optree_attrs.field(pytree_node=True, **kwargs)
+
+
+def static_field(**kwargs: Any) -> Any:
+    """A record field kept as static treespec data (configuration: sizes, names, flags).
+
+    Static fields survive `tree_map` unchanged and are compared as part of the treespec.
+
+    >>> @record
+    ... class Ring:
+    ...     maxlen: int = static_field(default=2)
+    >>> tree_leaves(Ring()), tree_flatten(Ring())[1]
+    ([], PyTreeSpec(CustomTreeNode(Ring[(('maxlen', 2),)], []), namespace='sessionstate'))
+    """
+    return optree_attrs.field(pytree_node=False, **kwargs)
+
+
+def _is_registered_with_optree(cls: type) -> bool:
+    return "__optree_attrs_fields__" in cls.__dict__
+
+
+def register_record(cls: _C) -> _C:
+    """Register an attrs class as a pytree node with optree (our namespace) and torch.
+
+    Idempotent: registering a class twice is a no-op. `record` calls this; call it directly
+    only for an attrs class you did not create with `record` (or for a subclass that adds no
+    fields, which `SessionState` does for you).
+
+    >>> import attrs
+    >>> @attrs.frozen(eq=False)
+    ... class Pair:
+    ...     a: object
+    ...     b: object
+    >>> Pair = register_record(Pair)
+    >>> tree_leaves(Pair(1, 2))
+    [1, 2]
+    >>> register_record(Pair) is Pair
+    True
+    """
+    if not _is_registered_with_optree(cls):
+        optree_attrs.register_node(cls, namespace=NAMESPACE)
+        if getattr(cls.__setattr__, "__name__", "") == "_frozen_setattrs":
+            cls.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
+    if cls not in torch_pytree.SUPPORTED_NODES:
+        _register_with_torch(cls)
+    return cls
+
+
+def _register_with_torch(cls: type) -> None:
+    children_fields: list[attrs.Attribute[Any]] = []
+    static_fields: list[attrs.Attribute[Any]] = []
+    for a in attrs.fields(cls):
+        if a.metadata.get("pytree_node", True):
+            children_fields.append(a)
+        elif a.init:
+            static_fields.append(a)
+    child_names = tuple(a.name for a in children_fields)
+    child_aliases = tuple(str(a.alias) for a in children_fields)
+    static_names = tuple(a.name for a in static_fields)
+    static_aliases = tuple(str(a.alias) for a in static_fields)
+
+    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return [getattr(obj, n) for n in child_names], tuple(getattr(obj, n) for n in static_names)
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        children, context = flatten(obj)
+        keys = [torch_pytree.GetAttrKey(n) for n in child_names]
+        return list(zip(keys, children, strict=True)), context
+
+    def unflatten(children: Any, context: tuple[Any, ...]) -> Any:
+        kwargs = dict(zip(child_aliases, children, strict=True))
+        kwargs.update(zip(static_aliases, context, strict=True))
+        return cls(**kwargs)
+
+    torch_pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=flatten_with_keys,
+    )
+
+
+@overload
+def record(cls: _C, /) -> _C: ...
+@overload
+def record(cls: None = None, /) -> Callable[[_C], _C]: ...
+
+
+@typing.dataclass_transform(frozen_default=True, field_specifiers=(field, static_field))
+def record(cls: _C | None = None, /) -> _C | Callable[[_C], _C]:
+    """Make a class an immutable pytree record.
+
+    The class becomes a frozen attrs class with ``eq=False`` (tensors have no truthful ``==``;
+    compare records with `tree_equal`) and is registered as a pytree node with optree in the
+    library's namespace and with torch's pytree, so `torch.compile` and `torch.export` see the
+    tensors inside. Fields declared with `static_field` are configuration kept in the treespec;
+    all other fields are children.
+
+    >>> import torch
+    >>> @record
+    ... class Counter:
+    ...     total: torch.Tensor
+    ...     name: str = static_field(default="c")
+    >>> c = Counter(torch.zeros(2))
+    >>> tree_map(lambda t: t + 1, c)
+    Counter(total=tensor([1., 1.]), name='c')
+    >>> torch.utils._pytree.tree_leaves(c)
+    [tensor([0., 0.])]
+    """
+
+    def wrap(cls: _C) -> _C:
+        if _is_registered_with_optree(cls):
+            return cls
+        return register_record(attrs.frozen(cls, eq=False))
+
+    return wrap if cls is None else wrap(cls)
+
+
+def _refuse_assignment(self: object, name: str, value: object) -> None:
+    # attrs' frozen classes say only "can't set attribute"; say what to do instead. A record
+    # class may set `__assignment_fix__` to a template naming its own transition method.
+    fix = getattr(type(self), "__assignment_fix__", "obj = attrs.evolve(obj, {name}=...)")
+    msg = (
+        f"`{type(self).__name__}` is immutable; `obj.{name} = ...` cannot assign. "
+        f"Use `{fix.format(name=name)}`, which returns a new record."
+    )
+    raise ImmutableRecordError(msg)
+
+
+def tree_leaves(tree: PyTree, /, *, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """The leaves of ``tree`` in traversal order, records included.
+
+    >>> tree_leaves({"b": (1, 2), "a": None})
+    [1, 2]
+    """
+    return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def tree_flatten(
+    tree: PyTree, /, *, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[Any], PyTreeSpec]:
+    """Split ``tree`` into its leaves and a treespec (which holds the static fields).
+
+    >>> leaves, spec = tree_flatten({"x": 1, "y": [2, 3]})
+    >>> leaves
+    [1, 2, 3]
+    >>> tree_unflatten(spec, [4, 5, 6])
+    {'x': 4, 'y': [5, 6]}
+    """
+    return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def tree_unflatten(treespec: PyTreeSpec, leaves: Sequence[Any], /) -> PyTree:
+    """Rebuild a tree from a treespec and leaves (inverse of `tree_flatten`).
+
+    >>> _, spec = tree_flatten((1, {"a": 2}))
+    >>> tree_unflatten(spec, ["p", "q"])
+    ('p', {'a': 'q'})
+    """
+    return optree.tree_unflatten(treespec, leaves)
+
+
+def tree_map(
+    func: Callable[..., Any],
+    tree: PyTree,
+    /,
+    *rests: PyTree,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> PyTree:
+    """Apply ``func`` to every leaf; static fields (configuration) are carried over unchanged.
+
+    >>> tree_map(lambda x: x * 10, {"a": 1, "b": (2, 3)})
+    {'a': 10, 'b': (20, 30)}
+    """
+    return optree.tree_map(func, tree, *rests, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def tree_flatten_with_keys(
+    tree: PyTree, /, *, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[str], list[Any], PyTreeSpec]:
+    """Like `tree_flatten`, plus each leaf's key path written as Python access syntax.
+
+    Record fields print as ``.name`` (a leading underscore dropped: records expose such
+    fields through public properties), mapping keys as ``['key']``, positions as ``[i]``.
+
+    >>> keys, leaves, _ = tree_flatten_with_keys({"vae": [7, 8]})
+    >>> keys
+    ["['vae'][0]", "['vae'][1]"]
+    """
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(
+        tree, is_leaf=is_leaf, namespace=NAMESPACE
+    )
+    return [format_accessor(a) for a in accessors], leaves, spec
+
+
+def format_accessor(accessor: optree.PyTreeAccessor, /) -> str:
+    """Render an optree accessor as ``objects['ring'].chunks[1]``.
+
+    >>> accessors, _, _ = optree.tree_flatten_with_accessor({"a": (1,)})
+    >>> format_accessor(accessors[0])
+    "['a'][0]"
+    """
+    parts: list[str] = []
+    for entry in accessor:
+        if isinstance(entry, optree.GetAttrEntry):
+            name = str(entry.name).lstrip("_") or str(entry.name)
+            parts.append(f".{name}")
+        else:
+            parts.append(f"[{entry.entry!r}]")
+    return "".join(parts).lstrip(".") or "<root>"
+
+
+def tree_equal(a: PyTree, b: PyTree, /) -> bool:
+    """Whether two trees have the same structure, static data and bitwise-equal leaves.
+
+    Tensors are equal when dtype, shape, device and every element match (`torch.equal`;
+    NaNs compare equal to NaNs in the same place, since bit-identity is the question).
+    Meta tensors are equal when dtype and shape match. Other leaves compare with ``==``.
+
+    >>> import torch
+    >>> x = torch.tensor([1.0, float("nan")])
+    >>> tree_equal({"a": x}, {"a": x.clone()})
+    True
+    >>> tree_equal({"a": x}, {"a": x.double()})
+    False
+    """
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    return all(_leaf_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+def _leaf_equal(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            return False
+        if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
+            return False
+        if x.is_meta:
+            return True
+        if torch.equal(x, y):
+            return True
+        if not (x.dtype.is_floating_point or x.dtype.is_complex):
+            return False
+        # torch.equal treats NaN != NaN; bit-identity wants the same NaNs in the same places.
+        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+        return torch.equal(nan_x, nan_y) and torch.equal(x[~nan_x], y[~nan_y])
+    if x is y:
+        return True
+    try:
+        return bool(x == y)
+    except Exception:  # a leaf whose == raises is simply not equal
+        return False
