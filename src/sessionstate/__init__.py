@@ -23,6 +23,7 @@ from sessionstate._config import (
 )
 from sessionstate._errors import (
     ImmutableRecordError,
+    MissingKeyError,
     NotAllocatedError,
     SessionAdmissionError,
     SessionStateLostError,
@@ -55,6 +56,7 @@ __all__ = [
     "NAMESPACE",
     "ImmutableRecordError",
     "LatentBuffer",
+    "MissingKeyError",
     "NotAllocatedError",
     "OmniDiffusionConfig",
     "PyTree",

@@ -2,12 +2,17 @@
 
 Bytes are counted per storage, never as ``numel() * element_size()``: a narrow slice keeps its
 whole allocation alive, so it reports all of it. Each storage is counted once per walk, however
-many views, aliases or records reach it. Storages are identified by their storage object (the
-C++ ``StorageImpl``), not by data pointer: on the ``meta`` device every pointer is 0.
+many views, aliases or records reach it.
+
+A storage is identified by its memory where it has some (device and data pointer: this also
+joins a NumPy array and the tensor `torch.from_numpy` made of it), and by its storage object
+(the C++ ``StorageImpl``) where it has none: on the ``meta`` device, and for empty storages,
+every data pointer is 0.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,7 +45,7 @@ class ByteCounter:
     """
 
     def __init__(self) -> None:
-        self._seen: dict[int, torch.UntypedStorage] = {}
+        self._seen: dict[tuple[str, int], object] = {}
         self.totals: dict[str, int] = {}
 
     def add(self, leaf: Any, /) -> dict[str, int]:
@@ -50,6 +55,8 @@ class ByteCounter:
             if key in self._seen:
                 continue
             self._seen[key] = keepalive
+            if nbytes == 0:
+                continue
             new[device] = new.get(device, 0) + nbytes
             self.totals[device] = self.totals.get(device, 0) + nbytes
         return new
@@ -97,20 +104,32 @@ def nbytes_by_key(tree: PyTree, /) -> dict[str, dict[str, int]]:
     return {key: counter.add(leaf) for key, leaf in zip(keys, leaves, strict=True)}
 
 
-def _storages(leaf: Any) -> Iterator[tuple[str, int, int, Any]]:
+_Key = tuple[str, int]
+
+
+def _storages(leaf: Any) -> Iterator[tuple[str, _Key, int, Any]]:
     """Yield ``(device, identity, nbytes, keepalive)`` for each dense storage ``leaf`` owns."""
     if isinstance(leaf, torch.Tensor):
         yield from _tensor_storages(leaf)
         return
-    module = type(leaf).__module__
-    if module == "numpy" and hasattr(leaf, "nbytes") and hasattr(leaf, "base"):
-        base = leaf
-        while base.base is not None and hasattr(base.base, "nbytes"):
-            base = base.base
-        yield _HOST, id(base), int(base.nbytes), base
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(leaf, numpy.ndarray):
+        yield from _array_storages(leaf, numpy)
 
 
-def _tensor_storages(t: torch.Tensor) -> Iterator[tuple[str, int, int, Any]]:
+def _array_storages(array: Any, numpy: Any) -> Iterator[tuple[str, _Key, int, Any]]:
+    base = array
+    while isinstance(base.base, numpy.ndarray):
+        base = base.base
+    if isinstance(base.base, torch.Tensor):  # `tensor.numpy()`: the tensor owns the memory
+        yield from _tensor_storages(base.base)
+        return
+    pointer = int(base.__array_interface__["data"][0])
+    key = (f"{_HOST}:ptr", pointer) if pointer else ("id", id(base))
+    yield _HOST, key, int(base.nbytes), base
+
+
+def _tensor_storages(t: torch.Tensor) -> Iterator[tuple[str, _Key, int, Any]]:
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for name in attrs:
@@ -148,4 +167,7 @@ def _tensor_storages(t: torch.Tensor) -> Iterator[tuple[str, int, int, Any]]:
             "subclasses (those defining `__tensor_flatten__`)."
         )
         raise UnsupportedTensorError(msg) from None
-    yield str(t.device), storage._cdata, int(storage.nbytes()), storage
+    device = str(t.device)
+    pointer = storage.data_ptr()
+    key = (f"{device}:ptr", pointer) if pointer else ("id", storage._cdata)
+    yield device, key, int(storage.nbytes()), storage

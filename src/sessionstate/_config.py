@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import yaml
 
+from sessionstate._errors import MissingKeyError
 from sessionstate._manager import DEFAULT_MAX_SESSIONS
 
 __all__ = [
@@ -88,7 +89,7 @@ class OmniDiffusionConfig:
                     f"Unknown deploy config key {key!r} (value {data[key]!r}); known keys: "
                     f"{sorted(known)}."
                 )
-                raise KeyError(msg)
+                raise MissingKeyError(msg)
         return cls(**data)
 
     @classmethod
@@ -112,7 +113,12 @@ class OmniDiffusionConfig:
         except yaml.YAMLError as exc:
             msg = f"Deploy config {str(path)!r} is not valid YAML: {exc}"
             raise ValueError(msg) from None
-        return cls.from_dict({} if data is None else data)
+        try:
+            return cls.from_dict({} if data is None else data)
+        except MissingKeyError as exc:
+            raise MissingKeyError(f"Deploy config {str(path)!r}: {exc}") from None
+        except TypeError as exc:
+            raise TypeError(f"Deploy config {str(path)!r}: {exc}") from None
 
 
 @attrs.frozen
@@ -147,10 +153,11 @@ def parse_env_flag(value: str | None, /) -> bool | None:
 
 
 def _parse_positive_int(value: str) -> int | None:
-    try:
-        number = int(value.strip())
-    except ValueError:
+    token = value.strip()
+    # Plain ASCII digits only: `int()` would also take "1_000" and non-ASCII digits.
+    if not (token.isascii() and token.isdigit()):
         return None
+    number = int(token)
     return number if number > 0 else None
 
 
@@ -177,6 +184,8 @@ def resolve_session_state_config(
     enabled = config.enable_session_state_manager if config is not None else False
 
     raw_flag = env.get(ENV_ENABLE)
+    if raw_flag is not None and not raw_flag.strip():
+        raw_flag = None  # `VAR=` (empty) reads as unset, as in shell conventions
     flag = parse_env_flag(raw_flag)
     if flag is not None:
         enabled = flag

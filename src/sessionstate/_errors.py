@@ -10,6 +10,7 @@ import attrs
 
 __all__ = [
     "ImmutableRecordError",
+    "MissingKeyError",
     "NotAllocatedError",
     "SessionAdmissionError",
     "SessionStateLostError",
@@ -25,12 +26,16 @@ class UnsupportedTensorError(TypeError):
     """A tensor whose storage the byte accounting cannot attribute (e.g. an opaque subclass)."""
 
 
-class SessionStateLostError(KeyError):
-    """A continuation asked for a session the manager does not hold (never created, or evicted)."""
+class MissingKeyError(KeyError):
+    """A name or key that is not there (a `KeyError` whose message prints unquoted)."""
 
     def __str__(self) -> str:
         # KeyError quotes its argument; a full sentence reads better unquoted.
         return str(self.args[0]) if self.args else ""
+
+
+class SessionStateLostError(MissingKeyError):
+    """A continuation asked for a session the manager does not hold (never created, or evicted)."""
 
 
 class SessionAdmissionError(RuntimeError):

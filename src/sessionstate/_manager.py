@@ -185,9 +185,12 @@ class SessionStateManager:
                 self._table.move_to_end(session_id)
                 return state
             self._misses += 1
-            self._admit(session_id)
+            if self._on_full == "refuse":
+                self._admit(session_id)  # refuse before paying for the factory
             created = factory()
             _check_state(created, session_id)
+            # Evict only once the new record exists: a failing factory costs no resident.
+            self._admit(session_id)
             self._table[session_id] = created
             return created
 

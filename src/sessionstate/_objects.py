@@ -64,6 +64,15 @@ def _describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def _check_dim(instance: object, attribute: attrs.Attribute[int], dim: object) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        msg = (
+            f"`dim` must be a non-negative int (the chunks' time dimension), got "
+            f"{_describe(dim)}; count it from the front, e.g. `dim=2` for (B, C, T, H, W)."
+        )
+        raise ValueError(msg)
+
+
 def _check_maxlen(maxlen: object) -> int | None:
     if maxlen is None:
         return None
@@ -108,7 +117,7 @@ class LatentBuffer(StateObject):
 
     chunks: tuple[torch.Tensor, ...] = field(default=(), converter=tuple)
     name: str = static_field(default="buffer", kw_only=True)
-    dim: int = static_field(default=2, kw_only=True)
+    dim: int = static_field(default=2, kw_only=True, validator=_check_dim)
     maxlen: int | None = static_field(default=None, kw_only=True)
     allocated: bool = static_field(default=False, kw_only=True)
 

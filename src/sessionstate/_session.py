@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import attrs
 
-from sessionstate._accounting import nbytes_by_device, nbytes_by_key
+from sessionstate._accounting import ByteCounter, nbytes_by_device
+from sessionstate._errors import MissingKeyError
 from sessionstate._objects import StateObject
-from sessionstate._tree import field, register_record
+from sessionstate._tree import field, register_record, tree_leaves
 
 __all__ = ["SessionAttr", "SessionState"]
 
@@ -115,7 +116,15 @@ class SessionState:
     _objects: dict[str, StateObject] = field(factory=dict, converter=_as_dict)
     _attrs: dict[str, Any] = field(factory=dict, converter=_as_dict)
 
-    __assignment_fix__: ClassVar[str] = "state = state.with_attrs({name}=...)"
+    @classmethod
+    def __assignment_fix__(cls, name: str) -> str:
+        if name in ("objects", "_objects"):
+            return "state = state.with_object(name, obj)"
+        declared = cls.__session_attrs__
+        if declared and name not in declared:
+            return f"state = state.with_attrs(...) with one of {sorted(declared)}"
+        return f"state = state.with_attrs({name}=...)"
+
     __session_attrs__: ClassVar[Mapping[str, SessionAttr[Any]]] = MappingProxyType({})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -124,6 +133,12 @@ class SessionState:
         for klass in reversed(cls.__mro__):
             for name, value in vars(klass).items():
                 if isinstance(value, SessionAttr):
+                    if hasattr(SessionState, name):
+                        msg = (
+                            f"`{cls.__name__}.{name}` would shadow `SessionState.{name}`; "
+                            "give the session attribute another name."
+                        )
+                        raise TypeError(msg)
                     declared[name] = value
         cls.__session_attrs__ = MappingProxyType(declared)
         register_record(cls)
@@ -163,7 +178,7 @@ class SessionState:
                 f"Session has no state object `{name}`; it has {sorted(self._objects)}. "
                 "Add it with `state.with_object(name, obj)`."
             )
-            raise KeyError(msg) from None
+            raise MissingKeyError(msg) from None
 
     def with_object(self: _St, name: str, obj: StateObject, /) -> _St:
         """Return a new state with ``obj`` stored under ``name`` (added or replaced).
@@ -244,7 +259,7 @@ class SessionState:
         if default is not _UNSET:
             return default
         msg = f"Session attribute `{name}` is not set; set it with `state.with_attrs({name}=...)`."
-        raise KeyError(msg)
+        raise MissingKeyError(msg)
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes this session keeps alive, per device, over both buckets, each storage once.
@@ -269,21 +284,12 @@ class SessionState:
         >>> SessionState(attrs={"a": x, "b": x, "n": 3}).nbytes_by_value()
         {'a': {'cpu': 16}, 'b': {}, 'n': {}}
         """
-        per_key = nbytes_by_key({"objects": self._objects, "attrs": self._attrs})
-        out: dict[str, dict[str, int]] = {name: {} for name in _chain(self._objects, self._attrs)}
-        for key, by_device in per_key.items():
-            name = _value_name(key)
-            for device, nbytes in by_device.items():
-                out[name][device] = out[name].get(device, 0) + nbytes
+        counter = ByteCounter()
+        out: dict[str, dict[str, int]] = {}
+        for bucket in (self._objects, self._attrs):
+            for name, value in bucket.items():
+                by_device = out.setdefault(name, {})
+                for leaf in tree_leaves(value):
+                    for device, nbytes in counter.add(leaf).items():
+                        by_device[device] = by_device.get(device, 0) + nbytes
         return out
-
-
-def _chain(*names: Iterable[str]) -> Iterable[str]:
-    for group in names:
-        yield from group
-
-
-def _value_name(key: str) -> str:
-    # Keys look like "['objects']['frames'].chunks[0]"; the value's name is the second entry.
-    start = key.index("[", 1) + 2
-    return key[start : key.index("']", start)]

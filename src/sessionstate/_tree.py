@@ -6,6 +6,7 @@ is never forgotten and records flatten the same way everywhere.
 
 from __future__ import annotations
 
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, TypeVar, overload
@@ -102,6 +103,7 @@ def register_record(cls: _C) -> _C:
         optree_attrs.register_node(cls, namespace=NAMESPACE)
         if getattr(cls.__setattr__, "__name__", "") == "_frozen_setattrs":
             cls.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
+            cls.__delattr__ = _refuse_deletion  # type: ignore[method-assign,assignment]
     if cls not in torch_pytree.SUPPORTED_NODES:
         _register_with_torch(cls)
     return cls
@@ -178,13 +180,27 @@ def record(cls: _C | None = None, /) -> _C | Callable[[_C], _C]:
     return wrap if cls is None else wrap(cls)
 
 
+def _assignment_fix(record: object, name: str) -> str:
+    # A record class may define `__assignment_fix__(name)` naming its own transition method.
+    hook = getattr(type(record), "__assignment_fix__", None)
+    if hook is not None:
+        return str(hook(name))
+    return f"obj = attrs.evolve(obj, {name}=...)"
+
+
 def _refuse_assignment(self: object, name: str, value: object) -> None:
-    # attrs' frozen classes say only "can't set attribute"; say what to do instead. A record
-    # class may set `__assignment_fix__` to a template naming its own transition method.
-    fix = getattr(type(self), "__assignment_fix__", "obj = attrs.evolve(obj, {name}=...)")
+    # attrs' frozen classes say only "can't set attribute"; say what to do instead.
     msg = (
         f"`{type(self).__name__}` is immutable; `obj.{name} = ...` cannot assign. "
-        f"Use `{fix.format(name=name)}`, which returns a new record."
+        f"Use `{_assignment_fix(self, name)}`, which returns a new record."
+    )
+    raise ImmutableRecordError(msg)
+
+
+def _refuse_deletion(self: object, name: str) -> None:
+    msg = (
+        f"`{type(self).__name__}` is immutable; `del obj.{name}` cannot delete. "
+        f"Use `{_assignment_fix(self, name)}`, which returns a new record."
     )
     raise ImmutableRecordError(msg)
 
@@ -275,15 +291,18 @@ def format_accessor(accessor: optree.PyTreeAccessor, /) -> str:
 def tree_equal(a: PyTree, b: PyTree, /) -> bool:
     """Whether two trees have the same structure, static data and bitwise-equal leaves.
 
-    Tensors are equal when dtype, shape, device and every element match (`torch.equal`;
-    NaNs compare equal to NaNs in the same place, since bit-identity is the question).
-    Meta tensors are equal when dtype and shape match. Other leaves compare with ``==``.
+    Tensors are equal when dtype, shape, device and every element's bits match: stricter
+    than `torch.equal`, since ``-0.0`` differs from ``0.0`` and a NaN equals only the same
+    NaN. Meta tensors are equal when dtype and shape match. NumPy arrays compare by dtype,
+    shape and bytes; other leaves by type and ``==``.
 
     >>> import torch
     >>> x = torch.tensor([1.0, float("nan")])
     >>> tree_equal({"a": x}, {"a": x.clone()})
     True
     >>> tree_equal({"a": x}, {"a": x.double()})
+    False
+    >>> tree_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
     False
     """
     leaves_a, spec_a = tree_flatten(a)
@@ -293,23 +312,32 @@ def tree_equal(a: PyTree, b: PyTree, /) -> bool:
     return all(_leaf_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True))
 
 
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # Reinterpret floats as same-width ints, so -0.0 != 0.0 and NaN payloads are compared.
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.dtype.is_floating_point:
+        return t.contiguous().view(_INT_OF_WIDTH[t.element_size()])
+    return t
+
+
 def _leaf_equal(x: Any, y: Any) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-            return False
+    if type(x) is not type(y) and not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return False
+    if isinstance(x, torch.Tensor):
         if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
             return False
         if x.is_meta:
             return True
-        if torch.equal(x, y):
-            return True
-        if not (x.dtype.is_floating_point or x.dtype.is_complex):
-            return False
-        # torch.equal treats NaN != NaN; bit-identity wants the same NaNs in the same places.
-        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
-        return torch.equal(nan_x, nan_y) and torch.equal(x[~nan_x], y[~nan_y])
+        return torch.equal(_bits(x), _bits(y))
     if x is y:
         return True
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.ndarray):
+        return bool(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes())
     try:
         return bool(x == y)
     except Exception:  # a leaf whose == raises is simply not equal

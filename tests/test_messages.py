@@ -1,0 +1,428 @@
+"""Every user-facing message of the core library, pinned word for word.
+
+One test per message. A change of wording should be a deliberate edit here too: these
+sentences are what a user reads when something goes wrong, and they name the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import sessionstate as ss
+from sessionstate import (
+    LatentBuffer,
+    OmniDiffusionConfig,
+    SessionAttr,
+    SessionState,
+    SessionStateManager,
+)
+
+
+def _exact(message: str) -> str:
+    return re.escape(message)
+
+
+# --- _tree ----------------------------------------------------------------------------------
+
+
+@ss.record
+class Box:
+    value: object
+
+
+def test_assignment_to_a_record() -> None:
+    msg = (
+        "`Box` is immutable; `obj.value = ...` cannot assign. "
+        "Use `obj = attrs.evolve(obj, value=...)`, which returns a new record."
+    )
+    with pytest.raises(ss.ImmutableRecordError, match=_exact(msg)) as info:
+        Box(1).value = 2  # type: ignore[misc]
+    assert str(info.value) == msg
+
+
+def test_assignment_to_a_session() -> None:
+    msg = (
+        "`SessionState` is immutable; `obj.step = ...` cannot assign. "
+        "Use `state = state.with_attrs(step=...)`, which returns a new record."
+    )
+    with pytest.raises(ss.ImmutableRecordError, match=_exact(msg)) as info:
+        SessionState().step = 1  # type: ignore[attr-defined]
+    assert str(info.value) == msg
+
+
+def test_deletion_from_a_record() -> None:
+    msg = (
+        "`Box` is immutable; `del obj.value` cannot delete. "
+        "Use `obj = attrs.evolve(obj, value=...)`, which returns a new record."
+    )
+    with pytest.raises(ss.ImmutableRecordError, match=_exact(msg)):
+        del Box(1).value
+
+
+def test_assignment_to_session_objects() -> None:
+    msg = (
+        "`SessionState` is immutable; `obj.objects = ...` cannot assign. "
+        "Use `state = state.with_object(name, obj)`, which returns a new record."
+    )
+    with pytest.raises(ss.ImmutableRecordError, match=_exact(msg)):
+        SessionState().objects = {}  # type: ignore[misc]
+
+
+def test_assignment_of_an_undeclared_attr_on_a_declaring_session() -> None:
+    class Declaring(SessionState):
+        step = SessionAttr(0)
+
+    msg = (
+        "`Declaring` is immutable; `obj.typo = ...` cannot assign. "
+        "Use `state = state.with_attrs(...) with one of ['step']`, which returns a new record."
+    )
+    with pytest.raises(ss.ImmutableRecordError, match=_exact(msg)):
+        Declaring().typo = 1  # type: ignore[attr-defined]
+
+
+def test_session_attr_shadowing_a_member() -> None:
+    msg = (
+        "`Shadowing.objects` would shadow `SessionState.objects`; give the session attribute "
+        "another name."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)):
+
+        class Shadowing(SessionState):
+            objects = SessionAttr(None)  # type: ignore[assignment]
+
+
+def test_negative_dim() -> None:
+    msg = (
+        "`dim` must be a non-negative int (the chunks' time dimension), got -1 (int); count it "
+        "from the front, e.g. `dim=2` for (B, C, T, H, W)."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        LatentBuffer(dim=-1)
+
+
+# --- _accounting ----------------------------------------------------------------------------
+
+
+def test_strided_nested_tensor() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    msg = (
+        "Cannot count the bytes of a strided nested tensor (Tensor, layout=torch.strided): "
+        "its storage is private to torch. Store the component tensors (`t.unbind()`) or a "
+        "jagged nested tensor (`layout=torch.jagged`) instead."
+    )
+    with pytest.raises(ss.UnsupportedTensorError, match=_exact(msg)) as info:
+        ss.nbytes_by_device([nested])
+    assert str(info.value) == msg
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs mkldnn")
+def test_tensor_without_storage() -> None:
+    opaque = torch.zeros(3).to_mkldnn()
+    with pytest.raises(RuntimeError) as torch_error:
+        opaque.untyped_storage()
+    msg = (
+        "Cannot count the bytes of a tensor of type `Tensor` (layout=torch._mkldnn, device=cpu): "
+        f"it has no storage torch can report ({torch_error.value}). Store plain dense tensors, "
+        "sparse tensors, or traceable wrapper subclasses (those defining `__tensor_flatten__`)."
+    )
+    with pytest.raises(ss.UnsupportedTensorError, match=_exact(msg)) as info:
+        ss.nbytes_by_device({"x": opaque})
+    assert str(info.value) == msg
+
+
+# --- _objects -------------------------------------------------------------------------------
+
+
+def test_invalid_maxlen() -> None:
+    msg = (
+        "`maxlen` must be a positive int or None, got 0 (int). "
+        "Use `maxlen=None` to keep every chunk, or `maxlen=k` for a ring of the last k."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        LatentBuffer().allocate(maxlen=0)
+    assert str(info.value) == msg
+
+
+def test_invalid_last() -> None:
+    msg = "`last` must be a non-negative int or None, got -1 (int)."
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        LatentBuffer().allocate().view(last=-1)
+    assert str(info.value) == msg
+
+
+def test_last_beyond_the_ring() -> None:
+    ring = LatentBuffer(name="vae_encoder_out").allocate(maxlen=2)
+    msg = (
+        "Requested 3 chunks but the ring `vae_encoder_out` retains at most 2; "
+        "ask for at most 2, or allocate a larger ring."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        ring.view(last=3)
+    assert str(info.value) == msg
+
+
+def test_concat_of_nothing() -> None:
+    msg = "LatentBuffer `frames` is empty; check `len(buffer)` before `concat()`."
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        LatentBuffer(name="frames").allocate().concat()
+    assert str(info.value) == msg
+
+
+@pytest.mark.parametrize(
+    ("action", "use"),
+    [
+        ("commit to", lambda b: b.commit(torch.zeros(1, 1, 1))),
+        ("view", lambda b: b.view()),
+        ("reset", lambda b: b.reset()),
+    ],
+)
+def test_not_allocated(action: str, use: object) -> None:
+    msg = (
+        f"Cannot {action} LatentBuffer `vae_encoder_out`: it is not allocated; "
+        "call `.allocate(maxlen=...)` first."
+    )
+    with pytest.raises(ss.NotAllocatedError, match=_exact(msg)) as info:
+        use(LatentBuffer(name="vae_encoder_out"))  # type: ignore[operator]
+    assert str(info.value) == msg
+
+
+def test_chunk_not_a_tensor() -> None:
+    msg = "LatentBuffer `frames` holds tensors, got list; commit a torch.Tensor."
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        LatentBuffer(name="frames").allocate().commit([1.0])  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_chunk_without_the_time_dim() -> None:
+    msg = (
+        "LatentBuffer `frames` concatenates along dim 2, so a chunk needs at least 3 dims; "
+        "got shape (4, 4)."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        LatentBuffer(name="frames").allocate().commit(torch.zeros(4, 4))
+    assert str(info.value) == msg
+
+
+def test_chunk_of_another_layout() -> None:
+    buf = LatentBuffer(name="frames", dim=1).allocate().commit(torch.zeros(1, 3, 4))
+    msg = (
+        "LatentBuffer `frames` holds chunks of dtype torch.float32 on cpu with shape "
+        "(1, T, 4); got dtype torch.float64 on cpu with shape (1, 2, 4). Convert the chunk "
+        "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        buf.commit(torch.zeros(1, 2, 4, dtype=torch.float64))
+    assert str(info.value) == msg
+
+
+# --- _session -------------------------------------------------------------------------------
+
+
+class Counted(SessionState):
+    steps = SessionAttr(0, coerce=int)
+    language = SessionAttr(None)
+
+
+def test_missing_state_object() -> None:
+    state = SessionState(objects={"frames": LatentBuffer()})
+    msg = (
+        "Session has no state object `nope`; it has ['frames']. "
+        "Add it with `state.with_object(name, obj)`."
+    )
+    with pytest.raises(KeyError, match=_exact(msg)) as info:
+        state.object("nope")
+    assert info.value.args == (msg,)
+
+
+def test_with_object_of_a_non_state_object() -> None:
+    msg = (
+        "State object `emb` must be a StateObject (e.g. LatentBuffer), got Tensor; "
+        "carried values go in `with_attrs(emb=...)`."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        SessionState().with_object("emb", torch.zeros(1))  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_undeclared_attribute() -> None:
+    msg = (
+        "`Counted` declares no attribute `stpes`; declared: ['language', 'steps']. "
+        "Declare it with `stpes = SessionAttr(...)`."
+    )
+    with pytest.raises(AttributeError, match=_exact(msg)) as info:
+        Counted().with_attrs(stpes=1)
+    assert str(info.value) == msg
+
+
+def test_unset_attribute() -> None:
+    msg = "Session attribute `language` is not set; set it with `state.with_attrs(language=...)`."
+    with pytest.raises(KeyError, match=_exact(msg)) as info:
+        SessionState().get_attr("language")
+    assert info.value.args == (msg,)
+
+
+# --- _manager -------------------------------------------------------------------------------
+
+
+def test_session_id_of_the_wrong_type() -> None:
+    msg = "`session_id` must be a non-empty str, got 7 (int); pass the session's id as a string."
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        SessionStateManager().get(7)  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_empty_session_id() -> None:
+    msg = "`session_id` must be a non-empty str, got '' (str); pass the session's id as a string."
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        SessionStateManager().get("")
+    assert str(info.value) == msg
+
+
+def test_bad_max_sessions() -> None:
+    msg = "`max_sessions` must be a positive int, got 0 (int); the default is 64."
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        SessionStateManager(0)
+    assert str(info.value) == msg
+
+
+def test_bad_on_full() -> None:
+    msg = "`on_full` must be 'evict' or 'refuse', got 'drop'."
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        SessionStateManager(on_full="drop")  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_lost_session() -> None:
+    msg = (
+        "Session 'cam-1' is not held by this manager (never created, dropped, or evicted by "
+        "the LRU cap); its state is lost. Start it again with `get_or_create`, or raise the cap."
+    )
+    with pytest.raises(ss.SessionStateLostError, match=_exact(msg)) as info:
+        SessionStateManager().require("cam-1")
+    # Unlike a plain KeyError, the message prints unquoted.
+    assert str(info.value) == msg
+
+
+def test_refused_admission() -> None:
+    manager = SessionStateManager(2, on_full="refuse")
+    manager.put("a", SessionState())
+    manager.put("b", SessionState())
+    msg = (
+        "Cannot admit session 'c': the manager holds 2 sessions (its cap) and "
+        "`on_full='refuse'`. Drop a finished session first, or raise `max_sessions`."
+    )
+    with pytest.raises(ss.SessionAdmissionError, match=_exact(msg)) as info:
+        manager.put("c", SessionState())
+    assert str(info.value) == msg
+
+
+def test_storing_a_non_session() -> None:
+    msg = (
+        "Session 'a': the manager stores SessionState records, got dict; "
+        "build one with `SessionState(objects=..., attrs=...)`."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        SessionStateManager().put("a", {})  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+# --- _config --------------------------------------------------------------------------------
+
+
+def test_flag_not_a_bool() -> None:
+    msg = "`enable_session_state_manager` must be a bool (true or false), got 'yes' (str)."
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        OmniDiffusionConfig(enable_session_state_manager="yes")  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_model_not_a_mapping() -> None:
+    msg = "`model` must be a mapping of model settings, got ['tiny'] (list)."
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        OmniDiffusionConfig(model=["tiny"])  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_config_not_a_mapping() -> None:
+    msg = "A deploy config must be a mapping of keys to values, got list."
+    with pytest.raises(TypeError, match=_exact(msg)) as info:
+        OmniDiffusionConfig.from_dict([])  # type: ignore[arg-type]
+    assert str(info.value) == msg
+
+
+def test_unknown_config_key() -> None:
+    msg = (
+        "Unknown deploy config key 'max_sessions' (value 8); "
+        "known keys: ['enable_session_state_manager', 'model']."
+    )
+    with pytest.raises(KeyError, match=_exact(msg)) as info:
+        OmniDiffusionConfig.from_dict({"max_sessions": 8})
+    assert info.value.args == (msg,)
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    text = "enable_session_state_manager: [true\n"
+    path = tmp_path / "deploy.yaml"
+    path.write_text(text)
+    with pytest.raises(yaml.YAMLError) as parser_error:
+        yaml.safe_load(text)
+    msg = f"Deploy config {str(path)!r} is not valid YAML: {parser_error.value}"
+    with pytest.raises(ValueError, match=_exact(msg)) as info:
+        OmniDiffusionConfig.from_yaml(path)
+    assert str(info.value) == msg
+
+
+def _warning_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "sessionstate"]
+
+
+def test_unparsable_flag_warning(caplog: pytest.LogCaptureFixture) -> None:
+    config = OmniDiffusionConfig(enable_session_state_manager=True)
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        ss.resolve_session_state_config(config, {ss.ENV_ENABLE: "maybe"})
+    assert _warning_messages(caplog) == [
+        "Ignoring OMNI_DIFFUSION_SESSION_STATE_MANAGER='maybe': expected one of "
+        "1/0/true/false/yes/no/on/off; using the config value enable_session_state_manager=True."
+    ]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_unparsable_max_sessions_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        ss.resolve_session_state_config(None, {ss.ENV_MAX_SESSIONS: "0"})
+    assert _warning_messages(caplog) == [
+        "Ignoring OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS='0': expected a positive "
+        "int; using the default cap 64."
+    ]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+# --- coverage guard -------------------------------------------------------------------------
+
+CORE_MESSAGES = {
+    "_accounting.py": 2,
+    "_config.py": 5 + 2,
+    "_manager.py": 6,
+    "_objects.py": 9,
+    "_session.py": 5,
+    "_tree.py": 2,
+}
+
+
+def test_every_core_message_is_pinned_here() -> None:
+    """A new `msg =` or `logger.warning` in a core module needs a test above, then a bump here."""
+    src = Path(ss.__file__).parent
+    found = {}
+    for name in CORE_MESSAGES:
+        text = (src / name).read_text(encoding="utf-8")
+        found[name] = len(re.findall(r"\bmsg = |logger\.warning\(|warnings\.warn\(", text))
+    assert found == CORE_MESSAGES
