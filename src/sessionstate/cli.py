@@ -1,0 +1,385 @@
+"""The ``sessionstate`` command line: A/B validation, size tables, and a demo.
+
+``sessionstate ab`` runs the same scripted DreamZero episode twice, each in its own process,
+the two differing only in ``OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1``, and compares every
+output with `torch.equal`. ``sessionstate sizes`` runs one session on the meta device and
+prints what every value holds on each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+_MIB = 1024 * 1024
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line, no usage dump: `sessionstate ab: error: ...`.
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def _load_model_config(config: str | None, preset: str | None) -> tuple[Any, Any]:
+    """The deploy config (its ``model`` section completed) and the DreamZero config."""
+    import attrs
+
+    from sessionstate import OmniDiffusionConfig
+    from sessionstate.models.dreamzero import DreamZeroConfig
+
+    deploy = OmniDiffusionConfig.from_yaml(config) if config else OmniDiffusionConfig()
+    model = dict(deploy.model)
+    if preset is not None:
+        model["preset"] = preset
+    model.setdefault("preset", "tiny")
+    return attrs.evolve(deploy, model=model), DreamZeroConfig.from_dict(model)
+
+
+# -- ab -----------------------------------------------------------------------------------------
+
+
+def _run_episode(args: argparse.Namespace) -> int:
+    """Child process: run the episode on whichever path the environment selects."""
+    import torch
+
+    from sessionstate.models.dreamzero import DreamZeroPipeline
+    from sessionstate.models.dreamzero.episode import scripted_episode
+
+    deploy, cfg = _load_model_config(args.config, args.preset)
+    pipe = DreamZeroPipeline(deploy)
+    total = args.steps * args.sessions
+    records: list[dict[str, Any]] = []
+    times: list[float] = []
+    for i, (sid, obs) in enumerate(
+        scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
+    ):
+        start = time.perf_counter()
+        out = pipe.forward(obs, sid)
+        times.append(time.perf_counter() - start)
+        records.append(
+            {"session": sid, "actions": out.actions, "video": out.video_latents, "reset": out.reset}
+        )
+        print(f"PROGRESS {i + 1} {total}", file=sys.stderr, flush=True)
+    decoded = {sid: pipe.decode_video(sid) for sid in pipe.session_ids()}
+    latents = {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}
+    torch.save(
+        {
+            "managed": pipe.managed,
+            "records": records,
+            "decoded": decoded,
+            "latents": latents,
+            "median_step_s": statistics.median(times),
+            "stats": pipe.stats(),
+        },
+        args.out,
+    )
+    return 0
+
+
+def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: Any) -> None:
+    cmd = [
+        sys.executable, "-m", "sessionstate.cli", "_episode",
+        "--steps", str(args.steps), "--sessions", str(args.sessions), "--seed", str(args.seed),
+        "--out", str(out),
+    ]  # fmt: skip
+    if args.config:
+        cmd += ["--config", args.config]
+    if args.preset:
+        cmd += ["--preset", args.preset]
+    env = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    tail: list[str] = []
+    for line in proc.stderr:
+        if line.startswith("PROGRESS "):
+            if progress is not None:
+                progress.update(task, advance=1)
+        else:
+            tail.append(line)
+    if proc.wait() != 0:
+        msg = f"the {'managed' if flag == '1' else 'bespoke'} run failed:\n{''.join(tail[-20:])}"
+        raise RuntimeError(msg)
+
+
+def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str | None]:
+    import torch
+
+    compared = 0
+    a_recs, b_recs = bespoke["records"], managed["records"]
+    if len(a_recs) != len(b_recs):
+        return compared, f"step count differs: {len(a_recs)} vs {len(b_recs)}"
+    for i, (a, b) in enumerate(zip(a_recs, b_recs, strict=True)):
+        for key in ("actions", "video"):
+            compared += 1
+            if not torch.equal(a[key], b[key]):
+                return compared, f"step {i} ({a['session']}): {key}"
+        compared += 1
+        if a["reset"] != b["reset"]:
+            return compared, f"step {i} ({a['session']}): reset {a['reset']} vs {b['reset']}"
+    for key in ("latents", "decoded"):
+        if sorted(bespoke[key]) != sorted(managed[key]):
+            return compared, f"{key}: sessions differ"
+        for sid in sorted(bespoke[key]):
+            compared += 1
+            x, y = bespoke[key][sid], managed[key][sid]
+            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+                return compared, f"{key} of {sid}"
+    return compared, None
+
+
+def _cmd_ab(args: argparse.Namespace) -> int:
+    import torch
+
+    total = args.steps * args.sessions
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        progress_cm: Any = None
+        if not args.json:
+            from rich.progress import Progress
+
+            progress_cm = Progress(transient=True)
+        with progress_cm if progress_cm is not None else _NullContext():
+            for flag, name in (("0", "bespoke"), ("1", "managed")):
+                task = None
+                if progress_cm is not None:
+                    task = progress_cm.add_task(f"{name} path", total=total)
+                out = Path(tmp) / f"{name}.pt"
+                _spawn(args, flag, out, progress_cm, task)
+                results[name] = torch.load(out, weights_only=False)
+    if results["bespoke"]["managed"] or not results["managed"]["managed"]:
+        msg = "the flag did not select the intended paths (check the deploy config)"
+        raise RuntimeError(msg)
+    compared, mismatch = _compare(results["bespoke"], results["managed"])
+    report = {
+        "identical": mismatch is None,
+        "outputs_compared": compared,
+        "first_mismatch": mismatch,
+        "steps": args.steps,
+        "sessions": args.sessions,
+        "seed": args.seed,
+        "preset": args.preset or "tiny",
+        "paths": {
+            name: {
+                "median_step_ms": round(res["median_step_s"] * 1000, 3),
+                "nbytes_by_device": {
+                    k.removeprefix("nbytes:"): v
+                    for k, v in res["stats"].items()
+                    if k.startswith("nbytes:")
+                },
+                "sessions_held": res["stats"]["sessions"],
+            }
+            for name, res in results.items()
+        },
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_ab(report)
+    return 0 if mismatch is None else 1
+
+
+def _print_ab(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
+    console.print(
+        f"A/B {verdict}: {report['outputs_compared']} outputs compared with torch.equal "
+        f"({report['sessions']} sessions x {report['steps']} steps, seed {report['seed']}, "
+        f"preset {report['preset']})"
+    )
+    if report["first_mismatch"]:
+        console.print(f"first mismatch: {report['first_mismatch']}")
+    table = Table("path", "median step (ms)", "bytes held at end", "sessions")
+    for name, path in report["paths"].items():
+        held = ", ".join(f"{d}: {n / _MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
+        table.add_row(name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"]))
+    console.print(table)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- sizes --------------------------------------------------------------------------------------
+
+
+def size_table(preset: str, steps: int) -> dict[str, Any]:
+    """Per-value bytes of one session on both paths after ``steps`` steps, on the meta device.
+
+    >>> table = size_table("tiny", 2)
+    >>> table["values"]["vae_encoder_out"]["bucket"]
+    'object'
+    """
+    from sessionstate import nbytes_by_device
+    from sessionstate.models.dreamzero import BUCKETS, DreamZeroConfig, DreamZeroPipeline
+    from sessionstate.models.dreamzero.episode import scripted_episode
+
+    cfg = DreamZeroConfig.preset(preset)
+    held: dict[str, dict[str, int]] = {}
+    session_totals: dict[str, int] = {}
+    feat_tensors = 0
+    for flag, name in (("0", "bespoke"), ("1", "managed")):
+        pipe = DreamZeroPipeline(
+            cfg,
+            device="meta",
+            host_device="meta",
+            environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": flag},
+        )
+        episode = scripted_episode(
+            cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
+        )
+        for sid, obs in episode:
+            pipe.forward(obs, sid)
+        values = pipe.session_values("session-0")
+        held[name] = {k: sum(nbytes_by_device(v).values()) for k, v in values.items()}
+        session_totals[name] = sum(nbytes_by_device(list(values.values())).values())
+        feat = values["vae_enc_feat_map"]
+        feat_tensors = sum(t is not None for t in feat) if isinstance(feat, tuple) else 0
+    return {
+        "preset": preset,
+        "steps": steps,
+        "values": {
+            k: {
+                "bucket": BUCKETS[k],
+                "managed_nbytes": held["managed"][k],
+                "bespoke_nbytes": held["bespoke"][k],
+            }
+            for k in BUCKETS
+        },
+        "vae_enc_feat_map_tensors": feat_tensors,
+        "session_nbytes": session_totals,
+        "sessions_64_nbytes": {k: 64 * v for k, v in session_totals.items()},
+    }
+
+
+def _cmd_sizes(args: argparse.Namespace) -> int:
+    table = size_table(args.preset, args.steps)
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    out = Table(
+        "value", "bucket", "managed", "bespoke",
+        title=f"One DreamZero session, preset {args.preset}, after {args.steps} steps (meta)",
+    )  # fmt: skip
+    for name, row in table["values"].items():
+        out.add_row(
+            name,
+            row["bucket"],
+            _fmt_bytes(row["managed_nbytes"]),
+            _fmt_bytes(row["bespoke_nbytes"]),
+        )
+    totals = table["session_nbytes"]
+    out.add_row("[bold]session", "", _fmt_bytes(totals["managed"]), _fmt_bytes(totals["bespoke"]))
+    many = table["sessions_64_nbytes"]
+    out.add_row(
+        "[bold]64 sessions", "",
+        f"{many['managed'] / 1024**3:.1f} GiB", f"{many['bespoke'] / 1024**3:.1f} GiB",
+    )  # fmt: skip
+    console.print(out)
+    console.print(f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors")
+    return 0
+
+
+def _fmt_bytes(n: int) -> str:
+    if n == 0:
+        return "-"
+    if n < 10 * 1024:
+        return f"{n} B"
+    return f"{n / _MIB:.4f} MiB"
+
+
+# -- entry point ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``sessionstate`` command.
+
+    >>> build_parser().parse_args(["ab", "--steps", "3"]).steps
+    3
+    """
+    parser = _ArgumentParser(prog="sessionstate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+
+    ab = sub.add_parser(
+        "ab",
+        help="A/B-validate the manager-backed DreamZero path against the bespoke one",
+        description="Run one scripted episode twice, in two processes that differ only in "
+        "OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1, and compare every output with torch.equal. "
+        "Exits 0 iff identical.",
+    )
+    ab.add_argument("--config", help="deploy YAML (its `model` section picks the preset)")
+    ab.add_argument("--preset", choices=["tiny", "deploy"], help="model preset (default tiny)")
+    ab.add_argument("--steps", type=_positive_int, default=24, help="steps per session")
+    ab.add_argument("--sessions", type=_positive_int, default=3, help="interleaved sessions")
+    ab.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
+    ab.add_argument("--json", action="store_true", help="print one JSON object")
+    ab.set_defaults(func=_cmd_ab)
+
+    sizes = sub.add_parser(
+        "sizes",
+        help="bytes each DreamZero session value holds, per path (meta device)",
+        description="Run one session on the meta device (nothing is allocated) and print the "
+        "bytes each value holds on the managed and the bespoke path.",
+    )
+    sizes.add_argument("--preset", choices=["tiny", "deploy"], default="deploy")
+    sizes.add_argument("--steps", type=_positive_int, default=400, help="steps to run")
+    sizes.add_argument("--json", action="store_true", help="print one JSON object")
+    sizes.set_defaults(func=_cmd_sizes)
+
+    episode = sub.add_parser("_episode", help=argparse.SUPPRESS)
+    episode.add_argument("--config")
+    episode.add_argument("--preset")
+    episode.add_argument("--steps", type=int, required=True)
+    episode.add_argument("--sessions", type=int, required=True)
+    episode.add_argument("--seed", type=int, required=True)
+    episode.add_argument("--out", required=True)
+    episode.set_defaults(func=_run_episode)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``sessionstate`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"sessionstate {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""DreamZero model settings and the ``deploy`` / ``tiny`` presets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = ["FRAMES_PER_CHUNK", "MAX_DREAMZERO_SESSIONS", "PRESETS", "DreamZeroConfig"]
+
+FRAMES_PER_CHUNK = 4
+"""Stitched frames kept in the ring; the first call of a window uses 1 frame."""
+
+MAX_DREAMZERO_SESSIONS = 64
+"""The bespoke path's fixed session cap (not configurable, as upstream)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        msg = f"`{attribute.name}` must be a positive int, got {value!r} ({type(value).__name__})."
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class DreamZeroConfig:
+    """Geometry and sizes of the DreamZero-shaped pipeline.
+
+    The ``deploy`` preset is the shipped geometry: three 180x320 cameras, centre-cropped
+    (0.95) and resized to 176x320, stitched to 352x640; bfloat16; the Wan 2.1 VAE at its
+    released width (base_dim 96, z_dim 16); ``num_frame_per_block = 2``. The ``tiny`` preset
+    keeps the structure at small widths, in float32, for CPU tests.
+
+    >>> cfg = DreamZeroConfig.preset("deploy")
+    >>> (cfg.canvas_height, cfg.canvas_width), (cfg.latent_height, cfg.latent_width)
+    ((352, 640), (44, 80))
+    """
+
+    name: str = "custom"
+    camera_height: int = attrs.field(default=180, validator=_positive)
+    camera_width: int = attrs.field(default=320, validator=_positive)
+    crop_scale: float = 0.95
+    view_height: int = attrs.field(default=176, validator=_positive)
+    view_width: int = attrs.field(default=320, validator=_positive)
+    dtype: str = attrs.field(default="bfloat16", validator=attrs.validators.in_(tuple(_DTYPES)))
+    vae_base_dim: int = attrs.field(default=96, validator=_positive)
+    vae_z_dim: int = attrs.field(default=16, validator=_positive)
+    num_frame_per_block: int = attrs.field(default=2, validator=_positive)
+    num_frames: int = attrs.field(default=33, validator=_positive)
+    local_attn_size: int = -1
+    text_len: int = attrs.field(default=512, validator=_positive)
+    text_dim: int = attrs.field(default=4096, validator=_positive)
+    clip_grid: int = attrs.field(default=16, validator=_positive)
+    clip_dim: int = attrs.field(default=1280, validator=_positive)
+    hidden_dim: int = attrs.field(default=64, validator=_positive)
+    action_horizon: int = attrs.field(default=24, validator=_positive)
+    action_dim: int = attrs.field(default=8, validator=_positive)
+    num_inference_steps: int = attrs.field(default=4, validator=_positive)
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The model dtype as a `torch.dtype`."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def canvas_height(self) -> int:
+        """Height of the stitched canvas (two views stacked)."""
+        return 2 * self.view_height
+
+    @property
+    def canvas_width(self) -> int:
+        """Width of the stitched canvas (two views side by side)."""
+        return 2 * self.view_width
+
+    @property
+    def latent_height(self) -> int:
+        """Latent height (the Wan VAE compresses space by 8)."""
+        return self.canvas_height // 8
+
+    @property
+    def latent_width(self) -> int:
+        """Latent width (the Wan VAE compresses space by 8)."""
+        return self.canvas_width // 8
+
+    @property
+    def num_latent_frames(self) -> int:
+        """Latent frames of a ``num_frames`` clip (the Wan VAE compresses time by 4)."""
+        return 1 + (self.num_frames - 1) // 4
+
+    @classmethod
+    def preset(cls, name: str, /, **overrides: Any) -> DreamZeroConfig:
+        """A named preset (``deploy`` or ``tiny``), optionally with fields overridden.
+
+        Raises:
+            KeyError: for an unknown preset name.
+
+        >>> DreamZeroConfig.preset("tiny", seed=3).seed
+        3
+        """
+        if name not in PRESETS:
+            msg = f"Unknown DreamZero preset {name!r}; choose one of {sorted(PRESETS)}."
+            raise KeyError(msg)
+        return attrs.evolve(PRESETS[name], **overrides)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], /) -> DreamZeroConfig:
+        """Build from a deploy config's ``model`` section: ``preset`` plus field overrides.
+
+        Raises:
+            KeyError: for an unknown key or preset, naming it and the known ones.
+
+        >>> DreamZeroConfig.from_dict({"preset": "tiny", "local_attn_size": 5}).local_attn_size
+        5
+        """
+        data = dict(data)
+        preset = data.pop("preset", "deploy")
+        known = {a.name for a in attrs.fields(cls)} - {"name"}
+        for key in data:
+            if key not in known:
+                msg = (
+                    f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); known: "
+                    f"{['preset', *sorted(known)]}."
+                )
+                raise KeyError(msg)
+        return cls.preset(preset, **data)
+
+
+PRESETS: dict[str, DreamZeroConfig] = {
+    "deploy": DreamZeroConfig(name="deploy"),
+    "tiny": DreamZeroConfig(
+        name="tiny",
+        camera_height=40,
+        camera_width=72,
+        view_height=16,
+        view_width=32,
+        dtype="float32",
+        vae_base_dim=8,
+        num_frames=9,
+        local_attn_size=9,
+        text_len=16,
+        text_dim=32,
+        clip_grid=2,
+        clip_dim=16,
+        hidden_dim=16,
+        action_horizon=4,
+        num_inference_steps=2,
+    ),
+}

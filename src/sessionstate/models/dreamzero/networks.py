@@ -1,0 +1,312 @@
+"""The networks: diffusers' real Wan VAE (seeded weights) and small seeded stand-ins.
+
+Every function here is a pure function of its tensor arguments and the (frozen) weights: the
+Wan encoder's causal-conv feature cache is passed in and handed back, never left on the
+module, so one VAE serves any number of interleaved sessions. Both session-state paths call
+exactly these functions; they differ only in how they keep state between calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+from torch import nn
+
+from sessionstate.models.dreamzero.config import DreamZeroConfig
+
+__all__ = [
+    "DreamZeroNetworks",
+    "FeatMap",
+    "build_networks",
+]
+
+FeatMap = tuple[torch.Tensor | None, ...]
+"""The Wan encoder's causal-conv cache: one slot per causal conv (24 of 26 in use)."""
+
+_MASK_CHANNELS = 4
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class TextEncoder(nn.Module):
+    """Stand-in for UMT5: token embedding and a projection (seeded, deterministic)."""
+
+    def __init__(self, cfg: DreamZeroConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(257, cfg.text_dim)
+        self.proj = nn.Linear(cfg.text_dim, cfg.text_dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        embedded: torch.Tensor = self.proj(self.embed(tokens))
+        return torch.tanh(embedded)
+
+
+class ImageEncoder(nn.Module):
+    """Stand-in for CLIP: a grid of pooled patches plus a global token, projected."""
+
+    def __init__(self, cfg: DreamZeroConfig) -> None:
+        super().__init__()
+        self.grid = cfg.clip_grid
+        self.proj = nn.Linear(3, cfg.clip_dim)
+
+    def forward(self, frame: torch.Tensor) -> torch.Tensor:
+        # frame: (1, 3, H, W) in [-1, 1] -> (1, grid * grid + 1, clip_dim)
+        patches = nn.functional.adaptive_avg_pool2d(frame, self.grid).flatten(2).transpose(1, 2)
+        tokens = torch.cat([patches.mean(dim=1, keepdim=True), patches], dim=1)
+        projected: torch.Tensor = self.proj(tokens)
+        return projected
+
+
+class Denoiser(nn.Module):
+    """Stand-in for the AR diffusion transformer: predicts video and action flow velocities.
+
+    Conditioned on the reference latents (the window's start frame or the newest observed
+    latent frames), the ``ys`` slice, CLIP features, prompt embeddings and the timestep.
+    """
+
+    def __init__(self, cfg: DreamZeroConfig) -> None:
+        super().__init__()
+        z, h = cfg.vae_z_dim, cfg.hidden_dim
+        self.inp = nn.Conv3d(z + z + _MASK_CHANNELS + z, h, kernel_size=1)
+        self.text = nn.Linear(cfg.text_dim, h)
+        self.clip = nn.Linear(cfg.clip_dim, h)
+        self.time = nn.Linear(1, h)
+        self.out = nn.Conv3d(h, z, kernel_size=1)
+        self.action_in = nn.Linear(cfg.action_dim, h)
+        self.action_out = nn.Linear(h, cfg.action_dim)
+
+    def forward(
+        self,
+        latents: torch.Tensor,
+        actions: torch.Tensor,
+        t: torch.Tensor,
+        ref: torch.Tensor,
+        ys: torch.Tensor,
+        clip_feas: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_b = ref.mean(dim=2, keepdim=True).expand_as(latents)
+        x = self.inp(torch.cat([latents, ref_b, ys], dim=1))
+        cond = (
+            self.text(prompt_embeds.mean(dim=1))
+            + self.clip(clip_feas.mean(dim=1))
+            + self.time(t.reshape(1, 1).to(latents.dtype) / 1000)
+        )
+        hidden = torch.nn.functional.silu(x + cond[:, :, None, None, None])
+        video = self.out(hidden)
+        pooled = hidden.mean(dim=(2, 3, 4))
+        act = self.action_out(torch.nn.functional.silu(self.action_in(actions) + pooled[:, None]))
+        return video, act
+
+
+class DreamZeroNetworks:
+    """All networks of the pipeline, built once per process and shared by every session.
+
+    Build it with `build_networks`. All methods are pure: they read weights and arguments
+    and write nothing that outlives the call.
+    """
+
+    def __init__(self, cfg: DreamZeroConfig, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = cfg.torch_dtype
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(cfg.seed)
+        try:
+            with _default_dtype(self.dtype), torch.device(self.device):
+                self.vae = AutoencoderKLWan(base_dim=cfg.vae_base_dim, z_dim=cfg.vae_z_dim)
+                self.text_encoder = TextEncoder(cfg)
+                self.image_encoder = ImageEncoder(cfg)
+                self.denoiser = Denoiser(cfg)
+                self.action_q01 = -1.0 - torch.rand(cfg.action_dim)
+                self.action_q99 = 1.0 + torch.rand(cfg.action_dim)
+        finally:
+            torch.random.set_rng_state(generator_state)
+        for module in (self.vae, self.text_encoder, self.image_encoder, self.denoiser):
+            module.eval().requires_grad_(False)
+        z = cfg.vae_z_dim
+        mean = torch.tensor(self.vae.config.latents_mean[:z], dtype=self.dtype)
+        std = torch.tensor(self.vae.config.latents_std[:z], dtype=self.dtype)
+        self.latents_mean = mean.view(1, z, 1, 1, 1).to(self.device)
+        self.latents_inv_std = (1.0 / std).view(1, z, 1, 1, 1).to(self.device)
+        self.num_enc_convs = int(self.vae._cached_conv_counts["encoder"])
+        self._scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+
+    # -- text and image conditioning ---------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> torch.Tensor:
+        """Byte-level token ids, padded/truncated to ``text_len``: (1, L) int64, on the host.
+
+        Kept on the host so the reset check (a `torch.equal` against the session's prompt)
+        never needs a device sync.
+        """
+        ids = [b + 1 for b in prompt.encode("utf-8")][: self.cfg.text_len]
+        ids += [0] * (self.cfg.text_len - len(ids))
+        return torch.tensor([ids], dtype=torch.int64)
+
+    @torch.no_grad()
+    def encode_prompt(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings (1, text_len, text_dim), on the model's device."""
+        embeds: torch.Tensor = self.text_encoder(tokens.to(self.device))
+        return embeds
+
+    @torch.no_grad()
+    def encode_image(self, frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Window-start conditioning from one pixel frame (1, 3, 1, H, W).
+
+        Returns ``(clip_feas, ys, cond_latent)``: CLIP features; the mask (4 channels) joined
+        with the normalised latents of the frame followed by zero frames up to ``num_frames``;
+        and the frame's own one-frame latent.
+        """
+        clip_feas = self.image_encoder(frame[:, :, 0])
+        zeros = frame.new_zeros(
+            (1, 3, self.cfg.num_frames - 1, self.cfg.canvas_height, self.cfg.canvas_width)
+        )
+        clip = torch.cat([frame, zeros], dim=2)
+        feat_map = self.init_feat_map()
+        outs = []
+        for start, stop in _chunk_bounds(clip.shape[2]):
+            out, feat_map = self.encode_chunk(clip[:, :, start:stop], feat_map)
+            outs.append(out)
+        latents = self.normalize_latents(outs)
+        mask = torch.zeros_like(latents[:, :_MASK_CHANNELS])
+        mask[:, :, :1] = 1
+        ys = torch.cat([mask, latents], dim=1)
+        return clip_feas, ys, latents[:, :, :1]
+
+    # -- Wan VAE streaming encode ------------------------------------------------------------
+
+    def init_feat_map(self) -> FeatMap:
+        """An empty causal-conv cache: one None slot per encoder causal conv."""
+        return (None,) * self.num_enc_convs
+
+    @torch.no_grad()
+    def encode_chunk(self, chunk: torch.Tensor, feat_map: FeatMap) -> tuple[torch.Tensor, FeatMap]:
+        """Encode a pixel chunk (1 frame to seed, then 4) with the session's cache.
+
+        Returns the pre-quant encoder output (1, 2 * z_dim, 1, h, w) and the updated cache.
+        The input cache is left untouched: the encoder writes into a private list, and only
+        ever replaces its slots, never writes into their tensors.
+        """
+        cache: list[torch.Tensor | None] = list(feat_map)
+        out = self.vae.encoder(chunk, feat_cache=cache, feat_idx=[0])
+        return out, tuple(cache)
+
+    @torch.no_grad()
+    def normalize_latents(self, frames: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``quant_conv``, ``mu`` and normalisation, one latent frame at a time, joined on T.
+
+        ``quant_conv`` has kernel size 1, so each latent frame depends only on itself. It is
+        still applied per frame, on a contiguous (1, C, 1, h, w) input, because a conv over a
+        long history and over a short ring is not bitwise identical on CPU: oneDNN picks its
+        blocking by the input's length. The same call on the same frame is.
+        """
+        outs = []
+        for pre in frames:
+            for t in range(pre.shape[2]):
+                enc = self.vae.quant_conv(pre[:, :, t : t + 1].contiguous())
+                mu = enc.chunk(2, dim=1)[0]
+                outs.append((mu - self.latents_mean) * self.latents_inv_std)
+        return torch.cat(outs, dim=2)
+
+    def observation_latents(self, encoder_out: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+        """The last ``n`` normalised latent frames of the encoder output frames given.
+
+        Left-pads with copies of the last frame when fewer than ``n`` exist.
+        """
+        latents = self.normalize_latents(encoder_out)
+        have = latents.shape[2]
+        if have >= n:
+            return latents[:, :, have - n :]
+        last = latents[:, :, -1:]
+        return torch.cat([last.expand(-1, -1, n - have, -1, -1), latents], dim=2)
+
+    # -- denoising ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def diffuse(
+        self,
+        ref: torch.Tensor,
+        ys: torch.Tensor,
+        clip_feas: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Denoise the next block from fixed-seed noise: (video latents, raw actions)."""
+        cfg = self.cfg
+        shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
+        generator = torch.Generator().manual_seed(cfg.seed)
+        latents = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
+        actions = torch.randn(
+            (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
+        ).to(self.device)
+        video_sched = copy.deepcopy(self._scheduler)
+        action_sched = copy.deepcopy(self._scheduler)
+        video_sched.set_timesteps(cfg.num_inference_steps, device="cpu")
+        action_sched.set_timesteps(cfg.num_inference_steps, device="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for t in video_sched.timesteps:
+                v_video, v_action = self.denoiser(
+                    latents, actions, t.to(self.device), ref, ys, clip_feas, prompt_embeds
+                )
+                latents = video_sched.step(v_video, t, latents).prev_sample
+                actions = action_sched.step(v_action, t, actions).prev_sample
+        return latents, actions[0]
+
+    def postprocess_actions(self, actions: torch.Tensor, joint_state: torch.Tensor) -> torch.Tensor:
+        """Denormalise from [-1, 1] with q01/q99; joints (first 7 dims) relative to absolute."""
+        a = actions.float()
+        q01, q99 = self.action_q01.float(), self.action_q99.float()
+        a = (a + 1) / 2 * (q99 - q01) + q01
+        absolute = a.clone()
+        absolute[:, :7] = a[:, :7] + joint_state[:7].to(a)
+        return absolute
+
+    # -- decode --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode normalised latents (1, z, T, h, w) to pixels in [-1, 1], frame by frame."""
+        z = latents / self.latents_inv_std + self.latents_mean
+        x = self.vae.post_quant_conv(z)
+        cache: list[torch.Tensor | None] = [None] * int(self.vae._cached_conv_counts["decoder"])
+        outs = [
+            self.vae.decoder(
+                x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)
+            )
+            for i in range(x.shape[2])
+        ]
+        return torch.cat(outs, dim=2).clamp(-1.0, 1.0)
+
+
+def _chunk_bounds(num_frames: int) -> list[tuple[int, int]]:
+    # The Wan streaming split: the first frame alone, then chunks of 4.
+    bounds = [(0, 1)]
+    bounds += [(s, min(s + 4, num_frames)) for s in range(1, num_frames, 4)]
+    return bounds
+
+
+def build_networks(cfg: DreamZeroConfig, device: torch.device | str = "cpu") -> DreamZeroNetworks:
+    """Build every network from its config with seeded random weights (no download).
+
+    On ``device="meta"`` nothing is allocated; shapes and byte counts are still exact.
+
+    >>> from sessionstate.models.dreamzero import DreamZeroConfig
+    >>> nets = build_networks(DreamZeroConfig.preset("deploy"), device="meta")
+    >>> nets.num_enc_convs
+    26
+    """
+    return DreamZeroNetworks(cfg, device)

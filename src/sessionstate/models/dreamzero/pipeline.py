@@ -1,0 +1,359 @@
+"""The DreamZero-shaped streaming pipeline: one entry point, two session-state paths.
+
+``forward(obs, session_id)`` picks the path with `resolve_session_state_config`, so the
+environment variable alone flips it:
+
+- bespoke: mutable `DreamZeroState` objects in an OrderedDict capped at
+  ``MAX_DREAMZERO_SESSIONS``;
+- managed: the pure ``step(state, obs) -> (state, out)`` over an immutable
+  `DreamZeroSession`, with a `SessionStateManager` holding the latest record per session.
+
+Both paths call the same networks with the same tensors; with the flag flipped they are
+bit-identical (the encoder output ring differs from the bespoke full history, and the reader
+is written so that does not matter; see `DreamZeroNetworks.normalize_latents`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+import attrs
+import torch
+
+from sessionstate import (
+    LatentBuffer,
+    OmniDiffusionConfig,
+    SessionStateManager,
+    SessionStateSettings,
+    resolve_session_state_config,
+)
+from sessionstate.models.dreamzero.config import MAX_DREAMZERO_SESSIONS, DreamZeroConfig
+from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
+from sessionstate.models.dreamzero.state import (
+    DreamZeroSession,
+    DreamZeroState,
+    frames_for_model,
+    new_session,
+    reset_reason,
+    window_reset,
+)
+from sessionstate.models.dreamzero.transform import Observation, stitch_views
+
+__all__ = ["DreamZeroOutput", "DreamZeroPipeline"]
+
+_BODY_FRAMES = 4
+
+
+@attrs.frozen(eq=False)
+class DreamZeroOutput:
+    """What one forward returns: the action chunk and the newly generated video latents."""
+
+    actions: torch.Tensor
+    video_latents: torch.Tensor
+    reset: str | None
+
+
+def _committer(chunk: torch.Tensor) -> Callable[[LatentBuffer], LatentBuffer]:
+    return lambda buffer: buffer.commit(chunk)
+
+
+def _conditioning_frame(frames: torch.Tensor) -> torch.Tensor:
+    # Upstream: the last frame when T is 4 or 9, otherwise the first.
+    t = frames.shape[2]
+    return frames[:, :, -1:] if t in (4, 9) else frames[:, :, :1]
+
+
+def _ys_slice(ys: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    if start + n <= ys.shape[2]:
+        return ys[:, :, start : start + n]
+    return ys[:, :, ys.shape[2] - n :]
+
+
+class DreamZeroPipeline:
+    """A DreamZero-shaped streaming world model over many interleaved sessions.
+
+    Args:
+        config: A deploy config (its ``model`` section holds the DreamZero settings) or a
+            `DreamZeroConfig` directly (the manager flag then comes from the environment).
+        device: Where the networks and per-step tensors live. ``meta`` computes shapes and
+            byte counts without allocating.
+        environ: The environment to resolve the flag from; ``os.environ`` when None.
+        host_device: Where accumulated video latents are kept (the host, as upstream).
+        max_bespoke_sessions: The bespoke path's cap. Upstream it is the fixed constant
+            `MAX_DREAMZERO_SESSIONS`; tests lower it to exercise eviction on both paths.
+
+    >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+    >>> from sessionstate.models.dreamzero.episode import scripted_episode
+    >>> cfg = DreamZeroConfig.preset("tiny")
+    >>> pipe = DreamZeroPipeline(cfg, environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"})
+    >>> for sid, obs in scripted_episode(cfg, steps=3, sessions=1, seed=0):
+    ...     out = pipe.forward(obs, sid)
+    >>> pipe.managed, tuple(out.actions.shape), pipe.stats()["sessions"]
+    (True, (4, 8), 1)
+    """
+
+    def __init__(
+        self,
+        config: OmniDiffusionConfig | DreamZeroConfig,
+        *,
+        device: torch.device | str = "cpu",
+        environ: Mapping[str, str] | None = None,
+        host_device: torch.device | str = "cpu",
+        max_bespoke_sessions: int = MAX_DREAMZERO_SESSIONS,
+    ) -> None:
+        if isinstance(config, DreamZeroConfig):
+            self.cfg = config
+            self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
+        else:
+            self.cfg = DreamZeroConfig.from_dict(config.model)
+            self.settings = resolve_session_state_config(config, environ)
+        self.device = torch.device(device)
+        self.host_device = torch.device(host_device)
+        self.nets: DreamZeroNetworks = build_networks(self.cfg, self.device)
+        self.manager: SessionStateManager | None = None
+        self._states: OrderedDict[str, DreamZeroState] | None = None
+        if self.settings.enabled:
+            self.manager = SessionStateManager(self.settings.max_sessions)
+        else:
+            self._states = OrderedDict()
+            self._max_bespoke_sessions = max_bespoke_sessions
+
+    @property
+    def managed(self) -> bool:
+        """Whether this pipeline runs the manager-backed path."""
+        return self.manager is not None
+
+    # -- entry point ---------------------------------------------------------------------------
+
+    def forward(self, obs: Observation, session_id: str = "default") -> DreamZeroOutput:
+        """Run one streaming step of ``session_id`` on ``obs``."""
+        if self.manager is not None:
+            state = self.manager.get_or_create(session_id, self.new_session)
+            assert isinstance(state, DreamZeroSession)
+            state, out = self.step(state, obs)
+            # Published only after the whole step succeeded: a failed step loses nothing.
+            self.manager.put(session_id, state)
+            return out
+        return self._bespoke_forward(self._bespoke_state(session_id), obs)
+
+    def new_session(self) -> DreamZeroSession:
+        """An empty managed session for this pipeline's geometry."""
+        return new_session(self.cfg)
+
+    def drop_session(self, session_id: str) -> bool:
+        """End a session on either path; returns whether it was held."""
+        if self.manager is not None:
+            return self.manager.drop(session_id)
+        assert self._states is not None
+        return self._states.pop(session_id, None) is not None
+
+    def session_ids(self) -> list[str]:
+        """Retained sessions, least recently used first."""
+        if self.manager is not None:
+            return self.manager.session_ids()
+        assert self._states is not None
+        return list(self._states)
+
+    def session_values(self, session_id: str) -> dict[str, object]:
+        """Every value the session holds, by name (without touching LRU order)."""
+        if self.manager is not None:
+            with self.manager._lock:
+                state = self.manager._table[session_id]
+            assert isinstance(state, DreamZeroSession)
+            return state.values()
+        assert self._states is not None
+        return self._states[session_id].values()
+
+    def video_latents(self, session_id: str) -> torch.Tensor | None:
+        """Every latent chunk generated for the session, joined along time (None if none)."""
+        values = self.session_values(session_id)
+        latents = values["video_latents_across_time"]
+        if isinstance(latents, LatentBuffer):
+            return latents.concat() if len(latents) else None
+        assert isinstance(latents, list)
+        return torch.cat(latents, dim=2) if latents else None
+
+    def decode_video(self, session_id: str) -> torch.Tensor | None:
+        """Decode the session's accumulated latents with the Wan decoder: (1, 3, T, H, W)."""
+        latents = self.video_latents(session_id)
+        if latents is None:
+            return None
+        return self.nets.decode(latents.to(self.device))
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()`; on the bespoke path, the same keys computed by hand."""
+        if self.manager is not None:
+            return self.manager.stats()
+        from sessionstate import nbytes_by_device
+
+        assert self._states is not None
+        totals = nbytes_by_device([s.values() for s in self._states.values()])
+        out = {"sessions": len(self._states), "max_sessions": self._max_bespoke_sessions}
+        out["total_nbytes"] = sum(totals.values())
+        out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
+        return out
+
+    # -- managed path: a pure step ---------------------------------------------------------------
+
+    def step(
+        self, state: DreamZeroSession, obs: Observation
+    ) -> tuple[DreamZeroSession, DreamZeroOutput]:
+        """``step(state, obs) -> (state, out)``: pure; ``state`` is left unchanged."""
+        nets, cfg = self.nets, self.cfg
+        stitched = stitch_views(obs, cfg).to(self.device)
+        tokens = nets.tokenize(obs.prompt)
+        reason = reset_reason(
+            state.language, tokens, state.current_start_frame, cfg.local_attn_size
+        )
+        if reason == "session":
+            state = self.new_session()
+        elif reason == "inference":
+            state = window_reset(state)
+        state = state.with_attrs(language=tokens)
+
+        call_count = state.call_count + 1
+        state = state.update_object("stitched_buffer", lambda b: b.commit(stitched))
+        state = state.with_attrs(call_count=call_count)
+        frames = frames_for_model(list(state.stitched_buffer.view()), call_count == 1, nets.dtype)
+
+        if state.prompt_embeds is None:
+            state = state.with_attrs(prompt_embeds=nets.encode_prompt(tokens))
+
+        csf = state.current_start_frame
+        if csf == 0:
+            clip_feas, ys, cond_latent = nets.encode_image(_conditioning_frame(frames))
+            if state.vae_stream_initialized:
+                state = self._stream_append(state, frames[:, :, -1:])
+            else:
+                state = self._stream_seed(state, frames[:, :, :1])
+            state = state.with_attrs(clip_feas=clip_feas, ys=ys)
+            ref = cond_latent
+            csf = 1
+        else:
+            state = self._stream_append(state, frames[:, :, -1:])
+            ref = nets.observation_latents(
+                state.vae_encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
+            )
+        assert state.ys is not None
+        assert state.clip_feas is not None
+        assert state.prompt_embeds is not None
+        video, actions = nets.diffuse(
+            ref,
+            _ys_slice(state.ys, csf, cfg.num_frame_per_block),
+            state.clip_feas,
+            state.prompt_embeds,
+        )
+        if csf == 1:
+            video = torch.cat([ref, video], dim=2)
+        state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
+        host_latents = video.detach().to(self.host_device)
+        state = state.update_object("video_latents_across_time", lambda b: b.commit(host_latents))
+        out = DreamZeroOutput(
+            actions=nets.postprocess_actions(actions, obs.state.to(self.device)),
+            video_latents=video,
+            reset=reason,
+        )
+        return state, out
+
+    def _stream_seed(self, state: DreamZeroSession, first: torch.Tensor) -> DreamZeroSession:
+        out, feat_map = self.nets.encode_chunk(first, self.nets.init_feat_map())
+        state = state.update_object("vae_encoder_out", lambda b: b.reset().commit(out))
+        return state.with_attrs(
+            vae_enc_feat_map=feat_map, vae_pending_body_frames=None, vae_stream_initialized=True
+        )
+
+    def _stream_append(self, state: DreamZeroSession, frame: torch.Tensor) -> DreamZeroSession:
+        pending = state.vae_pending_body_frames
+        pending = frame if pending is None else torch.cat([pending, frame], dim=2)
+        feat_map = state.vae_enc_feat_map
+        assert feat_map is not None
+        while pending is not None and pending.shape[2] >= _BODY_FRAMES:
+            body, rest = pending[:, :, :_BODY_FRAMES], pending[:, :, _BODY_FRAMES:]
+            out, feat_map = self.nets.encode_chunk(body, feat_map)
+            state = state.update_object("vae_encoder_out", _committer(out))
+            pending = rest if rest.shape[2] else None
+        return state.with_attrs(vae_enc_feat_map=feat_map, vae_pending_body_frames=pending)
+
+    # -- bespoke path: mutable, in place -----------------------------------------------------------
+
+    def _bespoke_state(self, session_id: str) -> DreamZeroState:
+        assert self._states is not None
+        state = self._states.get(session_id)
+        if state is None:
+            state = DreamZeroState()
+            self._states[session_id] = state
+            if len(self._states) > self._max_bespoke_sessions:
+                self._states.popitem(last=False)
+        else:
+            self._states.move_to_end(session_id)
+        return state
+
+    def _bespoke_forward(self, state: DreamZeroState, obs: Observation) -> DreamZeroOutput:
+        nets, cfg = self.nets, self.cfg
+        stitched = stitch_views(obs, cfg).to(self.device)
+        tokens = nets.tokenize(obs.prompt)
+        reason = reset_reason(
+            state.language, tokens, state.current_start_frame, cfg.local_attn_size
+        )
+        if reason is not None:
+            state.reset(clear_video_latents=reason == "session")
+        state.language = tokens
+        frames = state.accumulate_frames(stitched, nets.dtype)
+        if state.prompt_embeds is None:
+            state.prompt_embeds = nets.encode_prompt(tokens)
+
+        if state.current_start_frame == 0:
+            clip_feas, ys, cond_latent = nets.encode_image(_conditioning_frame(frames))
+            if state.vae_stream_initialized:
+                self._bespoke_stream_append(state, frames[:, :, -1:])
+            else:
+                out, feat_map = nets.encode_chunk(frames[:, :, :1], nets.init_feat_map())
+                state.vae_encoder_out = out
+                state.vae_enc_feat_map = feat_map
+                state.vae_pending_body_frames = None
+                state.vae_stream_initialized = True
+            state.clip_feas, state.ys = clip_feas, ys
+            ref = cond_latent
+            state.current_start_frame = 1
+        else:
+            self._bespoke_stream_append(state, frames[:, :, -1:])
+            assert state.vae_encoder_out is not None
+            # The bespoke reader quantises the whole history, then keeps the last frames.
+            history = state.vae_encoder_out
+            ref = nets.observation_latents([history], cfg.num_frame_per_block)
+        assert state.ys is not None
+        assert state.clip_feas is not None
+        assert state.prompt_embeds is not None
+        csf = state.current_start_frame
+        video, actions = nets.diffuse(
+            ref,
+            _ys_slice(state.ys, csf, cfg.num_frame_per_block),
+            state.clip_feas,
+            state.prompt_embeds,
+        )
+        if csf == 1:
+            video = torch.cat([ref, video], dim=2)
+        state.current_start_frame += cfg.num_frame_per_block
+        state.video_latents_across_time.append(video.detach().to(self.host_device))
+        return DreamZeroOutput(
+            actions=nets.postprocess_actions(actions, obs.state.to(self.device)),
+            video_latents=video,
+            reset=reason,
+        )
+
+    def _bespoke_stream_append(self, state: DreamZeroState, frame: torch.Tensor) -> None:
+        pending = state.vae_pending_body_frames
+        state.vae_pending_body_frames = (
+            frame if pending is None else torch.cat([pending, frame], dim=2)
+        )
+        while (
+            state.vae_pending_body_frames is not None
+            and state.vae_pending_body_frames.shape[2] >= _BODY_FRAMES
+        ):
+            body = state.vae_pending_body_frames[:, :, :_BODY_FRAMES]
+            rest = state.vae_pending_body_frames[:, :, _BODY_FRAMES:]
+            assert state.vae_enc_feat_map is not None
+            out, state.vae_enc_feat_map = self.nets.encode_chunk(body, state.vae_enc_feat_map)
+            state.append_vae_encoder_chunk(out)
+            state.vae_pending_body_frames = rest if rest.shape[2] else None

@@ -1,0 +1,233 @@
+"""DreamZero per-session state, kept two ways.
+
+`DreamZeroState` is the bespoke, mutable state a hand-rolled model keeps: a deque of frames,
+a list of video latents, an encoder output grown by concatenation forever. `DreamZeroSession`
+is the same state as an immutable `SessionState` record: the frames, video latents and
+encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per_block``
+latent frames), everything else is a `SessionAttr`. Which value goes in which bucket follows
+the rule in the feature description: what the manager can act on is an object, what it can
+only carry is an attribute, whatever its size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+import torch
+
+from sessionstate import LatentBuffer, SessionAttr, SessionState
+from sessionstate.models.dreamzero.config import FRAMES_PER_CHUNK, DreamZeroConfig
+from sessionstate.models.dreamzero.networks import FeatMap
+
+__all__ = [
+    "BUCKETS",
+    "DreamZeroSession",
+    "DreamZeroState",
+    "ResetReason",
+    "frames_for_model",
+    "new_session",
+    "reset_reason",
+    "window_reset",
+]
+
+ResetReason = Literal["session", "inference"]
+
+BUCKETS: dict[str, Literal["attrs", "object"]] = {
+    "vae_enc_feat_map": "attrs",
+    "video_latents_across_time": "object",
+    "stitched_buffer": "object",
+    "vae_encoder_out": "object",
+    "clip_feas": "attrs",
+    "ys": "attrs",
+    "language": "attrs",
+    "prompt_embeds": "attrs",
+    "vae_pending_body_frames": "attrs",
+    "call_count": "attrs",
+    "current_start_frame": "attrs",
+    "vae_stream_initialized": "attrs",
+}
+"""Every DreamZero session value and its bucket (the reference table)."""
+
+
+def reset_reason(
+    language: torch.Tensor | None,
+    tokens: torch.Tensor,
+    current_start_frame: int,
+    local_attn_size: int,
+) -> ResetReason | None:
+    """Why this forward must reset, checked in order; None to continue.
+
+    A missing or changed prompt resets the session; reaching the local attention window
+    resets the window only.
+
+    >>> import torch
+    >>> t = torch.tensor([[1, 2]])
+    >>> reset_reason(None, t, 0, -1), reset_reason(t, t, 9, 9), reset_reason(t, t, 3, 9)
+    ('session', 'inference', None)
+    """
+    if language is None:
+        return "session"
+    if not torch.equal(tokens, language):
+        return "session"
+    if local_attn_size != -1 and current_start_frame >= local_attn_size:
+        return "inference"
+    return None
+
+
+def frames_for_model(
+    frames: list[torch.Tensor], first_call: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The model's pixel input from the stitched uint8 ring: (1, 3, T, H, W) in [-1, 1].
+
+    The first call of a window uses its one frame; later calls the last 4, left-padded by
+    repeating the oldest.
+    """
+    if first_call:
+        chosen = frames[-1:]
+    else:
+        chosen = frames[-FRAMES_PER_CHUNK:]
+        chosen = [chosen[0]] * (FRAMES_PER_CHUNK - len(chosen)) + chosen
+    video = torch.stack(chosen, dim=0).permute(3, 0, 1, 2).unsqueeze(0)
+    return video.to(dtype) / 127.5 - 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bespoke: mutable, hand-rolled.
+# ---------------------------------------------------------------------------------------------
+
+
+class DreamZeroState:
+    """The bespoke per-session state: mutable fields, updated in place by the pipeline."""
+
+    def __init__(self) -> None:
+        self.call_count = 0
+        self.current_start_frame = 0
+        self.stitched_buffer: deque[torch.Tensor] = deque(maxlen=FRAMES_PER_CHUNK)
+        self.video_latents_across_time: list[torch.Tensor] = []
+        self.clip_feas: torch.Tensor | None = None
+        self.ys: torch.Tensor | None = None
+        self.language: torch.Tensor | None = None
+        self.prompt_embeds: torch.Tensor | None = None
+        self.vae_stream_initialized = False
+        self.vae_enc_feat_map: FeatMap | None = None
+        self.vae_encoder_out: torch.Tensor | None = None
+        self.vae_pending_body_frames: torch.Tensor | None = None
+
+    def reset(self, *, clear_video_latents: bool = True) -> None:
+        """Session reset (everything), or window reset (``clear_video_latents=False``)."""
+        if clear_video_latents:
+            self.__init__()  # type: ignore[misc]
+            return
+        self.stitched_buffer = deque(maxlen=FRAMES_PER_CHUNK)
+        self.call_count = 0
+        self.current_start_frame = 0
+        self.clip_feas = None
+        self.ys = None
+
+    def accumulate_frames(self, frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Push a stitched frame; return the model's pixel input."""
+        self.call_count += 1
+        self.stitched_buffer.append(frame)
+        return frames_for_model(list(self.stitched_buffer), self.call_count == 1, dtype)
+
+    def append_vae_encoder_chunk(self, out: torch.Tensor) -> None:
+        """Grow the encoder output by concatenation (for the whole session)."""
+        if self.vae_encoder_out is None:
+            self.vae_encoder_out = out
+        else:
+            self.vae_encoder_out = torch.cat([self.vae_encoder_out, out], dim=2)
+
+    def get_concatenated_video_latents(self) -> torch.Tensor | None:
+        """Every generated latent chunk joined along time, or None."""
+        if not self.video_latents_across_time:
+            return None
+        return torch.cat(self.video_latents_across_time, dim=2)
+
+    def values(self) -> dict[str, object]:
+        """Every session value by name (for accounting and comparison)."""
+        return {name: getattr(self, name) for name in BUCKETS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Managed: an immutable record.
+# ---------------------------------------------------------------------------------------------
+
+
+class DreamZeroSession(SessionState):
+    """One DreamZero session as an immutable record (build it with `new_session`)."""
+
+    call_count = SessionAttr(0, coerce=int, doc="Forward calls in this window.")
+    current_start_frame = SessionAttr(
+        0, coerce=int, doc="Autoregressive window position, in latent frames."
+    )
+    clip_feas = SessionAttr[torch.Tensor | None](None, doc="CLIP features of the window start.")
+    ys = SessionAttr[torch.Tensor | None](None, doc="VAE conditioning of the window start.")
+    language = SessionAttr[torch.Tensor | None](None, doc="Prompt token ids (1, text_len).")
+    prompt_embeds = SessionAttr[torch.Tensor | None](None, doc="Prompt embeddings, encoded once.")
+    vae_stream_initialized = SessionAttr(
+        False, coerce=bool, doc="Whether the VAE stream is seeded."
+    )
+    vae_enc_feat_map = SessionAttr[FeatMap | None](
+        None, doc="Wan encoder causal-conv cache (24 tensors); replaced wholesale per chunk."
+    )
+    vae_pending_body_frames = SessionAttr[torch.Tensor | None](
+        None, doc="Pixel frames awaiting a 4-frame body chunk (fewer than 4)."
+    )
+
+    @property
+    def stitched_buffer(self) -> LatentBuffer:
+        """Ring of the last `FRAMES_PER_CHUNK` stitched uint8 frames."""
+        return self._buffer("stitched_buffer")
+
+    @property
+    def video_latents_across_time(self) -> LatentBuffer:
+        """Every generated latent chunk of the session, on the host."""
+        return self._buffer("video_latents_across_time")
+
+    @property
+    def vae_encoder_out(self) -> LatentBuffer:
+        """Ring of the last ``num_frame_per_block`` pre-quant encoder output frames."""
+        return self._buffer("vae_encoder_out")
+
+    def _buffer(self, name: str) -> LatentBuffer:
+        obj = self.object(name)
+        assert isinstance(obj, LatentBuffer)
+        return obj
+
+    def values(self) -> dict[str, object]:
+        """Every session value by name (for accounting and comparison)."""
+        return {name: getattr(self, name) for name in BUCKETS}
+
+
+def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
+    """An empty session: allocated buffers, every attribute at its default.
+
+    >>> from sessionstate.models.dreamzero import DreamZeroConfig
+    >>> s = new_session(DreamZeroConfig.preset("tiny"))
+    >>> s.vae_encoder_out.maxlen, s.stitched_buffer.maxlen, s.call_count
+    (2, 4, 0)
+    """
+    return DreamZeroSession(
+        objects={
+            "stitched_buffer": LatentBuffer(name="stitched_buffer", dim=0).allocate(
+                maxlen=FRAMES_PER_CHUNK
+            ),
+            "video_latents_across_time": LatentBuffer(
+                name="video_latents_across_time", dim=2
+            ).allocate(),
+            "vae_encoder_out": LatentBuffer(name="vae_encoder_out", dim=2).allocate(
+                maxlen=cfg.num_frame_per_block
+            ),
+        }
+    )
+
+
+def window_reset(state: DreamZeroSession) -> DreamZeroSession:
+    """The window ("inference") reset: a fresh frames ring, counters and window conditioning.
+
+    Keeps the video latents, the prompt and its embeddings, and the whole VAE stream: the Wan
+    feature-cache history does not depend on the denoiser's attention window.
+    """
+    state = state.update_object("stitched_buffer", lambda b: b.reset())
+    return state.clear_attrs("call_count", "current_start_frame", "clip_feas", "ys")
