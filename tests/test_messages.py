@@ -406,12 +406,37 @@ def test_unparsable_max_sessions_warning(caplog: pytest.LogCaptureFixture) -> No
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
 
 
+def test_unparsable_check_immutable_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        settings = ss.resolve_session_state_config(None, {ss.ENV_CHECK_IMMUTABLE: "sure"})
+    assert settings.check_immutable is False
+    assert _warning_messages(caplog) == [
+        "Ignoring OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE='sure': expected one of "
+        "1/0/true/false/yes/no/on/off; the check stays off."
+    ]
+
+
+def test_in_place_write_into_a_stored_record() -> None:
+    manager = SessionStateManager(check_immutable=True)
+    chunk = torch.zeros(3)
+    ring = LatentBuffer(name="ring", dim=0).allocate(maxlen=2).commit(torch.ones(1)).commit(chunk)
+    manager.put("s1", SessionState(objects={"ring": ring}))
+    chunk.add_(1)
+    msg = (
+        "Session 's1': the tensor at `objects['ring'].chunks[1]` was modified in place after the "
+        "record was stored (version 0 -> 1). Records are immutable: build new tensors "
+        "(`t = t + x`, not `t += x` or `t.copy_(...)`), then `drop('s1')` this corrupted session."
+    )
+    with pytest.raises(ss.ImmutabilityViolationError, match=_exact(msg)):
+        manager.get("s1")
+
+
 # --- coverage guard -------------------------------------------------------------------------
 
 CORE_MESSAGES = {
     "_accounting.py": 2,
-    "_config.py": 5 + 2,
-    "_manager.py": 6,
+    "_config.py": 5 + 3,
+    "_manager.py": 7,
     "_objects.py": 9,
     "_session.py": 5,
     "_tree.py": 2,

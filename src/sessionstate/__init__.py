@@ -14,6 +14,7 @@ bytes every session holds, per device.
 
 from sessionstate._accounting import nbytes_by_device, nbytes_by_key
 from sessionstate._config import (
+    ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
     ENV_MAX_SESSIONS,
     OmniDiffusionConfig,
@@ -22,6 +23,7 @@ from sessionstate._config import (
     resolve_session_state_config,
 )
 from sessionstate._errors import (
+    ImmutabilityViolationError,
     ImmutableRecordError,
     MissingKeyError,
     NotAllocatedError,
@@ -51,9 +53,11 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
+    "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
     "ENV_MAX_SESSIONS",
     "NAMESPACE",
+    "ImmutabilityViolationError",
     "ImmutableRecordError",
     "LatentBuffer",
     "MissingKeyError",

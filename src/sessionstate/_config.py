@@ -15,6 +15,7 @@ from sessionstate._errors import MissingKeyError
 from sessionstate._manager import DEFAULT_MAX_SESSIONS
 
 __all__ = [
+    "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
     "ENV_MAX_SESSIONS",
     "OmniDiffusionConfig",
@@ -25,6 +26,7 @@ __all__ = [
 
 ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
 ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
+ENV_CHECK_IMMUTABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -126,11 +128,12 @@ class SessionStateSettings:
     """The resolved session-state settings of one process.
 
     >>> SessionStateSettings(enabled=True, max_sessions=4)
-    SessionStateSettings(enabled=True, max_sessions=4)
+    SessionStateSettings(enabled=True, max_sessions=4, check_immutable=False)
     """
 
     enabled: bool
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    check_immutable: bool = False
 
 
 def parse_env_flag(value: str | None, /) -> bool | None:
@@ -171,6 +174,8 @@ def resolve_session_state_config(
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS`` sets the cap to a positive int; any
     other value logs a warning naming the variable and the value and is ignored. The cap is
     deliberately not a config field: it mirrors the bespoke path's fixed constant.
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE`` turns on the manager's in-place
+    write check (a debugging aid; off by default).
 
     Args:
         config: The deploy config (None reads as the defaults).
@@ -178,7 +183,7 @@ def resolve_session_state_config(
 
     >>> cfg = OmniDiffusionConfig(enable_session_state_manager=True)
     >>> resolve_session_state_config(cfg, {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "off"})
-    SessionStateSettings(enabled=False, max_sessions=64)
+    SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False)
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -211,4 +216,20 @@ def resolve_session_state_config(
             )
         else:
             max_sessions = cap
-    return SessionStateSettings(enabled=enabled, max_sessions=max_sessions)
+
+    check_immutable = False
+    raw_check = env.get(ENV_CHECK_IMMUTABLE)
+    if raw_check is not None and raw_check.strip():
+        parsed = parse_env_flag(raw_check)
+        if parsed is None:
+            logger.warning(
+                "Ignoring %s=%r: expected one of 1/0/true/false/yes/no/on/off; the check "
+                "stays off.",
+                ENV_CHECK_IMMUTABLE,
+                raw_check,
+            )
+        else:
+            check_immutable = parsed
+    return SessionStateSettings(
+        enabled=enabled, max_sessions=max_sessions, check_immutable=check_immutable
+    )

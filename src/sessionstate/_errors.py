@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 __all__ = [
+    "ImmutabilityViolationError",
     "ImmutableRecordError",
     "MissingKeyError",
     "NotAllocatedError",
@@ -49,3 +50,7 @@ class ImmutableRecordError(attrs.exceptions.FrozenInstanceError):
         AttributeError.__init__(self, msg)
         self.msg = msg
         self.args = (msg,)
+
+
+class ImmutabilityViolationError(RuntimeError):
+    """A tensor reachable from a stored record was written in place (see ``check_immutable``)."""

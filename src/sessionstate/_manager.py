@@ -7,10 +7,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal, TypeVar
 
+import torch
+
 from sessionstate._accounting import ByteCounter
-from sessionstate._errors import SessionAdmissionError, SessionStateLostError
+from sessionstate._errors import (
+    ImmutabilityViolationError,
+    SessionAdmissionError,
+    SessionStateLostError,
+)
 from sessionstate._session import SessionState
-from sessionstate._tree import tree_leaves
+from sessionstate._tree import tree_flatten_with_keys, tree_leaves
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager"]
 
@@ -46,6 +52,11 @@ class SessionStateManager:
         on_full: What a new session does at the cap: ``"evict"`` (default) drops the least
             recently used session, as the bespoke caches do; ``"refuse"`` raises
             `SessionAdmissionError` and keeps serving the residents.
+        check_immutable: Record every stored tensor's version counter and verify it on the
+            session's next access, raising `ImmutabilityViolationError` that names the session
+            and the leaf's key path if something wrote into it in place. Off by default (and
+            then free); `resolve_session_state_config` reads it from
+            ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE``.
 
     >>> import torch
     >>> from sessionstate import SessionState
@@ -58,7 +69,13 @@ class SessionStateManager:
     (1, 32)
     """
 
-    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, *, on_full: OnFull = "evict"):
+    def __init__(
+        self,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        *,
+        on_full: OnFull = "evict",
+        check_immutable: bool = False,
+    ) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
             msg = (
                 f"`max_sessions` must be a positive int, got {max_sessions!r} "
@@ -71,6 +88,8 @@ class SessionStateManager:
         self._max_sessions = max_sessions
         self._on_full: OnFull = on_full
         self._table: OrderedDict[str, SessionState] = OrderedDict()
+        self._check_immutable = bool(check_immutable)
+        self._versions: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
         self._lock = threading.RLock()
         self._hits = 0
         self._misses = 0
@@ -84,6 +103,15 @@ class SessionStateManager:
         3
         """
         return self._max_sessions
+
+    @property
+    def check_immutable(self) -> bool:
+        """Whether stored tensors are checked for in-place writes on each access.
+
+        >>> SessionStateManager(check_immutable=True).check_immutable
+        True
+        """
+        return self._check_immutable
 
     @property
     def on_full(self) -> OnFull:
@@ -132,6 +160,7 @@ class SessionStateManager:
             if state is None:
                 self._misses += 1
                 return None
+            self._verify(session_id)
             self._hits += 1
             self._table.move_to_end(session_id)
             return state
@@ -181,6 +210,7 @@ class SessionStateManager:
         with self._lock:
             state = self._table.get(session_id)
             if state is not None:
+                self._verify(session_id)
                 self._hits += 1
                 self._table.move_to_end(session_id)
                 return state
@@ -191,7 +221,7 @@ class SessionStateManager:
             _check_state(created, session_id)
             # Evict only once the new record exists: a failing factory costs no resident.
             self._admit(session_id)
-            self._table[session_id] = created
+            self._store(session_id, created)
             return created
 
     def put(self, session_id: str, state: SessionState, /) -> None:
@@ -211,10 +241,11 @@ class SessionStateManager:
         _check_state(state, session_id)
         with self._lock:
             if session_id in self._table:
+                self._verify(session_id)
                 self._table.move_to_end(session_id)
             else:
                 self._admit(session_id)
-            self._table[session_id] = state
+            self._store(session_id, state)
 
     def drop(self, session_id: str, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
@@ -227,6 +258,7 @@ class SessionStateManager:
         """
         _check_session_id(session_id)
         with self._lock:
+            self._versions.pop(session_id, None)
             return self._table.pop(session_id, None) is not None
 
     def clear(self) -> None:
@@ -239,6 +271,7 @@ class SessionStateManager:
         """
         with self._lock:
             self._table.clear()
+            self._versions.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters and bytes held, per device, deduplicated across all sessions.
@@ -296,8 +329,43 @@ class SessionStateManager:
                 "finished session first, or raise `max_sessions`."
             )
             raise SessionAdmissionError(msg)
-        self._table.popitem(last=False)
+        evicted, _ = self._table.popitem(last=False)
+        self._versions.pop(evicted, None)
         self._evictions += 1
+
+    def _store(self, session_id: str, state: SessionState) -> None:
+        # Caller holds the lock.
+        self._table[session_id] = state
+        if self._check_immutable:
+            keys, leaves, _ = tree_flatten_with_keys(state)
+            self._versions[session_id] = [
+                (key, leaf, version)
+                for key, leaf in zip(keys, leaves, strict=True)
+                if (version := _version_of(leaf)) is not None
+            ]
+
+    def _verify(self, session_id: str) -> None:
+        # Caller holds the lock. Views share their base's version counter, so a write through
+        # any alias of a stored tensor is seen here.
+        for key, leaf, version in self._versions.get(session_id, ()):
+            now = _version_of(leaf)
+            if now is not None and now != version:
+                msg = (
+                    f"Session {session_id!r}: the tensor at `{key}` was modified in place after "
+                    f"the record was stored (version {version} -> {now}). Records are immutable: "
+                    "build new tensors (`t = t + x`, not `t += x` or `t.copy_(...)`), then "
+                    f"`drop({session_id!r})` this corrupted session."
+                )
+                raise ImmutabilityViolationError(msg)
+
+
+def _version_of(leaf: object) -> int | None:
+    if not isinstance(leaf, torch.Tensor):
+        return None
+    try:
+        return int(leaf._version)
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return None
 
 
 def _check_state(state: object, session_id: str) -> None:

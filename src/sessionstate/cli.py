@@ -1,5 +1,7 @@
 """The ``sessionstate`` command line: A/B validation, size tables, and a demo.
 
+Subcommands: ``ab``, ``sizes``, ``demo`` (each with ``--help``).
+
 ``sessionstate ab`` runs the same scripted DreamZero episode twice, each in its own process,
 the two differing only in ``OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1``, and compares every
 output with `torch.equal`. ``sessionstate sizes`` runs one session on the meta device and
@@ -151,6 +153,7 @@ def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
+    _load_model_config(args.config, args.preset)  # fail here, not in both children
     total = args.steps * args.sessions
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -319,6 +322,50 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / _MIB:.4f} MiB"
 
 
+# -- demo -----------------------------------------------------------------------------------------
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+    from sessionstate.models.dreamzero.episode import scripted_episode
+
+    cfg = DreamZeroConfig.preset(args.preset)
+    environ = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER="1")
+    if args.max_sessions is not None:
+        environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"] = str(args.max_sessions)
+    pipe = DreamZeroPipeline(cfg, environ=environ)
+    assert pipe.manager is not None
+    console = Console()
+    episode = scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("DreamZero sessions", total=args.steps * args.sessions)
+        for sid, obs in episode:
+            pipe.forward(obs, sid)
+            progress.update(task, advance=1)
+
+    stats = pipe.manager.stats()
+    table = Table("stat", "value", title="SessionStateManager.stats()")
+    for key, value in stats.items():
+        shown = f"{value / _MIB:.3f} MiB" if "nbytes" in key else str(value)
+        table.add_row(key, shown)
+    console.print(table)
+
+    sizes = pipe.manager.nbytes_by_session()
+    largest = max(sizes, key=lambda sid: sum(sizes[sid].values()))
+    state = pipe.manager.get(largest)
+    assert state is not None
+    breakdown = Table("value", "bucket", "bytes", title=f"Largest session: {largest}")
+    for name, by_device in state.nbytes_by_value().items():
+        bucket = "object" if name in state.objects else "attrs"
+        breakdown.add_row(name, bucket, _fmt_bytes(sum(by_device.values())))
+    console.print(breakdown)
+    return 0
+
+
 # -- entry point ----------------------------------------------------------------------------------
 
 
@@ -356,6 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
     sizes.add_argument("--steps", type=_positive_int, default=400, help="steps to run")
     sizes.add_argument("--json", action="store_true", help="print one JSON object")
     sizes.set_defaults(func=_cmd_sizes)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run several DreamZero sessions through the manager and show what they hold",
+        description="Run a multi-session DreamZero workload on the manager-backed path, then "
+        "print stats() and the per-value bytes of the largest session.",
+    )
+    demo.add_argument("--preset", choices=["tiny", "deploy"], default="tiny")
+    demo.add_argument("--sessions", type=_positive_int, default=4, help="interleaved sessions")
+    demo.add_argument("--steps", type=_positive_int, default=16, help="steps per session")
+    demo.add_argument("--max-sessions", type=_positive_int, help="the manager's session cap")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
+    demo.set_defaults(func=_cmd_demo)
 
     episode = sub.add_parser("_episode", help=argparse.SUPPRESS)
     episode.add_argument("--config")

@@ -114,7 +114,9 @@ class DreamZeroPipeline:
         self.manager: SessionStateManager | None = None
         self._states: OrderedDict[str, DreamZeroState] | None = None
         if self.settings.enabled:
-            self.manager = SessionStateManager(self.settings.max_sessions)
+            self.manager = SessionStateManager(
+                self.settings.max_sessions, check_immutable=self.settings.check_immutable
+            )
         else:
             self._states = OrderedDict()
             self._max_bespoke_sessions = max_bespoke_sessions
@@ -129,10 +131,13 @@ class DreamZeroPipeline:
     def forward(self, obs: Observation, session_id: str = "default") -> DreamZeroOutput:
         """Run one streaming step of ``session_id`` on ``obs``."""
         if self.manager is not None:
-            state = self.manager.get_or_create(session_id, self.new_session)
+            state = self.manager.get(session_id)
+            if state is None:
+                state = self.new_session()
             assert isinstance(state, DreamZeroSession)
             state, out = self.step(state, obs)
-            # Published only after the whole step succeeded: a failed step loses nothing.
+            # Published only after the whole step succeeded: a failed step leaves the stored
+            # record (or the absence of one) exactly as it was.
             self.manager.put(session_id, state)
             return out
         return self._bespoke_forward(self._bespoke_state(session_id), obs)
