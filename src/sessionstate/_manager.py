@@ -165,6 +165,22 @@ class SessionStateManager:
             self._table.move_to_end(session_id)
             return state
 
+    def peek(self, session_id: str, /) -> SessionState | None:
+        """The latest record of ``session_id``, or None, for inspection only.
+
+        Unlike `get`, it leaves the LRU order and the hit/miss counters alone, so looking at
+        a session (for a size table, a dashboard) does not keep it resident.
+
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState()); m.put("b", SessionState())
+        >>> m.peek("a") is not None, m.session_ids(), m.stats()["hits"]
+        (True, ['a', 'b'], 0)
+        """
+        _check_session_id(session_id)
+        with self._lock:
+            return self._table.get(session_id)
+
     def require(self, session_id: str, /) -> SessionState:
         """The latest record of ``session_id``; never creates one.
 

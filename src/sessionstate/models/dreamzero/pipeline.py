@@ -23,6 +23,7 @@ import torch
 
 from sessionstate import (
     LatentBuffer,
+    MissingKeyError,
     OmniDiffusionConfig,
     SessionStateManager,
     SessionStateSettings,
@@ -52,6 +53,13 @@ class DreamZeroOutput:
     actions: torch.Tensor
     video_latents: torch.Tensor
     reset: str | None
+
+
+def _unknown_session(session_id: str) -> str:
+    return (
+        f"DreamZero session {session_id!r} is not held (never started, dropped or evicted); "
+        "call `forward(obs, session_id)` to start it."
+    )
 
 
 def _committer(chunk: torch.Tensor) -> Callable[[LatentBuffer], LatentBuffer]:
@@ -163,11 +171,14 @@ class DreamZeroPipeline:
     def session_values(self, session_id: str) -> dict[str, object]:
         """Every value the session holds, by name (without touching LRU order)."""
         if self.manager is not None:
-            with self.manager._lock:
-                state = self.manager._table[session_id]
+            state = self.manager.peek(session_id)
+            if state is None:
+                raise MissingKeyError(_unknown_session(session_id))
             assert isinstance(state, DreamZeroSession)
             return state.values()
         assert self._states is not None
+        if session_id not in self._states:
+            raise MissingKeyError(_unknown_session(session_id))
         return self._states[session_id].values()
 
     def video_latents(self, session_id: str) -> torch.Tensor | None:
