@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -299,3 +300,15 @@ def test_state_objects_report_their_own_bytes() -> None:
         LatentBuffer(dim=0).allocate(maxlen=2).commit(torch.zeros(3, 4)).commit(torch.zeros(1, 4))
     )
     assert ring.nbytes_by_device() == nbytes_by_device(ring) == {"cpu": 48 + 16}
+
+
+def test_overlapping_storages_over_one_allocation_count_their_union_in_any_order() -> None:
+    arr = np.zeros(10)  # 80 bytes
+    head = torch.from_numpy(arr[:5])  # bytes 0..40 of the same memory
+    middle = torch.from_numpy(arr[3:8])  # bytes 24..64
+    rewrapped = torch.empty(0, dtype=torch.float64).set_(head.untyped_storage()[0:16])
+    leaves = [head, middle, rewrapped, arr]
+    for order in itertools.permutations(leaves):
+        assert nbytes_by_device(list(order)) == {"cpu": 80}
+    assert nbytes_by_device([head, middle]) == {"cpu": 64}
+    assert nbytes_by_device([middle, rewrapped]) == {"cpu": 56}

@@ -4,14 +4,16 @@ Bytes are counted per storage, never as ``numel() * element_size()``: a narrow s
 whole allocation alive, so it reports all of it. Each storage is counted once per walk, however
 many views, aliases or records reach it.
 
-A storage is identified by its memory where it has some (device and data pointer: this also
-joins a NumPy array and the tensor `torch.from_numpy` made of it), and by its storage object
-(the C++ ``StorageImpl``) where it has none: on the ``meta`` device, and for empty storages,
-every data pointer is 0.
+Storages with memory are counted as address ranges per device, and a device's total is the
+size of the union of its ranges: two storage objects over the same memory (a NumPy array and
+`torch.from_numpy` of it, a storage re-wrapped with `Tensor.set_`) count once, whichever is
+seen first. Storages without memory (every storage on the ``meta`` device, where each data
+pointer is 0) are identified by their storage object, the C++ ``StorageImpl``.
 """
 
 from __future__ import annotations
 
+import bisect
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -27,11 +29,38 @@ __all__ = ["ByteCounter", "nbytes_by_device", "nbytes_by_key"]
 _HOST = "cpu"
 
 
+class _RangeUnion:
+    """Disjoint, sorted address ranges; `add` returns how many bytes were not yet covered."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, start: int, end: int) -> int:
+        starts, ends = self._starts, self._ends
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and ends[i] >= end:
+            return 0  # fully inside a counted range: the common case of a repeated storage
+        if i < 0 or ends[i] < start:
+            i += 1  # the first range that may overlap starts after `start`
+        j = i
+        covered = 0
+        merged_start, merged_end = start, end
+        while j < len(starts) and starts[j] <= end:
+            covered += max(0, min(ends[j], end) - max(starts[j], start))
+            merged_start = min(merged_start, starts[j])
+            merged_end = max(merged_end, ends[j])
+            j += 1
+        starts[i:j] = [merged_start]
+        ends[i:j] = [merged_end]
+        return (end - start) - covered
+
+
 class ByteCounter:
-    """Counts storages once across any number of `add` calls.
+    """Counts each byte of storage once across any number of `add` calls.
 
     The counter keeps a reference to every storage it has seen, so a storage cannot be freed
-    and its identity reused by a new allocation while the count is in progress.
+    and its address reused by a new allocation while the count is in progress.
 
     >>> import torch
     >>> base = torch.zeros(16)
@@ -45,18 +74,24 @@ class ByteCounter:
     """
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, int], object] = {}
+        self._seen: dict[int, object] = {}
+        self._ranges: dict[str, _RangeUnion] = {}
         self.totals: dict[str, int] = {}
 
     def add(self, leaf: Any, /) -> dict[str, int]:
         """Count ``leaf``'s storages not seen before; return the bytes newly counted, by device."""
         new: dict[str, int] = {}
-        for device, key, nbytes, keepalive in _storages(leaf):
-            if key in self._seen:
+        for device, identity, pointer, nbytes, keepalive in _storages(leaf):
+            if identity in self._seen:
                 continue
-            self._seen[key] = keepalive
+            self._seen[identity] = keepalive
             if nbytes == 0:
                 continue
+            if pointer:
+                ranges = self._ranges.setdefault(device, _RangeUnion())
+                nbytes = ranges.add(pointer, pointer + nbytes)
+                if nbytes == 0:
+                    continue
             new[device] = new.get(device, 0) + nbytes
             self.totals[device] = self.totals.get(device, 0) + nbytes
         return new
@@ -104,11 +139,11 @@ def nbytes_by_key(tree: PyTree, /) -> dict[str, dict[str, int]]:
     return {key: counter.add(leaf) for key, leaf in zip(keys, leaves, strict=True)}
 
 
-_Key = tuple[str, int]
+_Storage = tuple[str, int, int, int, Any]
 
 
-def _storages(leaf: Any) -> Iterator[tuple[str, _Key, int, Any]]:
-    """Yield ``(device, identity, nbytes, keepalive)`` for each dense storage ``leaf`` owns."""
+def _storages(leaf: Any) -> Iterator[_Storage]:
+    """Yield ``(device, identity, data pointer, nbytes, keepalive)`` per dense storage."""
     if isinstance(leaf, torch.Tensor):
         yield from _tensor_storages(leaf)
         return
@@ -117,7 +152,7 @@ def _storages(leaf: Any) -> Iterator[tuple[str, _Key, int, Any]]:
         yield from _array_storages(leaf, numpy)
 
 
-def _array_storages(array: Any, numpy: Any) -> Iterator[tuple[str, _Key, int, Any]]:
+def _array_storages(array: Any, numpy: Any) -> Iterator[_Storage]:
     base = array
     while isinstance(base.base, numpy.ndarray):
         base = base.base
@@ -125,11 +160,10 @@ def _array_storages(array: Any, numpy: Any) -> Iterator[tuple[str, _Key, int, An
         yield from _tensor_storages(base.base)
         return
     pointer = int(base.__array_interface__["data"][0])
-    key = (f"{_HOST}:ptr", pointer) if pointer else ("id", id(base))
-    yield _HOST, key, int(base.nbytes), base
+    yield _HOST, id(base), pointer, int(base.nbytes), base
 
 
-def _tensor_storages(t: torch.Tensor) -> Iterator[tuple[str, _Key, int, Any]]:
+def _tensor_storages(t: torch.Tensor) -> Iterator[_Storage]:
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for name in attrs:
@@ -167,7 +201,4 @@ def _tensor_storages(t: torch.Tensor) -> Iterator[tuple[str, _Key, int, Any]]:
             "subclasses (those defining `__tensor_flatten__`)."
         )
         raise UnsupportedTensorError(msg) from None
-    device = str(t.device)
-    pointer = storage.data_ptr()
-    key = (f"{device}:ptr", pointer) if pointer else ("id", storage._cdata)
-    yield device, key, int(storage.nbytes()), storage
+    yield str(t.device), storage._cdata, storage.data_ptr(), int(storage.nbytes()), storage
