@@ -227,7 +227,6 @@ def test_strided_nested_tensor_is_rejected() -> None:
     assert isinstance(info.value, TypeError)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs mkldnn")
 def test_opaque_tensor_is_rejected() -> None:
     opaque = torch.zeros(3).to_mkldnn()
     with pytest.raises(ss.UnsupportedTensorError, match=re.escape("torch._mkldnn")):

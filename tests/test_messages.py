@@ -124,7 +124,6 @@ def test_strided_nested_tensor() -> None:
     assert str(info.value) == msg
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs mkldnn")
 def test_tensor_without_storage() -> None:
     opaque = torch.zeros(3).to_mkldnn()
     with pytest.raises(RuntimeError) as torch_error:

@@ -303,7 +303,8 @@ def test_tree_equal_of_sessions() -> None:
 
 
 def test_tree_equal_numpy_arrays() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     assert ss.tree_equal({"a": np.zeros(3)}, {"a": np.zeros(3)})
 
 

@@ -69,7 +69,7 @@ def _run_episode(args: argparse.Namespace) -> int:
     from sessionstate.models.dreamzero.episode import scripted_episode
 
     deploy, cfg = _load_model_config(args.config, args.preset)
-    pipe = DreamZeroPipeline(deploy)
+    pipe = DreamZeroPipeline(deploy, max_bespoke_sessions=args.max_sessions)
     total = args.steps * args.sessions
     records: list[dict[str, Any]] = []
     times: list[float] = []
@@ -109,7 +109,14 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
         cmd += ["--config", args.config]
     if args.preset:
         cmd += ["--preset", args.preset]
-    env = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag)
+    cmd += ["--max-sessions", str(args.max_sessions)]
+    # Both sides get the same cap: the managed side reads it from the environment, the
+    # bespoke side (whose cap is a constant upstream) from `--max-sessions`.
+    env = dict(
+        os.environ,
+        OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag,
+        OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS=str(args.max_sessions),
+    )
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     tail: list[str] = []
@@ -180,6 +187,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         "first_mismatch": mismatch,
         "steps": args.steps,
         "sessions": args.sessions,
+        "max_sessions": args.max_sessions,
         "seed": args.seed,
         "preset": args.preset or "tiny",
         "paths": {
@@ -279,6 +287,7 @@ def size_table(preset: str, steps: int) -> dict[str, Any]:
         "vae_enc_feat_map_tensors": feat_tensors,
         "session_nbytes": session_totals,
         "sessions_64_nbytes": {k: 64 * v for k, v in session_totals.items()},
+        "vae_enc_feat_map_64_sessions_nbytes": 64 * held["managed"]["vae_enc_feat_map"],
     }
 
 
@@ -307,8 +316,10 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
     many = table["sessions_64_nbytes"]
     out.add_row(
         "[bold]64 sessions", "",
-        f"{many['managed'] / 1024**3:.1f} GiB", f"{many['bespoke'] / 1024**3:.1f} GiB",
+        f"{many['managed'] / 1024**3:.2f} GiB", f"{many['bespoke'] / 1024**3:.2f} GiB",
     )  # fmt: skip
+    feat64 = table["vae_enc_feat_map_64_sessions_nbytes"] / 1024**3
+    out.add_row("[bold]64 feature caches", "attrs", f"{feat64:.2f} GiB", f"{feat64:.2f} GiB")
     console.print(out)
     console.print(f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors")
     return 0
@@ -376,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     3
     """
     parser = _ArgumentParser(prog="sessionstate", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_ArgumentParser, metavar="{ab,sizes,demo}"
+    )
 
     ab = sub.add_parser(
         "ab",
@@ -390,6 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--steps", type=_positive_int, default=24, help="steps per session")
     ab.add_argument("--sessions", type=_positive_int, default=3, help="interleaved sessions")
     ab.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
+    ab.add_argument(
+        "--max-sessions",
+        type=_positive_int,
+        default=64,
+        help="session cap of both paths (default 64, the bespoke constant); lower it to "
+        "compare LRU eviction",
+    )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -417,13 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
     demo.set_defaults(func=_cmd_demo)
 
-    episode = sub.add_parser("_episode", help=argparse.SUPPRESS)
+    episode = sub.add_parser("_episode")  # internal: one side of `ab`, unlisted
     episode.add_argument("--config")
     episode.add_argument("--preset")
     episode.add_argument("--steps", type=int, required=True)
     episode.add_argument("--sessions", type=int, required=True)
     episode.add_argument("--seed", type=int, required=True)
     episode.add_argument("--out", required=True)
+    episode.add_argument("--max-sessions", type=int, default=64)
     episode.set_defaults(func=_run_episode)
     return parser
 
@@ -431,7 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``sessionstate`` command; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on bad arguments
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         status: int = args.func(args)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:

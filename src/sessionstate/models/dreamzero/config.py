@@ -8,6 +8,8 @@ from typing import Any
 import attrs
 import torch
 
+from sessionstate import MissingKeyError
+
 __all__ = ["FRAMES_PER_CHUNK", "MAX_DREAMZERO_SESSIONS", "PRESETS", "DreamZeroConfig"]
 
 FRAMES_PER_CHUNK = 4
@@ -17,6 +19,18 @@ MAX_DREAMZERO_SESSIONS = 64
 """The bespoke path's fixed session cap (not configurable, as upstream)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in _DTYPES:
+        msg = f"`dtype` must be one of {sorted(_DTYPES)}, got {value!r}."
+        raise ValueError(msg)
+
+
+def _check_crop(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        msg = f"`crop_scale` must be a number in (0, 1], got {value!r}."
+        raise ValueError(msg)
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -42,10 +56,10 @@ class DreamZeroConfig:
     name: str = "custom"
     camera_height: int = attrs.field(default=180, validator=_positive)
     camera_width: int = attrs.field(default=320, validator=_positive)
-    crop_scale: float = 0.95
+    crop_scale: float = attrs.field(default=0.95, validator=_check_crop)
     view_height: int = attrs.field(default=176, validator=_positive)
     view_width: int = attrs.field(default=320, validator=_positive)
-    dtype: str = attrs.field(default="bfloat16", validator=attrs.validators.in_(tuple(_DTYPES)))
+    dtype: str = attrs.field(default="bfloat16", validator=_check_dtype)
     vae_base_dim: int = attrs.field(default=96, validator=_positive)
     vae_z_dim: int = attrs.field(default=16, validator=_positive)
     num_frame_per_block: int = attrs.field(default=2, validator=_positive)
@@ -103,7 +117,7 @@ class DreamZeroConfig:
         """
         if name not in PRESETS:
             msg = f"Unknown DreamZero preset {name!r}; choose one of {sorted(PRESETS)}."
-            raise KeyError(msg)
+            raise MissingKeyError(msg)
         return attrs.evolve(PRESETS[name], **overrides)
 
     @classmethod
@@ -125,7 +139,7 @@ class DreamZeroConfig:
                     f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); known: "
                     f"{['preset', *sorted(known)]}."
                 )
-                raise KeyError(msg)
+                raise MissingKeyError(msg)
         return cls.preset(preset, **data)
 
 

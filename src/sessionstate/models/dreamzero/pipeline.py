@@ -110,6 +110,16 @@ class DreamZeroPipeline:
         host_device: torch.device | str = "cpu",
         max_bespoke_sessions: int = MAX_DREAMZERO_SESSIONS,
     ) -> None:
+        if (
+            isinstance(max_bespoke_sessions, bool)
+            or not isinstance(max_bespoke_sessions, int)
+            or max_bespoke_sessions <= 0
+        ):
+            msg = (
+                f"`max_bespoke_sessions` must be a positive int, got {max_bespoke_sessions!r}; "
+                f"the bespoke path's cap is {MAX_DREAMZERO_SESSIONS} upstream."
+            )
+            raise ValueError(msg)
         if isinstance(config, DreamZeroConfig):
             self.cfg = config
             self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
@@ -263,7 +273,8 @@ class DreamZeroPipeline:
         if csf == 1:
             video = torch.cat([ref, video], dim=2)
         state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
-        host_latents = video.detach().to(self.host_device)
+        # A copy, so the caller's `out.video_latents` can never reach the session's history.
+        host_latents = video.detach().to(self.host_device, copy=True)
         state = state.update_object("video_latents_across_time", lambda b: b.commit(host_latents))
         out = DreamZeroOutput(
             actions=nets.postprocess_actions(actions, obs.state.to(self.device)),
@@ -281,7 +292,9 @@ class DreamZeroPipeline:
 
     def _stream_append(self, state: DreamZeroSession, frame: torch.Tensor) -> DreamZeroSession:
         pending = state.vae_pending_body_frames
-        pending = frame if pending is None else torch.cat([pending, frame], dim=2)
+        # A lone frame is cloned: as a slice of the 4-frame model input it would keep all
+        # four frames alive.
+        pending = frame.clone() if pending is None else torch.cat([pending, frame], dim=2)
         feat_map = state.vae_enc_feat_map
         assert feat_map is not None
         while pending is not None and pending.shape[2] >= _BODY_FRAMES:
@@ -351,7 +364,7 @@ class DreamZeroPipeline:
         if csf == 1:
             video = torch.cat([ref, video], dim=2)
         state.current_start_frame += cfg.num_frame_per_block
-        state.video_latents_across_time.append(video.detach().to(self.host_device))
+        state.video_latents_across_time.append(video.detach().to(self.host_device, copy=True))
         return DreamZeroOutput(
             actions=nets.postprocess_actions(actions, obs.state.to(self.device)),
             video_latents=video,
@@ -361,7 +374,7 @@ class DreamZeroPipeline:
     def _bespoke_stream_append(self, state: DreamZeroState, frame: torch.Tensor) -> None:
         pending = state.vae_pending_body_frames
         state.vae_pending_body_frames = (
-            frame if pending is None else torch.cat([pending, frame], dim=2)
+            frame.clone() if pending is None else torch.cat([pending, frame], dim=2)
         )
         while (
             state.vae_pending_body_frames is not None

@@ -28,6 +28,7 @@ __all__ = [
     "frames_for_model",
     "new_session",
     "reset_reason",
+    "should_reset",
     "window_reset",
 ]
 
@@ -55,24 +56,59 @@ def reset_reason(
     tokens: torch.Tensor,
     current_start_frame: int,
     local_attn_size: int,
+    *,
+    num_video_frames: int = 0,
+    call_count: int = 0,
 ) -> ResetReason | None:
     """Why this forward must reset, checked in order; None to continue.
 
-    A missing or changed prompt resets the session; reaching the local attention window
-    resets the window only.
+    A missing or changed prompt resets the session; so does a single-frame input after the
+    first call (the stitched ring was cleared externally; ``forward`` passes 0 frames, as
+    upstream, so this check fires only for direct callers). Reaching the local attention
+    window resets the window only.
 
     >>> import torch
     >>> t = torch.tensor([[1, 2]])
     >>> reset_reason(None, t, 0, -1), reset_reason(t, t, 9, 9), reset_reason(t, t, 3, 9)
     ('session', 'inference', None)
+    >>> reset_reason(t, t, 3, 9, num_video_frames=1, call_count=2)
+    'session'
     """
     if language is None:
         return "session"
     if not torch.equal(tokens, language):
         return "session"
+    if num_video_frames == 1 and call_count > 1:
+        return "session"
     if local_attn_size != -1 and current_start_frame >= local_attn_size:
         return "inference"
     return None
+
+
+def should_reset(
+    language: torch.Tensor | None,
+    tokens: torch.Tensor,
+    current_start_frame: int,
+    local_attn_size: int,
+    *,
+    num_video_frames: int = 0,
+    call_count: int = 0,
+) -> bool:
+    """Whether `reset_reason` gives any reason.
+
+    >>> import torch
+    >>> should_reset(None, torch.tensor([[1]]), 0, -1)
+    True
+    """
+    reason = reset_reason(
+        language,
+        tokens,
+        current_start_frame,
+        local_attn_size,
+        num_video_frames=num_video_frames,
+        call_count=call_count,
+    )
+    return reason is not None
 
 
 def frames_for_model(

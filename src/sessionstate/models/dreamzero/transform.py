@@ -59,16 +59,26 @@ def check_observation(obs: Observation, cfg: DreamZeroConfig) -> None:
     if not isinstance(obs, Observation):
         msg = f"Expected an Observation, got {type(obs).__name__}."
         raise TypeError(msg)
+    if not isinstance(obs.prompt, str):
+        msg = f"Observation `prompt` must be a str, got {type(obs.prompt).__name__}."
+        raise TypeError(msg)
     if set(obs.images) != set(CAMERAS):
         msg = f"An observation needs exactly the cameras {list(CAMERAS)}; got {sorted(obs.images)}."
         raise ValueError(msg)
     expected = (cfg.camera_height, cfg.camera_width, 3)
     for key in CAMERAS:
         image = obs.images[key]
-        if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8:
+        if not isinstance(image, torch.Tensor):
             msg = (
-                f"Camera `{key}` must be a uint8 tensor (H, W, 3), got "
-                f"{getattr(image, 'dtype', type(image).__name__)}."
+                f"Camera `{key}` must be a uint8 torch.Tensor (H, W, 3), got "
+                f"{type(image).__module__}.{type(image).__qualname__}; convert it with "
+                "`torch.as_tensor(image)`."
+            )
+            raise TypeError(msg)
+        if image.dtype != torch.uint8:
+            msg = (
+                f"Camera `{key}` must be a uint8 tensor (H, W, 3), got dtype {image.dtype}; "
+                "pass 0..255 pixel values as `torch.uint8`."
             )
             raise TypeError(msg)
         if tuple(image.shape) != expected:
