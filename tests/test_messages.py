@@ -435,7 +435,7 @@ def test_in_place_write_into_a_stored_record() -> None:
 CORE_MESSAGES = {
     "_accounting.py": 2,
     "_config.py": 5 + 3,
-    "_manager.py": 7,
+    "_manager.py": 8,  # the inference-mode warning is pinned in test_reliability.py
     "_objects.py": 9,
     "_session.py": 5,
     "_tree.py": 2,

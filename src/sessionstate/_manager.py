@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from sessionstate._session import SessionState
 from sessionstate._tree import tree_flatten_with_keys, tree_leaves
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager"]
+
+logger = logging.getLogger("sessionstate")
 
 DEFAULT_MAX_SESSIONS = 64
 """The default session cap: mirrors DreamZero's bespoke ``MAX_DREAMZERO_SESSIONS``."""
@@ -54,9 +57,11 @@ class SessionStateManager:
             `SessionAdmissionError` and keeps serving the residents.
         check_immutable: Record every stored tensor's version counter and verify it on the
             session's next access, raising `ImmutabilityViolationError` that names the session
-            and the leaf's key path if something wrote into it in place. Off by default (and
-            then free); `resolve_session_state_config` reads it from
-            ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE``.
+            and the leaf's key path if an in-place op wrote into it (through the tensor or any
+            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``)
+            and inference-mode tensors (which have no counter; a warning says so once) are
+            not seen. Off by default, and then free; `resolve_session_state_config` reads it
+            from ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE``.
 
     >>> import torch
     >>> from sessionstate import SessionState
@@ -90,6 +95,7 @@ class SessionStateManager:
         self._table: OrderedDict[str, SessionState] = OrderedDict()
         self._check_immutable = bool(check_immutable)
         self._versions: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
+        self._warned_unversioned = False
         self._lock = threading.RLock()
         self._hits = 0
         self._misses = 0
@@ -354,15 +360,27 @@ class SessionStateManager:
         self._table[session_id] = state
         if self._check_immutable:
             keys, leaves, _ = tree_flatten_with_keys(state)
-            self._versions[session_id] = [
-                (key, leaf, version)
-                for key, leaf in zip(keys, leaves, strict=True)
-                if (version := _version_of(leaf)) is not None
-            ]
+            versions = []
+            for key, leaf in zip(keys, leaves, strict=True):
+                version = _version_of(leaf)
+                if version is not None:
+                    versions.append((key, leaf, version))
+                elif isinstance(leaf, torch.Tensor) and not self._warned_unversioned:
+                    self._warned_unversioned = True
+                    logger.warning(
+                        "Session %r: the tensor at `%s` was made under torch.inference_mode() "
+                        "and keeps no version counter, so check_immutable cannot watch it "
+                        "(warned once per manager). Create session tensors under "
+                        "torch.no_grad() to have them checked.",
+                        session_id,
+                        key,
+                    )
+            self._versions[session_id] = versions
 
     def _verify(self, session_id: str) -> None:
-        # Caller holds the lock. Views share their base's version counter, so a write through
-        # any alias of a stored tensor is seen here.
+        # Caller holds the lock. Views share their base's version counter, so an in-place op
+        # through any view of a stored tensor is seen here. Writes that bypass autograd's
+        # counter (through `tensor.numpy()` or `tensor.data`) are not.
         for key, leaf, version in self._versions.get(session_id, ()):
             now = _version_of(leaf)
             if now is not None and now != version:

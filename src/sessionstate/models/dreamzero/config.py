@@ -33,6 +33,21 @@ def _check_crop(instance: object, attribute: attrs.Attribute[Any], value: object
         raise ValueError(msg)
 
 
+def _check_window(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and value != -1):
+        msg = (
+            f"`local_attn_size` must be a positive int (latent frames per window) or -1 (no "
+            f"window resets), got {value!r} ({type(value).__name__})."
+        )
+        raise ValueError(msg)
+
+
+def _check_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"`{attribute.name}` must be an int, got {value!r} ({type(value).__name__})."
+        raise TypeError(msg)
+
+
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         msg = f"`{attribute.name}` must be a positive int, got {value!r} ({type(value).__name__})."
@@ -64,7 +79,7 @@ class DreamZeroConfig:
     vae_z_dim: int = attrs.field(default=16, validator=_positive)
     num_frame_per_block: int = attrs.field(default=2, validator=_positive)
     num_frames: int = attrs.field(default=33, validator=_positive)
-    local_attn_size: int = -1
+    local_attn_size: int = attrs.field(default=-1, validator=_check_window)
     text_len: int = attrs.field(default=512, validator=_positive)
     text_dim: int = attrs.field(default=4096, validator=_positive)
     clip_grid: int = attrs.field(default=16, validator=_positive)
@@ -73,7 +88,7 @@ class DreamZeroConfig:
     action_horizon: int = attrs.field(default=24, validator=_positive)
     action_dim: int = attrs.field(default=8, validator=_positive)
     num_inference_steps: int = attrs.field(default=4, validator=_positive)
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_check_int)
 
     @property
     def torch_dtype(self) -> torch.dtype:

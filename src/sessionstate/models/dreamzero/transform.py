@@ -62,6 +62,12 @@ def check_observation(obs: Observation, cfg: DreamZeroConfig) -> None:
     if not isinstance(obs.prompt, str):
         msg = f"Observation `prompt` must be a str, got {type(obs.prompt).__name__}."
         raise TypeError(msg)
+    if not isinstance(obs.images, Mapping):
+        msg = (
+            f"Observation `images` must be a mapping of camera name to image, got "
+            f"{type(obs.images).__name__}; pass a dict with the keys {list(CAMERAS)}."
+        )
+        raise TypeError(msg)
     if set(obs.images) != set(CAMERAS):
         msg = f"An observation needs exactly the cameras {list(CAMERAS)}; got {sorted(obs.images)}."
         raise ValueError(msg)
