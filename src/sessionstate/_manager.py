@@ -10,14 +10,14 @@ from typing import Literal, TypeVar
 
 import torch
 
-from sessionstate._accounting import ByteCounter
+from sessionstate._accounting import ByteCounter, StorageEntry, storage_entries
 from sessionstate._errors import (
     ImmutabilityViolationError,
     SessionAdmissionError,
     SessionStateLostError,
 )
 from sessionstate._session import SessionState
-from sessionstate._tree import tree_flatten_with_keys, tree_leaves
+from sessionstate._tree import tree_flatten_with_keys
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager"]
 
@@ -96,6 +96,8 @@ class SessionStateManager:
         self._check_immutable = bool(check_immutable)
         self._versions: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
         self._warned_unversioned = False
+        # Storage entries per stored record, computed by `stats()` once per record.
+        self._entries: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
         self._lock = threading.RLock()
         self._hits = 0
         self._misses = 0
@@ -281,6 +283,7 @@ class SessionStateManager:
         _check_session_id(session_id)
         with self._lock:
             self._versions.pop(session_id, None)
+            self._entries.pop(session_id, None)
             return self._table.pop(session_id, None) is not None
 
     def clear(self) -> None:
@@ -294,6 +297,7 @@ class SessionStateManager:
         with self._lock:
             self._table.clear()
             self._versions.clear()
+            self._entries.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters and bytes held, per device, deduplicated across all sessions.
@@ -308,19 +312,32 @@ class SessionStateManager:
          'total_nbytes': 0}
         """
         with self._lock:
-            records = list(self._table.values())
+            items = list(self._table.items())
+            memo = {sid: self._entries.get(sid) for sid, _ in items}
             out = {
-                "sessions": len(records),
+                "sessions": len(items),
                 "max_sessions": self._max_sessions,
                 "hits": self._hits,
                 "misses": self._misses,
                 "evictions": self._evictions,
             }
-        # Records are immutable, so counting outside the lock sees a consistent snapshot.
+        # Records are immutable, so counting outside the lock sees a consistent snapshot, and
+        # a record's storage entries, once computed, serve every later call.
         counter = ByteCounter()
-        for state in records:
-            for leaf in tree_leaves(state):
-                counter.add(leaf)
+        fresh: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
+        for sid, state in items:
+            cached = memo[sid]
+            if cached is not None and cached[0] is state:
+                entries = cached[1]
+            else:
+                entries = storage_entries(state)
+                fresh[sid] = (state, entries)
+            counter.add_entries(entries)
+        if fresh:
+            with self._lock:
+                for sid, (state, entries) in fresh.items():
+                    if self._table.get(sid) is state:  # not replaced or dropped meanwhile
+                        self._entries[sid] = (state, entries)
         out["total_nbytes"] = sum(counter.totals.values())
         for device in sorted(counter.totals):
             out[f"nbytes:{device}"] = counter.totals[device]
@@ -353,11 +370,13 @@ class SessionStateManager:
             raise SessionAdmissionError(msg)
         evicted, _ = self._table.popitem(last=False)
         self._versions.pop(evicted, None)
+        self._entries.pop(evicted, None)
         self._evictions += 1
 
     def _store(self, session_id: str, state: SessionState) -> None:
         # Caller holds the lock.
         self._table[session_id] = state
+        self._entries.pop(session_id, None)
         if self._check_immutable:
             keys, leaves, _ = tree_flatten_with_keys(state)
             versions = []

@@ -170,7 +170,7 @@ class LatentBuffer(StateObject):
         chunks = (*self.chunks, chunk)
         if self.maxlen is not None and len(chunks) > self.maxlen:
             chunks = chunks[len(chunks) - self.maxlen :]
-        return attrs.evolve(self, chunks=chunks)
+        return self._with_chunks(chunks)
 
     def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
         """The retained chunks, oldest to newest; with ``last=n``, the newest ``min(n, len)``.
@@ -227,7 +227,7 @@ class LatentBuffer(StateObject):
         (0, 2, True)
         """
         self._require_allocated("reset")
-        return attrs.evolve(self, chunks=())
+        return self._with_chunks(())
 
     def evict(self) -> LatentBuffer:
         """Return a buffer with its chunks released and not resident; `allocate` to reuse it.
@@ -238,6 +238,18 @@ class LatentBuffer(StateObject):
         (False, {})
         """
         return attrs.evolve(self, chunks=(), maxlen=None, allocated=False)
+
+    def _with_chunks(self, chunks: tuple[torch.Tensor, ...]) -> LatentBuffer:
+        # `attrs.evolve` re-runs every converter and validator; a commit only swaps the tuple.
+        if type(self) is not LatentBuffer:  # a subclass may carry fields of its own
+            return attrs.evolve(self, chunks=chunks)
+        new = object.__new__(LatentBuffer)
+        object.__setattr__(new, "chunks", chunks)
+        object.__setattr__(new, "name", self.name)
+        object.__setattr__(new, "dim", self.dim)
+        object.__setattr__(new, "maxlen", self.maxlen)
+        object.__setattr__(new, "allocated", self.allocated)
+        return new
 
     def _require_allocated(self, action: str) -> None:
         if not self.allocated:
@@ -263,11 +275,13 @@ class LatentBuffer(StateObject):
         if not self.chunks:
             return
         ref = self.chunks[-1]
-        expected = _without_dim(ref.shape, self.dim)
+        dim = self.dim
         if (
             chunk.dtype != ref.dtype
             or chunk.device != ref.device
-            or _without_dim(chunk.shape, self.dim) != expected
+            or chunk.dim() != ref.dim()
+            or chunk.shape[:dim] != ref.shape[:dim]
+            or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
         ):
             msg = (
                 f"LatentBuffer `{self.name}` holds chunks of dtype {ref.dtype} on {ref.device} "
@@ -276,10 +290,6 @@ class LatentBuffer(StateObject):
                 "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
             )
             raise ValueError(msg)
-
-
-def _without_dim(shape: torch.Size, dim: int) -> tuple[int, ...]:
-    return (*shape[:dim], *shape[dim + 1 :]) if len(shape) > dim else tuple(shape)
 
 
 def _shape_pattern(shape: torch.Size, dim: int) -> str:

@@ -65,7 +65,7 @@ class SessionAttr(Generic[_V]):
     def __get__(self, instance: SessionState | None, owner: type) -> SessionAttr[_V] | _V:
         if instance is None:
             return self
-        value: _V = instance.attrs.get(self.name, self.default)
+        value: _V = instance._attrs.get(self.name, self.default)
         return value
 
     def __set__(self, instance: SessionState, value: _V) -> None:
@@ -194,7 +194,7 @@ class SessionState:
                 f"{type(obj).__name__}; carried values go in `with_attrs({name}=...)`."
             )
             raise TypeError(msg)
-        return attrs.evolve(self, objects={**self._objects, name: obj})
+        return self._replace({**self._objects, name: obj}, self._attrs)
 
     def update_object(self: _St, name: str, fn: Callable[[_O], _O], /) -> _St:
         """Return a new state with the object ``name`` replaced by ``fn(object)``.
@@ -229,7 +229,7 @@ class SessionState:
                     raise AttributeError(msg)
                 value = declared[name].convert(value)
             new[name] = value
-        return attrs.evolve(self, attrs=new)
+        return self._replace(self._objects, new)
 
     def clear_attrs(self: _St, *names: str) -> _St:
         """Return a new state with ``names`` unset (they read as their defaults again).
@@ -238,9 +238,18 @@ class SessionState:
         >>> dict(s.attrs)
         {'b': 2}
         """
-        return attrs.evolve(
-            self, attrs={k: v for k, v in self._attrs.items() if k not in set(names)}
-        )
+        drop = set(names)
+        return self._replace(self._objects, {k: v for k, v in self._attrs.items() if k not in drop})
+
+    def _replace(self: _St, objects: dict[str, StateObject], attributes: dict[str, Any]) -> _St:
+        # The transitions build fresh dicts themselves, so skip `attrs.evolve`, which would
+        # copy both again through the converters: this runs several times per model step.
+        if len(attrs.fields(type(self))) != 2:  # a subclass with fields of its own
+            return attrs.evolve(self, objects=objects, attrs=attributes)
+        new = object.__new__(type(self))
+        object.__setattr__(new, "_objects", objects)
+        object.__setattr__(new, "_attrs", attributes)
+        return new
 
     def get_attr(self, name: str, default: Any = _UNSET, /) -> Any:
         """The attribute ``name``: its value, else its declared default, else ``default``.

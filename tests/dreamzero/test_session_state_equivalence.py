@@ -605,3 +605,19 @@ def test_with_the_flag_off_nothing_of_the_manager_is_constructed(
     assert all(isinstance(s, DreamZeroState) for s in pipe._states.values())
     assert isinstance(pipe.session_values("session-0")["stitched_buffer"], deque)
     assert set(pipe.stats()) >= {"sessions", "max_sessions", "total_nbytes", "nbytes:cpu"}
+
+
+def test_diffuse_is_a_pure_function_of_its_inputs() -> None:
+    """The shared scheduler template is never advanced: the same call twice gives the same bits."""
+    cfg = tiny()
+    nets = DreamZeroPipeline(cfg, environ={ENV_ENABLE: "1"}).nets
+    frame = torch.linspace(-1, 1, 3 * cfg.canvas_height * cfg.canvas_width).reshape(
+        1, 3, 1, cfg.canvas_height, cfg.canvas_width
+    )
+    clip_feas, ys, cond = nets.encode_image(frame)
+    embeds = nets.encode_prompt(nets.tokenize("pick"))
+    first = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds)
+    nets.diffuse(cond * 0.5, ys[:, :, 1:3], clip_feas, embeds)  # an unrelated call in between
+    again = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds)
+    assert torch.equal(first[0], again[0])
+    assert torch.equal(first[1], again[1])

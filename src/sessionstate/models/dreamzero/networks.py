@@ -144,6 +144,7 @@ class DreamZeroNetworks:
         self.latents_inv_std = (1.0 / std).view(1, z, 1, 1, 1).to(self.device)
         self.num_enc_convs = int(self.vae._cached_conv_counts["encoder"])
         self._scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+        self._scheduler.set_timesteps(cfg.num_inference_steps, device="cpu")
 
     # -- text and image conditioning ---------------------------------------------------------
 
@@ -252,10 +253,10 @@ class DreamZeroNetworks:
         actions = torch.randn(
             (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
         ).to(self.device)
-        video_sched = copy.deepcopy(self._scheduler)
-        action_sched = copy.deepcopy(self._scheduler)
-        video_sched.set_timesteps(cfg.num_inference_steps, device="cpu")
-        action_sched.set_timesteps(cfg.num_inference_steps, device="cpu")
+        # The template holds the schedule; each branch steps its own shallow copy, whose step
+        # counter starts unset. `step` only rebinds attributes, never writes into the arrays.
+        video_sched = copy.copy(self._scheduler)
+        action_sched = copy.copy(self._scheduler)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             for t in video_sched.timesteps:
