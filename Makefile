@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench docs docs-serve notebooks sizes-data clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,11 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m sessionstate.cli ab --preset tiny
 
+# Lint, type check, every test (doctests, notebooks and the strict docs build included).
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests benchmarks docs notebooks
+	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/griffe_doctest.py notebooks/build.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -26,5 +27,20 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(PY) -m pytest
 
+bench: $(STAMP)
+	$(PY) benchmarks/run.py --out benchmarks/results/latest.json
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve
+
+notebooks: $(STAMP)
+	MPLBACKEND=Agg $(PY) notebooks/build.py
+
+sizes-data: $(STAMP)
+	$(PY) docs/gen_sizes.py
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) build dist site src/*.egg-info

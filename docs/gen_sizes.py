@@ -1,0 +1,129 @@
+"""The DreamZero size table in the docs, rendered from `sessionstate sizes` output.
+
+Two uses:
+
+- As a mkdocs hook (``hooks:`` in ``mkdocs.yml``): a page containing the marker
+  ``<!-- sizes-table: data/sizes-deploy-400.json -->`` gets the marker replaced by a table
+  rendered from that JSON file (path relative to ``docs/``). The numbers are never typed by
+  hand; a missing or malformed file fails the build.
+- As a script: ``python docs/gen_sizes.py`` re-runs
+  ``sessionstate sizes --preset deploy --steps 400 --json`` (a few minutes on the meta device;
+  nothing is allocated) and rewrites ``docs/data/sizes-deploy-400.json``. Run it when the
+  model's state changes, and commit the result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parent
+DEFAULT_DATA = DOCS / "data" / "sizes-deploy-400.json"
+MARKER = re.compile(r"<!--\s*sizes-table:\s*(?P<path>\S+)\s*-->")
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+# What each value is, in a few words. The bucket and every number come from the JSON.
+NOTES = {
+    "vae_enc_feat_map": "Wan encoder causal-conv cache; replaced wholesale every body chunk",
+    "video_latents_across_time": "every generated latent chunk, on the host; kept for decode",
+    "stitched_buffer": "ring of the last 4 stitched uint8 frames",
+    "vae_encoder_out": "pre-quant encoder output: a 2-frame ring vs the whole history",
+    "clip_feas": "image features of the window's start frame",
+    "ys": "VAE conditioning of the window's start frame",
+    "language": "prompt token ids (the reset check compares them)",
+    "prompt_embeds": "prompt embeddings, encoded once per session",
+    "vae_pending_body_frames": "pixel frames awaiting a 4-frame body chunk (at most 3)",
+    "call_count": "counter",
+    "current_start_frame": "counter",
+    "vae_stream_initialized": "flag",
+}
+BUCKET_LABEL = {"attrs": "attr", "object": "`LatentBuffer`"}
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes as the table shows them.
+
+    >>> fmt_bytes(0), fmt_bytes(4096), fmt_bytes(632586240), fmt_bytes(47113175040)
+    ('—', '4.0 KiB', '603.28 MiB', '43.88 GiB')
+    """
+    if n == 0:
+        return "—"
+    if n < MIB // 10:
+        return f"{n / 1024:.1f} KiB"
+    if n < 10 * GIB:
+        return f"{n / MIB:.2f} MiB"
+    return f"{n / GIB:.2f} GiB"
+
+
+def render(table: dict[str, Any]) -> str:
+    """The markdown for one `sessionstate sizes --json` result."""
+    rows = [
+        "| value | bucket | managed path | bespoke path | what it is |",
+        "|---|---|--:|--:|---|",
+    ]
+    for name, row in table["values"].items():
+        managed, bespoke = row["managed_nbytes"], row["bespoke_nbytes"]
+        bespoke_cell = fmt_bytes(bespoke) if bespoke == managed else f"**{fmt_bytes(bespoke)}**"
+        rows.append(
+            f"| `{name}` | {BUCKET_LABEL.get(row['bucket'], row['bucket'])} | "
+            f"{fmt_bytes(managed)} | {bespoke_cell} | {NOTES.get(name, '')} |"
+        )
+    session, many = table["session_nbytes"], table["sessions_64_nbytes"]
+    rows.append(
+        f"| **one session** | | **{fmt_bytes(session['managed'])}** | "
+        f"**{fmt_bytes(session['bespoke'])}** | every value, each storage once |"
+    )
+    rows.append(
+        f"| **64 sessions** | | {fmt_bytes(many['managed'])} | {fmt_bytes(many['bespoke'])} | "
+        "the default cap, all full |"
+    )
+    feat = table["values"]["vae_enc_feat_map"]["managed_nbytes"]
+    caption = (
+        f"One session of the `{table['preset']}` preset after {table['steps']} steps, counted "
+        f"on the meta device. `vae_enc_feat_map` is {table['vae_enc_feat_map_tensors']} "
+        f"tensors totalling {feat / MIB} MiB; 64 of them alone are {64 * feat / GIB:.1f} GiB. "
+        "A **bold** bespoke figure differs from the managed one."
+    )
+    return "\n".join(rows) + "\n\n" + caption + "\n"
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read and check a `sessionstate sizes --json` file."""
+    try:
+        table: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        msg = f"{path} is missing; regenerate it with `python docs/gen_sizes.py`."
+        raise FileNotFoundError(msg) from None
+    missing = {"preset", "steps", "values", "session_nbytes", "sessions_64_nbytes"} - set(table)
+    if missing:
+        msg = f"{path} is not `sessionstate sizes --json` output: missing {sorted(missing)}."
+        raise ValueError(msg)
+    return table
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    """mkdocs hook: replace every size-table marker with the rendered table."""
+    return MARKER.sub(lambda m: render(load(DOCS / m.group("path"))), markdown)
+
+
+def main() -> int:
+    """Re-run ``sessionstate sizes`` and rewrite the committed JSON."""
+    cmd = [
+        sys.executable, "-m", "sessionstate.cli", "sizes",
+        "--preset", "deploy", "--steps", "400", "--json",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    table = json.loads(result.stdout)
+    DEFAULT_DATA.parent.mkdir(parents=True, exist_ok=True)
+    DEFAULT_DATA.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {DEFAULT_DATA.relative_to(DOCS.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""The notebooks run, the docs site builds with --strict: a notebook that fails is a failing test.
+
+Each notebook in ``notebooks/`` is executed in a fresh ``python3`` kernel pinned to this
+interpreter (the venv's), with ``MPLBACKEND=Agg``; any cell that raises,
+including the final assertions of what the notebook shows, fails the test. The notebooks must
+also match their source, ``notebooks/build.py``, and carry their outputs.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+NAMES = ["01_state_evolution.ipynb", "02_manager.ipynb", "03_accounting.ipynb"]
+# A committed notebook stores small outputs (low-dpi PNGs); this catches a stray large one.
+MAX_NOTEBOOK_BYTES = 250_000
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_under_test_{path.stem}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_executes_without_error(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("SESSIONSTATE_FIGURES", raising=False)  # write no figure files
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    build = _load(NOTEBOOKS / "build.py")
+    monkeypatch.setenv("JUPYTER_PATH", str(build.write_kernelspec(tmp_path)))
+    assert KernelSpecManager().get_kernel_spec("python3").argv[0] == sys.executable
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=240,
+        allow_errors=False,
+        record_timing=False,
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
+    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("all checks passed" in o.get("text", "") for o in outputs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_matches_its_source_and_is_committed_executed(name: str) -> None:
+    import nbformat
+
+    build = _load(NOTEBOOKS / "build.py")
+    committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+    expected = build.make(build.NOTEBOOKS[name])
+    assert [(c.cell_type, c.source) for c in committed.cells] == [
+        (c.cell_type, c.source) for c in expected.cells
+    ], f"{name} differs from notebooks/build.py; run `python notebooks/build.py {name}`"
+    code = [c for c in committed.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), f"{name} is not executed"
+    assert (NOTEBOOKS / name).stat().st_size < MAX_NOTEBOOK_BYTES
+
+
+def test_docs_build_strict(tmp_path: Path) -> None:
+    import mkdocs  # noqa: F401  (a missing mkdocs fails this test; it never skips)
+
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    choosing = (site / "choosing" / "index.html").read_text(encoding="utf-8")
+    assert "sizes-table" not in choosing  # the marker was replaced by the rendered table
+    assert "603.28 MiB" in choosing
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert 'id="sessionstate.SessionStateManager"' in api
+
+
+def test_docs_home_page_example_is_the_readmes() -> None:
+    # The README's example is executed by test_readme.py; the home page must show the same.
+    def example(path: Path) -> str:
+        blocks = re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
+        return next(b for b in blocks if "def step(" in b)
+
+    assert example(ROOT / "docs" / "index.md") == example(ROOT / "README.md")
+
+
+def test_docs_helpers_doctests_and_size_table_renders_every_value() -> None:
+    import json
+
+    gen_sizes = _load(ROOT / "docs" / "gen_sizes.py")
+    fences = _load(ROOT / "docs" / "griffe_doctest.py")
+    for module in (gen_sizes, fences):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0
+        assert result.attempted > 0
+    data = json.loads(gen_sizes.DEFAULT_DATA.read_text(encoding="utf-8"))
+    table = gen_sizes.render(data)
+    for name in data["values"]:
+        assert f"`{name}`" in table
