@@ -10,14 +10,14 @@ from typing import Literal, TypeVar
 
 import torch
 
-from sessionstate._accounting import ByteCounter, StorageEntry, storage_entries
+from sessionstate._accounting import StorageEntry, count_entries, storage_entries
 from sessionstate._errors import (
     ImmutabilityViolationError,
     SessionAdmissionError,
     SessionStateLostError,
 )
 from sessionstate._session import SessionState
-from sessionstate._tree import tree_flatten_with_keys
+from sessionstate._tree import tree_flatten_with_keys, tree_leaves
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager"]
 
@@ -94,10 +94,14 @@ class SessionStateManager:
         self._on_full: OnFull = on_full
         self._table: OrderedDict[str, SessionState] = OrderedDict()
         self._check_immutable = bool(check_immutable)
-        self._versions: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
+        self._versions: dict[str, list[tuple[int, torch.Tensor, int]]] = {}
         self._warned_unversioned = False
-        # Storage entries per stored record, computed by `stats()` once per record.
+        # Storage entries per stored record, computed by `stats()` once per record, and the
+        # byte totals of the whole table, valid while `_generation` (bumped by every change
+        # to the table) stays the same.
         self._entries: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
+        self._generation = 0
+        self._totals: tuple[int, dict[str, int]] | None = None
         self._lock = threading.RLock()
         self._hits = 0
         self._misses = 0
@@ -284,6 +288,7 @@ class SessionStateManager:
         with self._lock:
             self._versions.pop(session_id, None)
             self._entries.pop(session_id, None)
+            self._generation += 1
             return self._table.pop(session_id, None) is not None
 
     def clear(self) -> None:
@@ -298,6 +303,7 @@ class SessionStateManager:
             self._table.clear()
             self._versions.clear()
             self._entries.clear()
+            self._generation += 1
 
     def stats(self) -> dict[str, int]:
         """Counters and bytes held, per device, deduplicated across all sessions.
@@ -314,6 +320,8 @@ class SessionStateManager:
         with self._lock:
             items = list(self._table.items())
             memo = {sid: self._entries.get(sid) for sid, _ in items}
+            generation = self._generation
+            totals = self._totals[1] if self._totals and self._totals[0] == generation else None
             out = {
                 "sessions": len(items),
                 "max_sessions": self._max_sessions,
@@ -321,26 +329,26 @@ class SessionStateManager:
                 "misses": self._misses,
                 "evictions": self._evictions,
             }
-        # Records are immutable, so counting outside the lock sees a consistent snapshot, and
-        # a record's storage entries, once computed, serve every later call.
-        counter = ByteCounter()
-        fresh: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
-        for sid, state in items:
-            cached = memo[sid]
-            if cached is not None and cached[0] is state:
-                entries = cached[1]
-            else:
-                entries = storage_entries(state)
-                fresh[sid] = (state, entries)
-            counter.add_entries(entries)
-        if fresh:
+        if totals is None:
+            # Records are immutable, so counting outside the lock sees a consistent snapshot,
+            # and a record's storage entries, once computed, serve every later call.
+            entries: list[StorageEntry] = []
+            fresh: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
+            for sid, state in items:
+                cached = memo[sid]
+                if cached is None or cached[0] is not state:
+                    cached = fresh[sid] = (state, storage_entries(state))
+                entries.extend(cached[1])
+            totals = count_entries(entries)
             with self._lock:
-                for sid, (state, entries) in fresh.items():
-                    if self._table.get(sid) is state:  # not replaced or dropped meanwhile
-                        self._entries[sid] = (state, entries)
-        out["total_nbytes"] = sum(counter.totals.values())
-        for device in sorted(counter.totals):
-            out[f"nbytes:{device}"] = counter.totals[device]
+                for sid, record in fresh.items():
+                    if self._table.get(sid) is record[0]:  # not replaced or dropped meanwhile
+                        self._entries[sid] = record
+                if self._generation == generation:
+                    self._totals = (generation, totals)
+        out["total_nbytes"] = sum(totals.values())
+        for device in sorted(totals):
+            out[f"nbytes:{device}"] = totals[device]
         return out
 
     def nbytes_by_session(self) -> dict[str, dict[str, int]]:
@@ -371,19 +379,21 @@ class SessionStateManager:
         evicted, _ = self._table.popitem(last=False)
         self._versions.pop(evicted, None)
         self._entries.pop(evicted, None)
+        self._generation += 1
         self._evictions += 1
 
     def _store(self, session_id: str, state: SessionState) -> None:
         # Caller holds the lock.
         self._table[session_id] = state
         self._entries.pop(session_id, None)
+        self._generation += 1
         if self._check_immutable:
-            keys, leaves, _ = tree_flatten_with_keys(state)
+            # Key paths are costly to render; keep leaf positions and render one on violation.
             versions = []
-            for key, leaf in zip(keys, leaves, strict=True):
+            for index, leaf in enumerate(tree_leaves(state)):
                 version = _version_of(leaf)
                 if version is not None:
-                    versions.append((key, leaf, version))
+                    versions.append((index, leaf, version))
                 elif isinstance(leaf, torch.Tensor) and not self._warned_unversioned:
                     self._warned_unversioned = True
                     logger.warning(
@@ -392,7 +402,7 @@ class SessionStateManager:
                         "(warned once per manager). Create session tensors under "
                         "torch.no_grad() to have them checked.",
                         session_id,
-                        key,
+                        _key_of(state, index),
                     )
             self._versions[session_id] = versions
 
@@ -400,9 +410,10 @@ class SessionStateManager:
         # Caller holds the lock. Views share their base's version counter, so an in-place op
         # through any view of a stored tensor is seen here. Writes that bypass autograd's
         # counter (through `tensor.numpy()` or `tensor.data`) are not.
-        for key, leaf, version in self._versions.get(session_id, ()):
+        for index, leaf, version in self._versions.get(session_id, ()):
             now = _version_of(leaf)
             if now is not None and now != version:
+                key = _key_of(self._table[session_id], index)
                 msg = (
                     f"Session {session_id!r}: the tensor at `{key}` was modified in place after "
                     f"the record was stored (version {version} -> {now}). Records are immutable: "
@@ -410,6 +421,11 @@ class SessionStateManager:
                     f"`drop({session_id!r})` this corrupted session."
                 )
                 raise ImmutabilityViolationError(msg)
+
+
+def _key_of(state: SessionState, index: int) -> str:
+    keys, _, _ = tree_flatten_with_keys(state)
+    return keys[index]
 
 
 def _version_of(leaf: object) -> int | None:

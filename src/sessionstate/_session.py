@@ -21,6 +21,9 @@ _O = TypeVar("_O", bound=StateObject)
 
 _UNSET: Any = object()
 
+# Per class: whether `SessionState._replace` may build records directly (no extra fields).
+_DIRECT_REPLACE: dict[type, bool] = {}
+
 
 class SessionAttr(Generic[_V]):
     """Declare one carried value of a session class: its default, coercion and meaning.
@@ -244,9 +247,13 @@ class SessionState:
     def _replace(self: _St, objects: dict[str, StateObject], attributes: dict[str, Any]) -> _St:
         # The transitions build fresh dicts themselves, so skip `attrs.evolve`, which would
         # copy both again through the converters: this runs several times per model step.
-        if len(attrs.fields(type(self))) != 2:  # a subclass with fields of its own
+        cls = type(self)
+        direct = _DIRECT_REPLACE.get(cls)
+        if direct is None:
+            direct = _DIRECT_REPLACE[cls] = len(attrs.fields(cls)) == 2
+        if not direct:  # a subclass with fields of its own
             return attrs.evolve(self, objects=objects, attrs=attributes)
-        new = object.__new__(type(self))
+        new = object.__new__(cls)
         object.__setattr__(new, "_objects", objects)
         object.__setattr__(new, "_attrs", attributes)
         return new

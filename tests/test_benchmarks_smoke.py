@@ -1,0 +1,95 @@
+"""The benchmark harness runs end to end at a tiny size, so it cannot rot.
+
+No timing is asserted: the quick run only has to produce every section and the Targets table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "benchmarks" / "run.py"
+SECTIONS = (
+    "machine",
+    "step_time",
+    "reader",
+    "library_overhead",
+    "ring_commit",
+    "stats_scaling",
+    "memory",
+    "targets",
+)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "latest.json"
+    # A hang guard only (the quick run takes seconds); nothing here measures time.
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def test_json_has_every_section(quick_run: tuple[dict, str]) -> None:
+    results, _ = quick_run
+    assert results["quick"] is True
+    for section in SECTIONS:
+        assert section in results, section
+    assert {"cores", "torch", "torch_threads"} <= set(results["machine"])
+
+
+def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) -> None:
+    results, _ = quick_run
+    sizes = results["sizes"]
+    checkpoints = results["step_time"]["checkpoints"]
+    assert [c["step"] for c in checkpoints] == sizes["step_checkpoints"]
+    for row in checkpoints:
+        for key in ("bespoke_median_ms", "managed_median_ms", "bespoke_over_managed"):
+            assert math.isfinite(row[key]), (row["step"], key)
+            assert row[key] > 0, (row["step"], key)
+    assert results["step_time"]["bit_identical_actions"] is True
+    assert [p["frames"] for p in results["reader"]["points"]] == sizes["reader_frames"]
+    assert all(p["bit_identical"] for p in results["reader"]["points"])
+    assert [p["video_chunks"] for p in results["library_overhead"]["points"]] == sizes[
+        "overhead_chunks"
+    ]
+    ring = results["ring_commit"]
+    assert ring["chunk_shape"] == [1, 32, 1, 44, 80]
+    assert ring["chunk_mib"] == pytest.approx(0.2148, abs=1e-4)
+    stats = results["stats_scaling"]["points"]
+    assert [p["sessions"] for p in stats] == sizes["stats_sessions"]
+    assert all(p["tensor_leaves"] > 0 for p in stats)
+    memory = results["memory"]["paths"]
+    assert set(memory) == {"bespoke", "managed"}
+    for path in memory.values():
+        assert [s["step"] for s in path["tiny_bytes_by_step"]] == sizes["memory_samples"]
+        assert path["rss_peak_kib"] >= path["rss_baseline_kib"] > 0
+        assert path["deploy_meta_bytes_by_step"]
+
+
+def test_targets_are_judged(quick_run: tuple[dict, str]) -> None:
+    results, _ = quick_run
+    judged = [row for row in results["targets"] if row["threshold"] is not None]
+    assert len(judged) == 4
+    assert all(isinstance(row["met"], bool) for row in judged)
+
+
+def test_markdown_has_the_targets_table(quick_run: tuple[dict, str]) -> None:
+    _, markdown = quick_run
+    assert "## Targets" in markdown
+    assert "| target | measured | threshold | met |" in markdown
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
+        assert heading in markdown
