@@ -46,17 +46,16 @@ from sessionstate import (
     SessionStateManager,
     resolve_session_state_config,
     tree_equal,
-    tree_map,
 )
 from sessionstate.models.dreamzero import (
     CAMERAS,
     DreamZeroConfig,
-    DreamZeroOutput,
     DreamZeroPipeline,
     DreamZeroSession,
     Observation,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
+from support import clone_tree, one_intra_op_thread, same_output
 
 CFG = DreamZeroConfig.preset("tiny")
 MANAGED = {ENV_ENABLE: "1"}
@@ -64,18 +63,6 @@ MANAGED = {ENV_ENABLE: "1"}
 
 def _exact(message: str) -> str:
     return re.escape(message)
-
-
-def clone_tree(tree: Any) -> Any:
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
-
-
-def same_output(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:
-    return (
-        torch.equal(a.actions, b.actions)
-        and torch.equal(a.video_latents, b.video_latents)
-        and a.reset == b.reset
-    )
 
 
 def episode(steps: int, sessions: int = 1, seed: int = 5) -> list[tuple[str, Observation]]:
@@ -92,11 +79,8 @@ def stored(manager: SessionStateManager | None, sid: str) -> SessionState:
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    # The CPUs are shared; one intra-op thread avoids oversubscription (and is much faster).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_intra_op_thread():
+        yield
 
 
 # =============================================================================================

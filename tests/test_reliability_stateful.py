@@ -26,7 +26,6 @@ from typing import Any
 
 import attrs
 import pytest
-import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -39,7 +38,6 @@ from sessionstate import (
     SessionStateManager,
     nbytes_by_device,
     tree_equal,
-    tree_map,
 )
 from sessionstate.models.dreamzero import (
     DreamZeroConfig,
@@ -50,6 +48,7 @@ from sessionstate.models.dreamzero import (
     stitch_views,
 )
 from sessionstate.models.dreamzero.episode import PROMPTS, scripted_episode
+from support import clone_tree, one_intra_op_thread, same_output
 
 CFG = DreamZeroConfig.preset("tiny")
 CAP = 2
@@ -108,25 +107,10 @@ def peek(manager: SessionStateManager | None, sid: str) -> SessionState | None:
     return manager.peek(sid)
 
 
-def clone_tree(tree: Any) -> Any:
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
-
-
-def same_output(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:
-    return (
-        torch.equal(a.actions, b.actions)
-        and torch.equal(a.video_latents, b.video_latents)
-        and a.reset == b.reset
-    )
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    # The CPUs are shared; one intra-op thread avoids oversubscription (and is much faster).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_intra_op_thread():
+        yield
 
 
 class FaultFuzzMachine(RuleBasedStateMachine):

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
 
 from sessionstate import SessionState, nbytes_by_device, tree_equal
 from sessionstate.models.dreamzero import (
@@ -26,6 +25,7 @@ from sessionstate.models.dreamzero import (
     Observation,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
+from support import one_intra_op_thread, same_output
 
 CFG = DreamZeroConfig.preset("tiny")
 ENV = {
@@ -56,20 +56,8 @@ OWNED = {
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    # Four workers on shared CPUs: one intra-op thread each avoids oversubscription. The
-    # serial run below uses the same setting, so the comparison is like for like.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _same(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:
-    return (
-        torch.equal(a.actions, b.actions)
-        and torch.equal(a.video_latents, b.video_latents)
-        and a.reset == b.reset
-    )
+    with one_intra_op_thread():
+        yield
 
 
 def _check_whole(state: SessionState) -> None:
@@ -210,7 +198,7 @@ def test_threads_through_one_managed_pipeline_match_a_serial_run(
     for sid in INPUTS:
         assert len(outputs[sid]) == STEPS
         for got, want in zip(outputs[sid], expected_outputs[sid], strict=True):
-            assert _same(got, want)
+            assert same_output(got, want)
         final = manager.require(sid)
         _check_whole(final)
         assert tree_equal(final, expected_records[sid])

@@ -25,11 +25,10 @@ from typing import Any
 
 import attrs
 import pytest
-import torch
 
 import sessionstate.models.dreamzero.pipeline as pipeline_module
 import sessionstate.models.dreamzero.state as state_module
-from sessionstate import LatentBuffer, SessionState, tree_equal, tree_map
+from sessionstate import LatentBuffer, SessionState, tree_equal
 from sessionstate.models.dreamzero import (
     DreamZeroConfig,
     DreamZeroOutput,
@@ -40,6 +39,7 @@ from sessionstate.models.dreamzero import (
     stitch_views,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
+from support import clone_tree, one_intra_op_thread, same_output
 
 CFG = DreamZeroConfig.preset("tiny")
 MANAGED = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"}
@@ -114,27 +114,10 @@ def inject(mp: pytest.MonkeyPatch, pipe: DreamZeroPipeline, target: str, k: int)
     return fault
 
 
-def clone_tree(tree: Any) -> Any:
-    """A deep copy of every tensor leaf (to detect in-place writes into the original)."""
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
-
-
-def same_output(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:
-    return (
-        torch.equal(a.actions, b.actions)
-        and torch.equal(a.video_latents, b.video_latents)
-        and a.reset == b.reset
-    )
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    # The CPUs are shared; one intra-op thread avoids oversubscription (and is much faster
-    # here). Every comparison in this module runs under the same setting.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_intra_op_thread():
+        yield
 
 
 @attrs.frozen

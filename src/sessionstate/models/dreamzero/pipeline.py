@@ -264,24 +264,33 @@ class DreamZeroPipeline:
         assert state.ys is not None
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
-        video, actions = nets.diffuse(
-            ref,
-            _ys_slice(state.ys, csf, cfg.num_frame_per_block),
-            state.clip_feas,
-            state.prompt_embeds,
-        )
-        if csf == 1:
-            video = torch.cat([ref, video], dim=2)
+        video, out = self._generate(ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs)
         state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(self.host_device, copy=True)
         state = state.update_object("video_latents_across_time", lambda b: b.commit(host_latents))
+        return state, attrs.evolve(out, reset=reason)
+
+    def _generate(
+        self,
+        ref: torch.Tensor,
+        ys: torch.Tensor,
+        clip_feas: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        csf: int,
+        obs: Observation,
+    ) -> tuple[torch.Tensor, DreamZeroOutput]:
+        """Denoise the next block and post-process the actions (both paths, no state)."""
+        n = self.cfg.num_frame_per_block
+        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds)
+        if csf == 1:  # the window's first block carries its conditioning latent in front
+            video = torch.cat([ref, video], dim=2)
         out = DreamZeroOutput(
-            actions=nets.postprocess_actions(actions, obs.state.to(self.device)),
+            actions=self.nets.postprocess_actions(actions, obs.state.to(self.device)),
             video_latents=video,
-            reset=reason,
+            reset=None,
         )
-        return state, out
+        return video, out
 
     def _stream_seed(self, state: DreamZeroSession, first: torch.Tensor) -> DreamZeroSession:
         out, feat_map = self.nets.encode_chunk(first, self.nets.init_feat_map())
@@ -337,8 +346,8 @@ class DreamZeroPipeline:
             if state.vae_stream_initialized:
                 self._bespoke_stream_append(state, frames[:, :, -1:])
             else:
-                out, feat_map = nets.encode_chunk(frames[:, :, :1], nets.init_feat_map())
-                state.vae_encoder_out = out
+                seed_out, feat_map = nets.encode_chunk(frames[:, :, :1], nets.init_feat_map())
+                state.vae_encoder_out = seed_out
                 state.vae_enc_feat_map = feat_map
                 state.vae_pending_body_frames = None
                 state.vae_stream_initialized = True
@@ -355,21 +364,10 @@ class DreamZeroPipeline:
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
         csf = state.current_start_frame
-        video, actions = nets.diffuse(
-            ref,
-            _ys_slice(state.ys, csf, cfg.num_frame_per_block),
-            state.clip_feas,
-            state.prompt_embeds,
-        )
-        if csf == 1:
-            video = torch.cat([ref, video], dim=2)
+        video, out = self._generate(ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs)
         state.current_start_frame += cfg.num_frame_per_block
         state.video_latents_across_time.append(video.detach().to(self.host_device, copy=True))
-        return DreamZeroOutput(
-            actions=nets.postprocess_actions(actions, obs.state.to(self.device)),
-            video_latents=video,
-            reset=reason,
-        )
+        return attrs.evolve(out, reset=reason)
 
     def _bespoke_stream_append(self, state: DreamZeroState, frame: torch.Tensor) -> None:
         pending = state.vae_pending_body_frames

@@ -1,0 +1,41 @@
+"""Helpers shared by the test modules (importable as `support`: pytest puts tests/ on the path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from sessionstate import tree_map
+from sessionstate.models.dreamzero import DreamZeroOutput
+
+
+def clone_tree(tree: Any) -> Any:
+    """A deep copy of every tensor leaf (to detect in-place writes into the original)."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def same_output(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:
+    """Bit-identical DreamZero outputs: actions, video latents and the reset reason."""
+    return (
+        torch.equal(a.actions, b.actions)
+        and torch.equal(a.video_latents, b.video_latents)
+        and a.reset == b.reset
+    )
+
+
+@contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run with one torch intra-op thread, restoring the previous count afterwards.
+
+    The CPUs are shared; one thread avoids oversubscription (and is much faster here). Every
+    comparison made inside runs under the same setting.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
