@@ -152,7 +152,10 @@ def test_invalid_maxlen() -> None:
 
 
 def test_invalid_last() -> None:
-    msg = "`last` must be a non-negative int or None, got -1 (int)."
+    msg = (
+        "`last` must be a non-negative int or None, got -1 (int); pass `last=None` for every "
+        "retained chunk."
+    )
     with pytest.raises(ValueError, match=_exact(msg)) as info:
         LatentBuffer().allocate().view(last=-1)
     assert str(info.value) == msg
@@ -204,7 +207,8 @@ def test_chunk_not_a_tensor() -> None:
 def test_chunk_without_the_time_dim() -> None:
     msg = (
         "LatentBuffer `frames` concatenates along dim 2, so a chunk needs at least 3 dims; "
-        "got shape (4, 4)."
+        "got shape (4, 4). Commit chunks with the time axis at `dim`, "
+        "or build the buffer with a matching `dim=`."
     )
     with pytest.raises(ValueError, match=_exact(msg)) as info:
         LatentBuffer(name="frames").allocate().commit(torch.zeros(4, 4))
@@ -294,7 +298,7 @@ def test_bad_max_sessions() -> None:
 
 
 def test_bad_on_full() -> None:
-    msg = "`on_full` must be 'evict' or 'refuse', got 'drop'."
+    msg = "`on_full` must be 'evict' or 'refuse', got 'drop' (str)."
     with pytest.raises(ValueError, match=_exact(msg)) as info:
         SessionStateManager(on_full="drop")  # type: ignore[arg-type]
     assert str(info.value) == msg
@@ -430,14 +434,66 @@ def test_in_place_write_into_a_stored_record() -> None:
         manager.get("s1")
 
 
+def test_buffer_built_with_chunks_but_not_allocated() -> None:
+    msg = (
+        "LatentBuffer `ring` holds 1 chunks but is not allocated; build it with "
+        "`.allocate(...)` and `.commit(chunk)`."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        LatentBuffer(chunks=(torch.zeros(1),), name="ring", dim=0)
+
+
+def test_buffer_built_with_more_chunks_than_its_ring() -> None:
+    msg = (
+        "LatentBuffer `ring` holds 3 chunks but its ring retains at most 2; build it with "
+        "`.commit(chunk)`, which drops the oldest."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        LatentBuffer(chunks=(torch.zeros(1),) * 3, name="ring", dim=0, maxlen=2, allocated=True)
+
+
+def test_session_built_with_a_non_state_object() -> None:
+    msg = (
+        "State object `x` must be a StateObject (e.g. LatentBuffer), got Tensor; carried "
+        "values go in `attrs={'x': ...}`."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionState(objects={"x": torch.zeros(1)})  # type: ignore[dict-item]
+
+
+def test_declaring_session_built_with_an_undeclared_attr() -> None:
+    class Declaring(SessionState):
+        step = SessionAttr(0)
+
+    msg = (
+        "`Declaring` declares no attribute `typo`; declared: ['step']. Declare it with "
+        "`typo = SessionAttr(...)`."
+    )
+    with pytest.raises(AttributeError, match=_exact(msg)):
+        Declaring(attrs={"typo": 1})
+
+
+def test_a_name_in_both_buckets() -> None:
+    msg = (
+        "Session values ['ring'] are both state objects and attributes; a name lives in one "
+        "bucket. Rename one, or `clear_attrs(...)` before `with_object(...)`."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        SessionState(objects={"ring": LatentBuffer()}, attrs={"ring": 1})
+    with pytest.raises(ValueError, match=_exact(msg)):
+        SessionState(attrs={"ring": 1}).with_object("ring", LatentBuffer())
+    with pytest.raises(ValueError, match=_exact(msg)):
+        SessionState(objects={"ring": LatentBuffer()}).with_attrs(ring=1)
+
+
 # --- coverage guard -------------------------------------------------------------------------
 
 CORE_MESSAGES = {
     "_accounting.py": 2,
     "_config.py": 5 + 3,
     "_manager.py": 8,  # the inference-mode warning is pinned in test_reliability.py
-    "_objects.py": 9,
-    "_session.py": 5,
+    "_objects.py": 11,
+    "_session.py": 8,
     "_tree.py": 2,
 }
 

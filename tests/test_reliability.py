@@ -506,7 +506,8 @@ BAD_CHUNKS: list[Any] = [
         torch.tensor(1.0),
         ValueError,
         "LatentBuffer `frames` concatenates along dim 0, so a chunk needs at least 1 dims; "
-        "got shape ().",
+        "got shape (). Commit chunks with the time axis at `dim`, "
+        "or build the buffer with a matching `dim=`.",
         id="scalar",
     ),
 ]

@@ -452,10 +452,16 @@ class _CopyingBuffer(LatentBuffer):
 @register_record
 @attrs.frozen(eq=False)
 class _LeakyEvictBuffer(LatentBuffer):
-    """Keeps its chunks when evicted."""
+    """Reports itself evicted but keeps its chunks."""
+
+    evicted: bool = static_field(default=False, kw_only=True)
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.allocated and not self.evicted
 
     def evict(self) -> LatentBuffer:
-        return attrs.evolve(self, allocated=False)
+        return attrs.evolve(self, evicted=True)
 
 
 @register_record

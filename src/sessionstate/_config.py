@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -52,6 +53,11 @@ def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(msg)
 
 
+def _read_only(value: Any) -> Any:
+    # A frozen config whose `model` section could be mutated in place would not be frozen.
+    return MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
+
+
 @attrs.frozen
 class OmniDiffusionConfig:
     """A deploy configuration.
@@ -68,7 +74,9 @@ class OmniDiffusionConfig:
     """
 
     enable_session_state_manager: bool = attrs.field(default=False, validator=_check_bool)
-    model: Mapping[str, Any] = attrs.field(factory=dict, validator=_check_mapping)
+    model: Mapping[str, Any] = attrs.field(
+        factory=dict, validator=_check_mapping, converter=_read_only
+    )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> OmniDiffusionConfig:
@@ -79,7 +87,7 @@ class OmniDiffusionConfig:
             TypeError: for a value of the wrong type, naming the key and the value.
 
         >>> OmniDiffusionConfig.from_dict({"enable_session_state_manager": True})
-        OmniDiffusionConfig(enable_session_state_manager=True, model={})
+        OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}))
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."

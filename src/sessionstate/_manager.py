@@ -88,7 +88,10 @@ class SessionStateManager:
             )
             raise ValueError(msg)
         if on_full not in ("evict", "refuse"):
-            msg = f"`on_full` must be 'evict' or 'refuse', got {on_full!r}."
+            msg = (
+                f"`on_full` must be 'evict' or 'refuse', got {on_full!r} "
+                f"({type(on_full).__name__})."
+            )
             raise ValueError(msg)
         self._max_sessions = max_sessions
         self._on_full: OnFull = on_full
@@ -247,8 +250,10 @@ class SessionStateManager:
                 self._admit(session_id)  # refuse before paying for the factory
             created = factory()
             _check_state(created, session_id)
-            # Evict only once the new record exists: a failing factory costs no resident.
-            self._admit(session_id)
+            # Evict only once the new record exists: a failing factory costs no resident. A
+            # factory that stored this session itself (re-entrantly) made room already.
+            if session_id not in self._table:
+                self._admit(session_id)
             self._store(session_id, created)
             return created
 

@@ -118,8 +118,23 @@ class LatentBuffer(StateObject):
     chunks: tuple[torch.Tensor, ...] = field(default=(), converter=tuple)
     name: str = static_field(default="buffer", kw_only=True)
     dim: int = static_field(default=2, kw_only=True, validator=_check_dim)
-    maxlen: int | None = static_field(default=None, kw_only=True)
+    maxlen: int | None = static_field(default=None, kw_only=True, converter=_check_maxlen)
     allocated: bool = static_field(default=False, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.chunks and not self.allocated:
+            msg = (
+                f"LatentBuffer `{self.name}` holds {len(self.chunks)} chunks but is not "
+                "allocated; build it with `.allocate(...)` and `.commit(chunk)`."
+            )
+            raise ValueError(msg)
+        if self.maxlen is not None and len(self.chunks) > self.maxlen:
+            msg = (
+                f"LatentBuffer `{self.name}` holds {len(self.chunks)} chunks but its ring "
+                f"retains at most {self.maxlen}; build it with `.commit(chunk)`, which drops "
+                "the oldest."
+            )
+            raise ValueError(msg)
 
     @property
     def is_allocated(self) -> bool:
@@ -189,7 +204,10 @@ class LatentBuffer(StateObject):
         if last is None:
             return self.chunks
         if isinstance(last, bool) or not isinstance(last, int) or last < 0:
-            msg = f"`last` must be a non-negative int or None, got {_describe(last)}."
+            msg = (
+                f"`last` must be a non-negative int or None, got {_describe(last)}; pass "
+                "`last=None` for every retained chunk."
+            )
             raise ValueError(msg)
         if self.maxlen is not None and last > self.maxlen:
             msg = (
@@ -269,7 +287,8 @@ class LatentBuffer(StateObject):
         if chunk.dim() <= self.dim:
             msg = (
                 f"LatentBuffer `{self.name}` concatenates along dim {self.dim}, so a chunk needs "
-                f"at least {self.dim + 1} dims; got shape {tuple(chunk.shape)}."
+                f"at least {self.dim + 1} dims; got shape {tuple(chunk.shape)}. Commit chunks "
+                "with the time axis at `dim`, or build the buffer with a matching `dim=`."
             )
             raise ValueError(msg)
         if not self.chunks:

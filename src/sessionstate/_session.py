@@ -119,6 +119,25 @@ class SessionState:
     _objects: dict[str, StateObject] = field(factory=dict, converter=_as_dict)
     _attrs: dict[str, Any] = field(factory=dict, converter=_as_dict)
 
+    def __attrs_post_init__(self) -> None:
+        for name, obj in self._objects.items():
+            if not isinstance(obj, StateObject):
+                msg = (
+                    f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
+                    f"{type(obj).__name__}; carried values go in `attrs={{{name!r}: ...}}`."
+                )
+                raise TypeError(msg)
+        declared = type(self).__session_attrs__
+        if declared:
+            for name in self._attrs:
+                if name not in declared:
+                    msg = (
+                        f"`{type(self).__name__}` declares no attribute `{name}`; declared: "
+                        f"{sorted(declared)}. Declare it with `{name} = SessionAttr(...)`."
+                    )
+                    raise AttributeError(msg)
+        _check_disjoint(self._objects, self._attrs)
+
     @classmethod
     def __assignment_fix__(cls, name: str) -> str:
         if name in ("objects", "_objects"):
@@ -197,7 +216,9 @@ class SessionState:
                 f"{type(obj).__name__}; carried values go in `with_attrs({name}=...)`."
             )
             raise TypeError(msg)
-        return self._replace({**self._objects, name: obj}, self._attrs)
+        objects = {**self._objects, name: obj}
+        _check_disjoint(objects, self._attrs)
+        return self._replace(objects, self._attrs)
 
     def update_object(self: _St, name: str, fn: Callable[[_O], _O], /) -> _St:
         """Return a new state with the object ``name`` replaced by ``fn(object)``.
@@ -232,6 +253,7 @@ class SessionState:
                     raise AttributeError(msg)
                 value = declared[name].convert(value)
             new[name] = value
+        _check_disjoint(self._objects, new)
         return self._replace(self._objects, new)
 
     def clear_attrs(self: _St, *names: str) -> _St:
@@ -309,3 +331,13 @@ class SessionState:
                     for device, nbytes in counter.add(leaf).items():
                         by_device[device] = by_device.get(device, 0) + nbytes
         return out
+
+
+def _check_disjoint(objects: Mapping[str, Any], attributes: Mapping[str, Any]) -> None:
+    both = objects.keys() & attributes.keys()
+    if both:
+        msg = (
+            f"Session values {sorted(both)} are both state objects and attributes; a name "
+            "lives in one bucket. Rename one, or `clear_attrs(...)` before `with_object(...)`."
+        )
+        raise ValueError(msg)

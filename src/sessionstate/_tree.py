@@ -78,7 +78,9 @@ def static_field(**kwargs: Any) -> Any:
 
 
 def _is_registered_with_optree(cls: type) -> bool:
-    return "__optree_attrs_fields__" in cls.__dict__
+    # Ask the registry itself: attrs copies a class's `__dict__` (optree's marker included)
+    # when it rebuilds a slotted subclass, so the marker alone would vouch for a new class.
+    return optree.register_pytree_node.get(cls, namespace=NAMESPACE) is not None
 
 
 def register_record(cls: _C) -> _C:
@@ -100,6 +102,8 @@ def register_record(cls: _C) -> _C:
     True
     """
     if not _is_registered_with_optree(cls):
+        if "__optree_attrs_fields__" in cls.__dict__:  # copied from a base by attrs
+            delattr(cls, "__optree_attrs_fields__")
         optree_attrs.register_node(cls, namespace=NAMESPACE)
         if getattr(cls.__setattr__, "__name__", "") == "_frozen_setattrs":
             cls.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
@@ -173,8 +177,8 @@ def record(cls: _C | None = None, /) -> _C | Callable[[_C], _C]:
     """
 
     def wrap(cls: _C) -> _C:
-        if _is_registered_with_optree(cls):
-            return cls
+        if "__attrs_attrs__" in cls.__dict__ and _is_registered_with_optree(cls):
+            return cls  # already a record
         return register_record(attrs.frozen(cls, eq=False))
 
     return wrap if cls is None else wrap(cls)
@@ -324,15 +328,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _tensor_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.dtype != y.dtype or x.device != y.device or x.layout != y.layout:
+        return False
+    if x.is_nested or y.is_nested:
+        if not (x.is_nested and y.is_nested):
+            return False
+        xs, ys = x.unbind(), y.unbind()
+        return len(xs) == len(ys) and all(_tensor_equal(a, b) for a, b in zip(xs, ys, strict=True))
+    if x.shape != y.shape:
+        return False
+    if x.is_meta:
+        return True
+    if x.layout != torch.strided:  # sparse: compare the values they denote
+        x, y = x.to_dense(), y.to_dense()
+    return torch.equal(_bits(x), _bits(y))
+
+
 def _leaf_equal(x: Any, y: Any) -> bool:
     if type(x) is not type(y) and not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
         return False
     if isinstance(x, torch.Tensor):
-        if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
-            return False
-        if x.is_meta:
-            return True
-        return torch.equal(_bits(x), _bits(y))
+        return _tensor_equal(x, y)
     if x is y:
         return True
     numpy = sys.modules.get("numpy")

@@ -11,6 +11,7 @@ prints what every value holds on each path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -169,7 +170,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
             from rich.progress import Progress
 
             progress_cm = Progress(transient=True)
-        with progress_cm if progress_cm is not None else _NullContext():
+        with progress_cm if progress_cm is not None else contextlib.nullcontext():
             for flag, name in (("0", "bespoke"), ("1", "managed")):
                 task = None
                 if progress_cm is not None:
@@ -189,7 +190,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         "sessions": args.sessions,
         "max_sessions": args.max_sessions,
         "seed": args.seed,
-        "preset": args.preset or "tiny",
+        "preset": _load_model_config(args.config, args.preset)[1].name,
         "paths": {
             name: {
                 "median_step_ms": round(res["median_step_s"] * 1000, 3),
@@ -228,14 +229,6 @@ def _print_ab(report: dict[str, Any]) -> None:
         held = ", ".join(f"{d}: {n / _MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
         table.add_row(name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"]))
     console.print(table)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # -- sizes --------------------------------------------------------------------------------------
@@ -367,7 +360,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     sizes = pipe.manager.nbytes_by_session()
     largest = max(sizes, key=lambda sid: sum(sizes[sid].values()))
-    state = pipe.manager.get(largest)
+    state = pipe.manager.peek(largest)
     assert state is not None
     breakdown = Table("value", "bucket", "bytes", title=f"Largest session: {largest}")
     for name, by_device in state.nbytes_by_value().items():

@@ -123,9 +123,10 @@ class DreamZeroNetworks:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = cfg.torch_dtype
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(cfg.seed)
-        try:
+        # Seeded weights without disturbing the caller's random state, CUDA's included.
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(cfg.seed)
             with _default_dtype(self.dtype), torch.device(self.device):
                 self.vae = AutoencoderKLWan(base_dim=cfg.vae_base_dim, z_dim=cfg.vae_z_dim)
                 self.text_encoder = TextEncoder(cfg)
@@ -133,8 +134,6 @@ class DreamZeroNetworks:
                 self.denoiser = Denoiser(cfg)
                 self.action_q01 = -1.0 - torch.rand(cfg.action_dim)
                 self.action_q99 = 1.0 + torch.rand(cfg.action_dim)
-        finally:
-            torch.random.set_rng_state(generator_state)
         for module in (self.vae, self.text_encoder, self.image_encoder, self.denoiser):
             module.eval().requires_grad_(False)
         z = cfg.vae_z_dim

@@ -138,6 +138,7 @@ class DreamZeroPipeline:
         else:
             self._states = OrderedDict()
             self._max_bespoke_sessions = max_bespoke_sessions
+            self._bespoke_counts = {"hits": 0, "misses": 0, "evictions": 0}
 
     @property
     def managed(self) -> bool:
@@ -197,8 +198,8 @@ class DreamZeroPipeline:
         latents = values["video_latents_across_time"]
         if isinstance(latents, LatentBuffer):
             return latents.concat() if len(latents) else None
-        assert isinstance(latents, list)
-        return torch.cat(latents, dim=2) if latents else None
+        assert self._states is not None
+        return self._states[session_id].get_concatenated_video_latents()
 
     def decode_video(self, session_id: str) -> torch.Tensor | None:
         """Decode the session's accumulated latents with the Wan decoder: (1, 3, T, H, W)."""
@@ -215,7 +216,11 @@ class DreamZeroPipeline:
 
         assert self._states is not None
         totals = nbytes_by_device([s.values() for s in self._states.values()])
-        out = {"sessions": len(self._states), "max_sessions": self._max_bespoke_sessions}
+        out = {
+            "sessions": len(self._states),
+            "max_sessions": self._max_bespoke_sessions,
+            **self._bespoke_counts,
+        }
         out["total_nbytes"] = sum(totals.values())
         out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
         return out
@@ -319,11 +324,14 @@ class DreamZeroPipeline:
         assert self._states is not None
         state = self._states.get(session_id)
         if state is None:
+            self._bespoke_counts["misses"] += 1
             state = DreamZeroState()
             self._states[session_id] = state
             if len(self._states) > self._max_bespoke_sessions:
                 self._states.popitem(last=False)
+                self._bespoke_counts["evictions"] += 1
         else:
+            self._bespoke_counts["hits"] += 1
             self._states.move_to_end(session_id)
         return state
 
