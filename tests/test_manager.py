@@ -475,3 +475,18 @@ def test_threaded_stress() -> None:
     assert {k: v for k, v in stats.items() if k.startswith("nbytes:")} == {
         f"nbytes:{device}": n for device, n in recount.items()
     }
+
+
+def test_a_factory_that_stores_its_own_session_evicts_once() -> None:
+    manager = SessionStateManager(max_sessions=1)
+    manager.put("a", SessionState())
+    stored = SessionState(attrs={"by": "factory"})
+
+    def factory() -> SessionState:
+        manager.put("b", stored)  # re-entrant: evicts "a" to make room
+        return SessionState(attrs={"by": "return"})
+
+    created = manager.get_or_create("b", factory)
+    assert manager.session_ids() == ["b"]
+    assert manager.stats()["evictions"] == 1
+    assert manager.peek("b") is created

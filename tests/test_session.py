@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.utils._pytree as torch_pytree
@@ -336,3 +337,25 @@ def test_moving_a_session_to_meta_keeps_its_configuration() -> None:
     # The moved session still accepts commits of its own layout, on meta.
     moved = moved.update_object("vae", lambda b: b.commit(torch.empty(1, 1, 4, device="meta")))
     assert len(moved.object("vae")) == 2
+
+
+def test_a_subclass_that_adds_fields_is_a_registered_record() -> None:
+    @ss.record
+    class WithField(SessionState):
+        extra: torch.Tensor = ss.field(factory=lambda: torch.zeros(100))
+
+    @attrs.frozen(eq=False)
+    class WithAttrsField(SessionState):
+        extra: torch.Tensor = attrs.field(factory=lambda: torch.zeros(50))
+
+    for cls, nbytes in ((WithField, 400), (WithAttrsField, 200)):
+        state = cls()
+        assert [a.name for a in attrs.fields(cls)] == ["_objects", "_attrs", "extra"]
+        assert ss.tree_leaves(state) == [state.extra]
+        assert ss.nbytes_by_device(state) == {"cpu": nbytes}
+        moved = state.with_attrs(step=1)
+        assert type(moved) is cls
+        assert moved.extra is state.extra
+        manager = ss.SessionStateManager()
+        manager.put("s", state)
+        assert manager.stats()["total_nbytes"] == nbytes

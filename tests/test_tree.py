@@ -359,3 +359,15 @@ def test_tree_flatten_with_keys_root_and_positions() -> None:
     assert ss.tree_flatten_with_keys(torch.zeros(1))[0] == ["<root>"]
     assert ss.tree_flatten_with_keys([1, (2, {"k": 3})])[0] == ["[0]", "[1][0]", "[1][1]['k']"]
     assert ss.tree_flatten_with_keys({5: "v"})[0] == ["[5]"]
+
+
+def test_tree_equal_sparse_and_nested_tensors() -> None:
+    dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    assert ss.tree_equal(dense.to_sparse(), dense.to_sparse())
+    assert not ss.tree_equal(dense.to_sparse(), (dense * 2).to_sparse())
+    assert not ss.tree_equal(dense.to_sparse(), dense)
+    parts = [torch.zeros(2, 3), torch.ones(4, 3)]
+    nested = torch.nested.nested_tensor(parts, layout=torch.jagged)
+    assert ss.tree_equal(nested, torch.nested.nested_tensor(parts, layout=torch.jagged))
+    other = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)], layout=torch.jagged)
+    assert not ss.tree_equal(nested, other)
