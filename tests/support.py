@@ -27,14 +27,14 @@ def same_output(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:
 
 
 @contextmanager
-def one_intra_op_thread() -> Iterator[None]:
-    """Run with one torch intra-op thread, restoring the previous count afterwards.
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` torch intra-op threads, restoring the previous count afterwards.
 
-    The CPUs are shared; one thread avoids oversubscription (and is much faster here). Every
-    comparison made inside runs under the same setting.
+    Modules pin one thread: the CPUs are shared, one thread avoids oversubscription (and is
+    much faster here), and every comparison made inside runs under the same setting.
     """
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:

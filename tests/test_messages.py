@@ -493,7 +493,7 @@ CORE_MESSAGES = {
     "_config.py": 5 + 3,
     "_manager.py": 8,  # the inference-mode warning is pinned in test_reliability.py
     "_objects.py": 11,
-    "_session.py": 8,
+    "_session.py": 6,
     "_tree.py": 2,
 }
 

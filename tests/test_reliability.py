@@ -55,7 +55,7 @@ from sessionstate.models.dreamzero import (
     Observation,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
-from support import clone_tree, one_intra_op_thread, same_output
+from support import clone_tree, same_output, torch_threads
 
 CFG = DreamZeroConfig.preset("tiny")
 MANAGED = {ENV_ENABLE: "1"}
@@ -79,7 +79,7 @@ def stored(manager: SessionStateManager | None, sid: str) -> SessionState:
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    with one_intra_op_thread():
+    with torch_threads(1):
         yield
 
 

@@ -48,7 +48,7 @@ from sessionstate.models.dreamzero import (
     stitch_views,
 )
 from sessionstate.models.dreamzero.episode import PROMPTS, scripted_episode
-from support import clone_tree, one_intra_op_thread, same_output
+from support import clone_tree, same_output, torch_threads
 
 CFG = DreamZeroConfig.preset("tiny")
 CAP = 2
@@ -109,7 +109,7 @@ def peek(manager: SessionStateManager | None, sid: str) -> SessionState | None:
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    with one_intra_op_thread():
+    with torch_threads(1):
         yield
 
 

@@ -121,21 +121,9 @@ class SessionState:
 
     def __attrs_post_init__(self) -> None:
         for name, obj in self._objects.items():
-            if not isinstance(obj, StateObject):
-                msg = (
-                    f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
-                    f"{type(obj).__name__}; carried values go in `attrs={{{name!r}: ...}}`."
-                )
-                raise TypeError(msg)
-        declared = type(self).__session_attrs__
-        if declared:
-            for name in self._attrs:
-                if name not in declared:
-                    msg = (
-                        f"`{type(self).__name__}` declares no attribute `{name}`; declared: "
-                        f"{sorted(declared)}. Declare it with `{name} = SessionAttr(...)`."
-                    )
-                    raise AttributeError(msg)
+            _check_object(name, obj, f"attrs={{{name!r}: ...}}")
+        for name in self._attrs:
+            _declared_attr(type(self), name)
         _check_disjoint(self._objects, self._attrs)
 
     @classmethod
@@ -210,12 +198,7 @@ class SessionState:
         >>> list(s.objects)
         ['ring']
         """
-        if not isinstance(obj, StateObject):
-            msg = (
-                f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
-                f"{type(obj).__name__}; carried values go in `with_attrs({name}=...)`."
-            )
-            raise TypeError(msg)
+        _check_object(name, obj, f"with_attrs({name}=...)")
         objects = {**self._objects, name: obj}
         _check_disjoint(objects, self._attrs)
         return self._replace(objects, self._attrs)
@@ -241,18 +224,10 @@ class SessionState:
         >>> SessionState().with_attrs(language="hello").attrs["language"]
         'hello'
         """
-        declared = type(self).__session_attrs__
         new = dict(self._attrs)
         for name, value in values.items():
-            if declared:
-                if name not in declared:
-                    msg = (
-                        f"`{type(self).__name__}` declares no attribute `{name}`; declared: "
-                        f"{sorted(declared)}. Declare it with `{name} = SessionAttr(...)`."
-                    )
-                    raise AttributeError(msg)
-                value = declared[name].convert(value)
-            new[name] = value
+            declared = _declared_attr(type(self), name)
+            new[name] = value if declared is None else declared.convert(value)
         _check_disjoint(self._objects, new)
         return self._replace(self._objects, new)
 
@@ -341,3 +316,26 @@ def _check_disjoint(objects: Mapping[str, Any], attributes: Mapping[str, Any]) -
             "lives in one bucket. Rename one, or `clear_attrs(...)` before `with_object(...)`."
         )
         raise ValueError(msg)
+
+
+def _check_object(name: str, obj: object, carried_fix: str) -> None:
+    if not isinstance(obj, StateObject):
+        msg = (
+            f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
+            f"{type(obj).__name__}; carried values go in `{carried_fix}`."
+        )
+        raise TypeError(msg)
+
+
+def _declared_attr(cls: type[SessionState], name: str) -> SessionAttr[Any] | None:
+    """The declaration of ``name``; None on a class that declares nothing (any name goes)."""
+    declared = cls.__session_attrs__
+    if not declared:
+        return None
+    if name not in declared:
+        msg = (
+            f"`{cls.__name__}` declares no attribute `{name}`; declared: "
+            f"{sorted(declared)}. Declare it with `{name} = SessionAttr(...)`."
+        )
+        raise AttributeError(msg)
+    return declared[name]

@@ -161,7 +161,7 @@ def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
-    _load_model_config(args.config, args.preset)  # fail here, not in both children
+    _, cfg = _load_model_config(args.config, args.preset)  # fail here, not in both children
     total = args.steps * args.sessions
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +190,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         "sessions": args.sessions,
         "max_sessions": args.max_sessions,
         "seed": args.seed,
-        "preset": _load_model_config(args.config, args.preset)[1].name,
+        "preset": cfg.name,
         "paths": {
             name: {
                 "median_step_ms": round(res["median_step_s"] * 1000, 3),

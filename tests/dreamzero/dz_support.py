@@ -9,8 +9,7 @@ other and compares value by value.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -30,17 +29,6 @@ ATTR_TENSORS = ("clip_feas", "ys", "language", "prompt_embeds", "vae_pending_bod
 
 COUNTERS = ("call_count", "current_start_frame", "vae_stream_initialized")
 """Plain int/bool attributes (compared by type and value)."""
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run with ``n`` intra-op threads, restoring the previous count afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def tiny(**overrides: object) -> DreamZeroConfig:

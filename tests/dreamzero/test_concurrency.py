@@ -25,7 +25,7 @@ from sessionstate.models.dreamzero import (
     Observation,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
-from support import one_intra_op_thread, same_output
+from support import same_output, torch_threads
 
 CFG = DreamZeroConfig.preset("tiny")
 ENV = {
@@ -56,7 +56,7 @@ OWNED = {
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    with one_intra_op_thread():
+    with torch_threads(1):
         yield
 
 

@@ -39,7 +39,7 @@ from sessionstate.models.dreamzero import (
     stitch_views,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
-from support import clone_tree, one_intra_op_thread, same_output
+from support import clone_tree, same_output, torch_threads
 
 CFG = DreamZeroConfig.preset("tiny")
 MANAGED = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"}
@@ -116,7 +116,7 @@ def inject(mp: pytest.MonkeyPatch, pipe: DreamZeroPipeline, target: str, k: int)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread() -> Iterator[None]:
-    with one_intra_op_thread():
+    with torch_threads(1):
         yield
 
 

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from dz_support import tiny, torch_threads
+from dz_support import tiny
 
 from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
+from support import torch_threads
 
 HISTORY_LENGTHS = (2, 3, 20, 33, 64)
 THREADS = (1, 2)

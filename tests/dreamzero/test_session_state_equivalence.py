@@ -22,7 +22,6 @@ from dz_support import (
     random_observation,
     run_both,
     tiny,
-    torch_threads,
 )
 
 from sessionstate import (
@@ -47,6 +46,7 @@ from sessionstate.models.dreamzero import (
 from sessionstate.models.dreamzero import pipeline as pipeline_module
 from sessionstate.models.dreamzero.episode import scripted_episode
 from sessionstate.models.dreamzero.state import frames_for_model, window_reset
+from support import torch_threads
 
 
 @pytest.fixture(autouse=True)
