@@ -13,6 +13,8 @@ __all__ = [
     "ImmutableRecordError",
     "MissingKeyError",
     "NotAllocatedError",
+    "ParkedError",
+    "ParkingError",
     "SessionAdmissionError",
     "SessionStateLostError",
     "SnapshotError",
@@ -59,3 +61,11 @@ class ImmutabilityViolationError(RuntimeError):
 
 class SnapshotError(ValueError):
     """A snapshot file (or bytes) that cannot be loaded: not a snapshot, newer, damaged."""
+
+
+class ParkedError(NotAllocatedError):
+    """A parked `StateObject` was read or changed before `unpark()` (it is not resident)."""
+
+
+class ParkingError(RuntimeError):
+    """Parking or unparking a session failed; the session is left as it was, named here."""

@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
+import attrs
 import torch
 
 from sessionstate._accounting import StorageEntry, count_entries, storage_entries
 from sessionstate._errors import (
     ImmutabilityViolationError,
+    ParkingError,
     SessionAdmissionError,
     SessionStateLostError,
 )
+from sessionstate._ledger import Ledger, parse_nbytes
+from sessionstate._objects import ParkedObject
+from sessionstate._park import ParkedBytes, Tier, check_tier
 from sessionstate._session import SessionState
 from sessionstate._snapshot import load_state, save_state
 from sessionstate._tree import tree_flatten_with_keys, tree_leaves
@@ -30,6 +38,56 @@ DEFAULT_MAX_SESSIONS = 64
 
 _St = TypeVar("_St", bound=SessionState)
 OnFull = Literal["evict", "refuse"]
+
+# A stored value (an object or attribute of a session) and the storages it reaches.
+_Item = tuple[object, list[StorageEntry]]
+_Values = dict[tuple[str, str], _Item]
+_EXTRA_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _value_items(state: SessionState) -> list[tuple[tuple[str, str], object]]:
+    items: list[tuple[tuple[str, str], object]] = [
+        (("o", name), obj) for name, obj in state.objects.items()
+    ]
+    items.extend((("a", name), value) for name, value in state.attrs.items())
+    cls = type(state)
+    extra = _EXTRA_FIELDS.get(cls)
+    if extra is None:  # a subclass with fields of its own
+        extra = _EXTRA_FIELDS[cls] = tuple(
+            f.name for f in attrs.fields(cls) if f.name not in ("_objects", "_attrs")
+        )
+    items.extend((("f", name), getattr(state, name)) for name in extra)
+    return items
+
+
+def _distinct_storages(value: object) -> list[StorageEntry]:
+    return list({entry[1]: entry for entry in storage_entries(value)}.values())
+
+
+def _check_max_bytes(max_bytes: object) -> dict[str, int] | None:
+    if max_bytes is None:
+        return None
+    if not isinstance(max_bytes, Mapping):
+        msg = (
+            f"`max_bytes` must map device strings to byte budgets, got {max_bytes!r} "
+            f"({type(max_bytes).__name__}); e.g. `max_bytes={{'cuda:0': 24 * 2**30}}`."
+        )
+        raise TypeError(msg)
+    out: dict[str, int] = {}
+    for key, value in max_bytes.items():
+        try:
+            device = torch.device(key)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or (device.type not in ("cpu", "meta") and device.index is None):
+            msg = (
+                f"`max_bytes` key {key!r} ({type(key).__name__}) is not a device string with "
+                "its index; name each budgeted device as tensors report it, e.g. 'cuda:0' or "
+                "'cpu'."
+            )
+            raise ValueError(msg)
+        out[str(device)] = parse_nbytes(value, name=f"max_bytes[{key!r}]")
+    return out
 
 
 def _check_session_id(session_id: object) -> str:
@@ -82,6 +140,9 @@ class SessionStateManager:
         *,
         on_full: OnFull = "evict",
         check_immutable: bool = False,
+        max_bytes: Mapping[str, int | str] | None = None,
+        park_tier: Tier = "host",
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
             msg = (
@@ -97,16 +158,22 @@ class SessionStateManager:
             raise ValueError(msg)
         self._max_sessions = max_sessions
         self._on_full: OnFull = on_full
+        self._max_bytes = _check_max_bytes(max_bytes)
+        self._park_tier: Tier = check_tier(park_tier)
+        self._spool_root = None if spool_dir is None else os.fspath(spool_dir)
+        self._spool_dir: str | None = None
         self._table: OrderedDict[str, SessionState] = OrderedDict()
         self._check_immutable = bool(check_immutable)
         self._versions: dict[str, list[tuple[int, torch.Tensor, int]]] = {}
         self._warned_unversioned = False
-        # Storage entries per stored record, computed by `stats()` once per record, and the
-        # byte totals of the whole table, valid while `_generation` (bumped by every change
-        # to the table) stays the same.
-        self._entries: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
-        self._generation = 0
-        self._totals: tuple[int, dict[str, int]] | None = None
+        # The byte ledger, and per session the storages each stored value reaches (so a put
+        # walks only the values that changed).
+        self._ledger = Ledger()
+        self._values: dict[str, _Values] = {}
+        self._parked: dict[str, dict[str, ParkedObject]] = {}
+        self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
+        self._parks = 0
+        self._unparks = 0
         self._lock = threading.RLock()
         self._hits = 0
         self._misses = 0
@@ -129,6 +196,24 @@ class SessionStateManager:
         True
         """
         return self._check_immutable
+
+    @property
+    def max_bytes(self) -> dict[str, int] | None:
+        """The byte budget per device, or None when only the session cap applies.
+
+        >>> SessionStateManager(max_bytes={"cpu": "1KiB"}).max_bytes
+        {'cpu': 1024}
+        """
+        return None if self._max_bytes is None else dict(self._max_bytes)
+
+    @property
+    def park_tier(self) -> Tier:
+        """Where the budget parks objects: ``"host"`` or ``"disk"``.
+
+        >>> SessionStateManager().park_tier
+        'host'
+        """
+        return self._park_tier
 
     @property
     def on_full(self) -> OnFull:
@@ -178,6 +263,7 @@ class SessionStateManager:
                 self._misses += 1
                 return None
             self._verify(session_id)
+            state = self._resident(session_id, state)
             self._hits += 1
             self._table.move_to_end(session_id)
             return state
@@ -244,6 +330,7 @@ class SessionStateManager:
             state = self._table.get(session_id)
             if state is not None:
                 self._verify(session_id)
+                state = self._resident(session_id, state)
                 self._hits += 1
                 self._table.move_to_end(session_id)
                 return state
@@ -254,9 +341,7 @@ class SessionStateManager:
             _check_state(created, session_id)
             # Evict only once the new record exists: a failing factory costs no resident. A
             # factory that stored this session itself (re-entrantly) made room already.
-            if session_id not in self._table:
-                self._admit(session_id)
-            self._store(session_id, created)
+            self._put_locked(session_id, created, touch=False)
             return created
 
     def put(self, session_id: str, state: SessionState, /) -> None:
@@ -275,12 +360,7 @@ class SessionStateManager:
         _check_session_id(session_id)
         _check_state(state, session_id)
         with self._lock:
-            if session_id in self._table:
-                self._verify(session_id)
-                self._table.move_to_end(session_id)
-            else:
-                self._admit(session_id)
-            self._store(session_id, state)
+            self._put_locked(session_id, state, touch=True)
 
     def drop(self, session_id: str, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
@@ -293,10 +373,7 @@ class SessionStateManager:
         """
         _check_session_id(session_id)
         with self._lock:
-            self._versions.pop(session_id, None)
-            self._entries.pop(session_id, None)
-            self._generation += 1
-            return self._table.pop(session_id, None) is not None
+            return self._forget(session_id)
 
     def clear(self) -> None:
         """Drop every session (statistics are kept).
@@ -307,10 +384,8 @@ class SessionStateManager:
         0
         """
         with self._lock:
-            self._table.clear()
-            self._versions.clear()
-            self._entries.clear()
-            self._generation += 1
+            for session_id in list(self._table):
+                self._forget(session_id)
 
     def stats(self) -> dict[str, int]:
         """Counters and bytes held, per device, deduplicated across all sessions.
@@ -318,45 +393,44 @@ class SessionStateManager:
         Keys: ``sessions``, ``max_sessions``, ``hits``, ``misses``, ``evictions``,
         ``total_nbytes``, and ``nbytes:<device>`` for each device holding bytes
         (``nbytes:cpu``, ``nbytes:cuda:0``). Device memory is the contended resource and host
-        memory usually is not, so the per-device keys are the ones to watch.
+        memory usually is not, so the per-device keys are the ones to watch. The byte keys count
+        resident bytes only (a parked object's bytes are held by its tier).
+
+        With a byte budget (``max_bytes``), also: ``max_bytes:<device>`` per budgeted device,
+        ``parked_sessions`` (sessions with a parked object), ``parks`` and ``unparks`` (times
+        a session's objects were parked, and brought back), and ``nbytes_parked:host`` and
+        ``nbytes_parked:disk`` (bytes the tiers hold).
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
          'total_nbytes': 0}
         """
         with self._lock:
-            items = list(self._table.items())
-            memo = {sid: self._entries.get(sid) for sid, _ in items}
-            generation = self._generation
-            totals = self._totals[1] if self._totals and self._totals[0] == generation else None
             out = {
-                "sessions": len(items),
+                "sessions": len(self._table),
                 "max_sessions": self._max_sessions,
                 "hits": self._hits,
                 "misses": self._misses,
                 "evictions": self._evictions,
             }
-        if totals is None:
-            # Records are immutable, so counting outside the lock sees a consistent snapshot,
-            # and a record's storage entries, once computed, serve every later call.
-            entries: list[StorageEntry] = []
-            fresh: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
-            for sid, state in items:
-                cached = memo[sid]
-                if cached is None or cached[0] is not state:
-                    cached = fresh[sid] = (state, storage_entries(state))
-                entries.extend(cached[1])
-            totals = count_entries(entries)
-            with self._lock:
-                for sid, record in fresh.items():
-                    if self._table.get(sid) is record[0]:  # not replaced or dropped meanwhile
-                        self._entries[sid] = record
-                if self._generation == generation:
-                    self._totals = (generation, totals)
-        out["total_nbytes"] = sum(totals.values())
-        for device in sorted(totals):
-            out[f"nbytes:{device}"] = totals[device]
-        return out
+            totals = self._ledger.totals()
+            out["total_nbytes"] = sum(totals.values())
+            for device, nbytes in totals.items():
+                out[f"nbytes:{device}"] = nbytes
+            if self._max_bytes is None:
+                return out
+            for device in sorted(self._max_bytes):
+                out[f"max_bytes:{device}"] = self._max_bytes[device]
+            parked = {"host": 0, "disk": 0}
+            for objects in self._parked.values():
+                for obj in objects.values():
+                    parked[obj.handle.tier] += obj.handle.nbytes
+            out["parked_sessions"] = len(self._parked)
+            out["parks"] = self._parks
+            out["unparks"] = self._unparks
+            out["nbytes_parked:host"] = parked["host"]
+            out["nbytes_parked:disk"] = parked["disk"]
+            return out
 
     def nbytes_by_session(self) -> dict[str, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
@@ -406,7 +480,7 @@ class SessionStateManager:
                 "`session_ids()` lists them."
             )
             raise SessionStateLostError(msg)
-        save_state(state, path, metadata={**(metadata or {}), "session_id": session_id})
+        save_state(state.unpark(), path, metadata={**(metadata or {}), "session_id": session_id})
 
     def restore(
         self,
@@ -454,35 +528,262 @@ class SessionStateManager:
                 "finished session first, or raise `max_sessions`."
             )
             raise SessionAdmissionError(msg)
-        evicted, _ = self._table.popitem(last=False)
-        self._versions.pop(evicted, None)
-        self._entries.pop(evicted, None)
-        self._generation += 1
+        self._forget(next(iter(self._table)))
         self._evictions += 1
 
+    def _put_locked(self, session_id: str, state: SessionState, *, touch: bool) -> None:
+        # Caller holds the lock. Nothing changes unless the whole put succeeds, except that
+        # other sessions may have been parked (losslessly) or evicted to make room.
+        values = self._values_for(session_id, state)
+        if self._max_bytes is not None:
+            self._check_fits(session_id, values)
+        if session_id in self._table:
+            if touch:
+                self._verify(session_id)
+                self._table.move_to_end(session_id)
+        else:
+            self._admit(session_id)
+        previous = self._set_values(session_id, values)
+        if self._max_bytes is not None:
+            try:
+                self._make_room(session_id, {})
+            except BaseException:
+                self._set_values(session_id, previous)
+                raise
+        self._store(session_id, state)
+
     def _store(self, session_id: str, state: SessionState) -> None:
-        # Caller holds the lock.
+        # Caller holds the lock and has accounted the record's values (`_set_values`).
         self._table[session_id] = state
-        self._entries.pop(session_id, None)
-        self._generation += 1
-        if self._check_immutable:
-            # Key paths are costly to render; keep leaf positions and render one on violation.
-            versions = []
-            for index, leaf in enumerate(tree_leaves(state)):
-                version = _version_of(leaf)
-                if version is not None:
-                    versions.append((index, leaf, version))
-                elif isinstance(leaf, torch.Tensor) and not self._warned_unversioned:
-                    self._warned_unversioned = True
-                    logger.warning(
-                        "Session %r: the tensor at `%s` was made under torch.inference_mode() "
-                        "and keeps no version counter, so check_immutable cannot watch it "
-                        "(warned once per manager). Create session tensors under "
-                        "torch.no_grad() to have them checked.",
-                        session_id,
-                        _key_of(state, index),
-                    )
-            self._versions[session_id] = versions
+        parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
+        for name, obj in self._parked.pop(session_id, {}).items():
+            if parked.get(name) is not obj:
+                self._release(obj.handle)
+        if parked:
+            self._parked[session_id] = parked
+        self._record_versions(session_id, state)
+
+    def _forget(self, session_id: str) -> bool:
+        # Caller holds the lock.
+        state = self._table.pop(session_id, None)
+        self._versions.pop(session_id, None)
+        self._set_values(session_id, {})
+        for obj in self._parked.pop(session_id, {}).values():
+            self._release(obj.handle)
+        return state is not None
+
+    # -- the ledger ------------------------------------------------------------------------------
+
+    def _values_for(self, session_id: str, state: SessionState) -> _Values:
+        # Values the stored record shares with `state` keep their storages: only the values
+        # that changed are walked.
+        held = self._values.get(session_id, {})
+        out: _Values = {}
+        for key, value in _value_items(state):
+            item = held.get(key)
+            out[key] = (
+                item
+                if item is not None and item[0] is value
+                else (value, _distinct_storages(value))
+            )
+        return out
+
+    def _set_values(self, session_id: str, values: _Values) -> _Values:
+        # Caller holds the lock. Adds before it removes, so a storage both records reach never
+        # drops out of the ledger in between.
+        previous = self._values.get(session_id, {})
+        for key, item in values.items():
+            if previous.get(key) is not item:
+                self._ledger.add(item[1])
+        for key, item in previous.items():
+            if values.get(key) is not item:
+                self._ledger.remove(item[1])
+        if values:
+            self._values[session_id] = values
+        else:
+            self._values.pop(session_id, None)
+        return previous
+
+    # -- the budget ------------------------------------------------------------------------------
+
+    def _check_fits(self, session_id: str, values: _Values) -> None:
+        assert self._max_bytes is not None
+        alone = count_entries(entry for _, entries in values.values() for entry in entries)
+        for device, budget in self._max_bytes.items():
+            if alone.get(device, 0) > budget:
+                msg = (
+                    f"Cannot store session {session_id!r}: its record holds "
+                    f"{alone[device]} bytes on {device}, more than the whole budget of "
+                    f"{budget} bytes there (`max_bytes`). Raise the budget for {device}, or "
+                    "keep less of the session on that device."
+                )
+                raise SessionAdmissionError(msg)
+
+    def _over(self, extra: Mapping[str, int]) -> list[str]:
+        assert self._max_bytes is not None
+        return [
+            device
+            for device, budget in self._max_bytes.items()
+            if self._ledger.total(device) + extra.get(device, 0) > budget
+        ]
+
+    def _make_room(self, session_id: str, extra: Mapping[str, int]) -> None:
+        # Caller holds the lock. Park the least recently used sessions' parkable objects,
+        # oldest first and never `session_id`'s; then apply `on_full`.
+        if self._max_bytes is None:
+            return
+        over = self._over(extra)
+        if not over:
+            return
+        for other in list(self._table):
+            if other == session_id:
+                continue
+            names = self._parkable(other, over)
+            if names:
+                self._park_session(other, names)
+                over = self._over(extra)
+                if not over:
+                    return
+        if self._on_full == "evict":
+            for other in list(self._table):
+                if other == session_id or not self._holds_on(other, over):
+                    continue
+                self._forget(other)
+                self._evictions += 1
+                over = self._over(extra)
+                if not over:
+                    return
+        device = over[0]
+        wanted = self._ledger.total(device) + extra.get(device, 0)
+        after = "parking and evicting" if self._on_full == "evict" else "parking"
+        msg = (
+            f"Cannot make room for session {session_id!r}: {device} would hold {wanted} bytes, "
+            f"over its budget of {self._max_bytes[device]} bytes, even after {after} the "
+            "other sessions' parkable objects (`on_full="
+            f"{self._on_full!r}`). Drop finished sessions, raise `max_bytes` for {device}, or "
+            "keep large values in parkable state objects rather than attributes."
+        )
+        raise SessionAdmissionError(msg)
+
+    def _parkable(self, session_id: str, devices: list[str]) -> list[str]:
+        values = self._values.get(session_id, {})
+        names = []
+        for name, obj in self._table[session_id].objects.items():
+            item = values.get(("o", name))
+            if (
+                obj.parkable
+                and item is not None
+                and any(entry[0] in devices and entry[3] for entry in item[1])
+            ):
+                names.append(name)
+        return names
+
+    def _holds_on(self, session_id: str, devices: list[str]) -> bool:
+        return any(
+            entry[0] in devices and entry[3]
+            for _, entries in self._values.get(session_id, {}).values()
+            for entry in entries
+        )
+
+    def _spool(self) -> str | None:
+        if self._park_tier != "disk":
+            return None
+        if self._spool_dir is None:
+            if self._spool_root is not None:
+                os.makedirs(self._spool_root, exist_ok=True)
+            self._spool_dir = tempfile.mkdtemp(prefix="sessionstate-spool-", dir=self._spool_root)
+            weakref.finalize(self, shutil.rmtree, self._spool_dir, ignore_errors=True)
+        return self._spool_dir
+
+    def _park_session(self, session_id: str, names: list[str]) -> None:
+        # Caller holds the lock. Every object is parked (pure) before anything is stored, so a
+        # failure half-way leaves the session resident and intact.
+        state = self._table[session_id]
+        parked: dict[str, ParkedObject] = {}
+        current = names[0]
+        try:
+            spool = self._spool()
+            for current in names:
+                parked[current] = state.object(current).park(
+                    self._park_tier, name=current, spool_dir=spool
+                )
+        except Exception as exc:
+            for obj in parked.values():
+                obj.handle.release()
+            msg = (
+                f"Cannot park session {session_id!r} (object `{current}`) on the "
+                f"{self._park_tier} tier: {exc}. The session is left resident and intact; "
+                "free room on the tier (or pick the other one), or raise `max_bytes`."
+            )
+            raise ParkingError(msg) from exc
+        new = state._replace({**state.objects, **parked}, dict(state.attrs))
+        self._table[session_id] = new
+        self._set_values(session_id, self._values_for(session_id, new))
+        for obj in parked.values():
+            self._handles[id(obj.handle)] = obj.handle
+        self._parked.setdefault(session_id, {}).update(parked)
+        self._parks += 1
+        self._record_versions(session_id, new)
+
+    def _resident(self, session_id: str, state: SessionState) -> SessionState:
+        # Caller holds the lock. Unpark the session's parked objects, making room first;
+        # a failure leaves the session parked (and a retry can succeed).
+        parked = self._parked.get(session_id)
+        if not parked:
+            return state
+        need: dict[str, int] = {}
+        for obj in parked.values():
+            for device, nbytes in obj.handle.nbytes_by_device.items():
+                need[device] = need.get(device, 0) + nbytes
+        self._make_room(session_id, need)
+        objects: dict[str, Any] = dict(state.objects)
+        current = next(iter(parked))
+        try:
+            for current, obj in parked.items():
+                objects[current] = obj.unpark()
+        except Exception as exc:
+            msg = (
+                f"Cannot unpark session {session_id!r} (object `{current}`) from the "
+                f"{obj.handle.tier} tier: {exc}. The session stays parked and intact; retry "
+                "once the cause is fixed, or `drop` it."
+            )
+            raise ParkingError(msg) from exc
+        new = state._replace(objects, dict(state.attrs))
+        self._table[session_id] = new
+        self._set_values(session_id, self._values_for(session_id, new))
+        del self._parked[session_id]
+        for obj in parked.values():
+            self._release(obj.handle)
+        self._unparks += 1
+        self._record_versions(session_id, new)
+        return new
+
+    def _release(self, handle: ParkedBytes) -> None:
+        # Only the handles this manager created: a record put with objects parked elsewhere
+        # keeps its bytes for whoever parked them.
+        if self._handles.pop(id(handle), None) is handle:
+            handle.release()
+
+    def _record_versions(self, session_id: str, state: SessionState) -> None:
+        if not self._check_immutable:
+            return
+        # Key paths are costly to render; keep leaf positions and render one on violation.
+        versions = []
+        for index, leaf in enumerate(tree_leaves(state)):
+            version = _version_of(leaf)
+            if version is not None:
+                versions.append((index, leaf, version))
+            elif isinstance(leaf, torch.Tensor) and not self._warned_unversioned:
+                self._warned_unversioned = True
+                logger.warning(
+                    "Session %r: the tensor at `%s` was made under torch.inference_mode() "
+                    "and keeps no version counter, so check_immutable cannot watch it "
+                    "(warned once per manager). Create session tensors under "
+                    "torch.no_grad() to have them checked.",
+                    session_id,
+                    _key_of(state, index),
+                )
+        self._versions[session_id] = versions
 
     def _verify(self, session_id: str) -> None:
         # Caller holds the lock. Views share their base's version counter, so an in-place op

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, TypeVar
+import os
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 import torch
 
 from sessionstate._accounting import nbytes_by_device
-from sessionstate._errors import NotAllocatedError
+from sessionstate._errors import NotAllocatedError, ParkedError
+from sessionstate._park import ParkedBytes, Tier, park_tree
 from sessionstate._tree import field, register_record, static_field
 
-__all__ = ["LatentBuffer", "StateObject"]
+__all__ = ["LatentBuffer", "ParkedObject", "StateObject", "TensorCache"]
 
 _S = TypeVar("_S", bound="StateObject")
 
@@ -27,8 +29,13 @@ class StateObject(abc.ABC):
 
     Lifecycle: ``allocate(**sizing)`` makes an object usable; ``commit(payload)`` adds to it;
     ``view(...)`` reads it; ``reset()`` empties it and keeps its configuration; ``evict()``
-    releases its storage and makes it non-resident (``allocate`` again before further use).
+    releases its storage and makes it non-resident (``allocate`` again before further use);
+    ``park(tier)`` moves its storages to host memory or disk without losing a bit (a
+    `ParkedObject`, not resident) and ``unpark()`` brings them back.
     """
+
+    parkable: ClassVar[bool] = True
+    """Whether a manager under a byte budget may park this object (`park`)."""
 
     @property
     @abc.abstractmethod
@@ -58,6 +65,63 @@ class StateObject(abc.ABC):
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes this object keeps alive, per device (see `sessionstate.nbytes_by_device`)."""
         return nbytes_by_device(self)
+
+    @property
+    def is_parked(self) -> bool:
+        """Whether the object is parked (its bytes held by a tier, not resident).
+
+        >>> LatentBuffer().is_parked
+        False
+        """
+        return False
+
+    def park(
+        self,
+        tier: Tier = "host",
+        /,
+        *,
+        name: str | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> ParkedObject:
+        """Return this object parked: each of its storages moved once to ``tier``.
+
+        A pure transition: ``self`` stays valid (its memory is freed once nothing else holds
+        it). The parked object is not resident and refuses reads until `unpark`, which
+        rebuilds this object bit for bit with its aliases (two views of one storage stay views
+        of one storage).
+
+        Args:
+            tier: ``"host"`` (host memory, pinned for CUDA storages, copies synchronised
+                before this returns) or ``"disk"`` (one snapshot file in ``spool_dir``).
+            name: Names the object in messages (defaults to its ``name`` field, if any).
+            spool_dir: The disk tier's directory (a new temporary one when None).
+
+        Raises:
+            UnsupportedTensorError: for a tensor that cannot be moved storage by storage.
+            OSError: if the disk tier cannot write its file.
+
+        >>> import torch
+        >>> from sessionstate import tree_equal
+        >>> ring = LatentBuffer(dim=0).allocate(maxlen=2).commit(torch.ones(1, 3))
+        >>> parked = ring.park("host")
+        >>> parked.is_parked, parked.nbytes_by_device(), parked.nbytes_parked
+        (True, {}, {'host': 12})
+        >>> tree_equal(parked.unpark(), ring)
+        True
+        """
+        label_name = name if name is not None else str(getattr(self, "name", "?"))
+        label = f"{type(self).__name__} `{label_name}`"
+        handle = park_tree(self, tier, label=label, spool_dir=spool_dir)
+        return ParkedObject(name=label_name, kind=type(self).__name__, handle=handle)
+
+    def unpark(self) -> StateObject:
+        """Return the resident object: ``self`` unless it is parked.
+
+        >>> buf = LatentBuffer()
+        >>> buf.unpark() is buf
+        True
+        """
+        return self
 
 
 def _describe(value: object) -> str:
@@ -314,3 +378,206 @@ class LatentBuffer(StateObject):
 def _shape_pattern(shape: torch.Size, dim: int) -> str:
     parts = ["T" if i == dim else str(s) for i, s in enumerate(shape)]
     return f"({', '.join(parts)})"
+
+
+def _parked_refusal(obj: ParkedObject, action: str) -> ParkedError:
+    msg = (
+        f"Cannot {action} {obj.kind} `{obj.name}`: it is parked on the {obj.handle.tier} tier "
+        "and not resident. Call `.unpark()` first (a manager does so on `get`, "
+        "`get_or_create` and `require`)."
+    )
+    return ParkedError(msg)
+
+
+@register_record
+@attrs.frozen(eq=False)
+class ParkedObject(StateObject):
+    """A `StateObject` whose storages a tier holds (see `StateObject.park`); not resident.
+
+    It has no tensor leaves, so byte accounting counts nothing for it; `nbytes_parked` says
+    what the tier holds. Every read or change raises `ParkedError`; `unpark` returns the
+    object as it was.
+
+    Args:
+        name: The parked object's name (for messages).
+        kind: The parked object's class name.
+        handle: The tier's handle on the bytes.
+
+    >>> import torch
+    >>> parked = TensorCache(name="feat").allocate().commit((torch.zeros(2),)).park()
+    >>> parked.is_allocated, parked.kind, parked.unpark().view()
+    (False, 'TensorCache', (tensor([0., 0.]),))
+    """
+
+    name: str = static_field()
+    kind: str = static_field()
+    handle: ParkedBytes = static_field(repr=False)
+
+    parkable: ClassVar[bool] = False
+
+    @property
+    def is_allocated(self) -> bool:
+        """Always False: a parked object cannot be used until unparked."""
+        return False
+
+    @property
+    def is_parked(self) -> bool:
+        """Always True."""
+        return True
+
+    @property
+    def nbytes_parked(self) -> dict[str, int]:
+        """Bytes the tier holds for this object, keyed by tier (``host`` or ``disk``)."""
+        return {self.handle.tier: self.handle.nbytes}
+
+    @property
+    def nbytes_unparked(self) -> dict[str, int]:
+        """Bytes per device that `unpark` makes resident again."""
+        return dict(self.handle.nbytes_by_device)
+
+    def allocate(self, **sizing: Any) -> ParkedObject:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "allocate")
+
+    def commit(self, payload: Any, /) -> ParkedObject:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "commit to")
+
+    def view(self) -> Any:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "view")
+
+    def reset(self) -> ParkedObject:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "reset")
+
+    def evict(self) -> ParkedObject:
+        """Refused: unpark first (or drop the whole session)."""
+        raise _parked_refusal(self, "evict")
+
+    def park(
+        self,
+        tier: Tier = "host",
+        /,
+        *,
+        name: str | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> ParkedObject:
+        """Already parked: returns ``self``."""
+        return self
+
+    def unpark(self) -> StateObject:
+        """Return the object as it was parked: fresh storages, every bit and alias kept.
+
+        Raises:
+            RuntimeError: if the tier no longer holds the bytes (its owner released them), or
+                cannot read them back (a damaged spool file).
+        """
+        restored = self.handle.restore()
+        assert isinstance(restored, StateObject)
+        return restored
+
+
+@register_record
+@attrs.frozen(eq=False)
+class TensorCache(StateObject):
+    """A cache replaced wholesale: one tree of tensors, with no accumulate or ring semantics.
+
+    For a value a model rebuilds in full every step and needs back exactly (a streaming
+    encoder's causal-conv cache): `commit` replaces the contents, `view` returns them. It is a
+    `StateObject` so a manager under a byte budget can park it (it has no recompute source,
+    so evicting it mid-session would lose it; parking does not).
+
+    Args:
+        contents: The cached tree (None while empty). Set through `commit`.
+        name: Used in error messages.
+        allocated: Set through `allocate`.
+
+    >>> import torch
+    >>> cache = TensorCache(name="feat").allocate()
+    >>> cache.view() is None
+    True
+    >>> cache.commit((torch.ones(2), None)).view()
+    (tensor([1., 1.]), None)
+    """
+
+    contents: Any = field(default=None)
+    name: str = static_field(default="cache", kw_only=True)
+    allocated: bool = static_field(default=False, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.contents is not None and not self.allocated:
+            msg = (
+                f"TensorCache `{self.name}` holds contents but is not allocated; build it with "
+                "`.allocate()` and `.commit(tree)`."
+            )
+            raise ValueError(msg)
+
+    @property
+    def is_allocated(self) -> bool:
+        """Whether the cache was allocated (and not evicted since).
+
+        >>> TensorCache().is_allocated, TensorCache().allocate().is_allocated
+        (False, True)
+        """
+        return self.allocated
+
+    def allocate(self) -> TensorCache:  # type: ignore[override]
+        """Return an empty, allocated cache.
+
+        >>> TensorCache().allocate().is_allocated
+        True
+        """
+        return attrs.evolve(self, contents=None, allocated=True)
+
+    def commit(self, contents: Any, /) -> TensorCache:
+        """Return a cache holding ``contents`` instead of what it held (nothing is copied).
+
+        Raises:
+            NotAllocatedError: if the cache is not allocated.
+
+        >>> import torch
+        >>> TensorCache().allocate().commit({"k": torch.zeros(1)}).view()
+        {'k': tensor([0.])}
+        """
+        self._require_allocated("commit to")
+        return attrs.evolve(self, contents=contents)
+
+    def view(self) -> Any:
+        """The cached tree, or None while empty.
+
+        Raises:
+            NotAllocatedError: if the cache is not allocated.
+
+        >>> TensorCache().allocate().view() is None
+        True
+        """
+        self._require_allocated("view")
+        return self.contents
+
+    def reset(self) -> TensorCache:
+        """Return an empty cache (still allocated).
+
+        >>> import torch
+        >>> TensorCache().allocate().commit(torch.ones(1)).reset().view() is None
+        True
+        """
+        self._require_allocated("reset")
+        return attrs.evolve(self, contents=None)
+
+    def evict(self) -> TensorCache:
+        """Return a cache with its contents released and not resident; `allocate` to reuse it.
+
+        >>> import torch
+        >>> TensorCache().allocate().commit(torch.ones(1)).evict().is_allocated
+        False
+        """
+        return attrs.evolve(self, contents=None, allocated=False)
+
+    def _require_allocated(self, action: str) -> None:
+        if not self.allocated:
+            msg = (
+                f"Cannot {action} TensorCache `{self.name}`: it is not allocated; call "
+                "`.allocate()` first."
+            )
+            raise NotAllocatedError(msg)

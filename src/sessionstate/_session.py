@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
@@ -11,6 +12,7 @@ import attrs
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._errors import MissingKeyError
 from sessionstate._objects import StateObject
+from sessionstate._park import Tier
 from sessionstate._tree import field, register_record, tree_leaves
 
 __all__ = ["SessionAttr", "SessionState"]
@@ -240,6 +242,57 @@ class SessionState:
         """
         drop = set(names)
         return self._replace(self._objects, {k: v for k, v in self._attrs.items() if k not in drop})
+
+    @property
+    def parked(self) -> tuple[str, ...]:
+        """Names of the parked state objects (not resident until `unpark`).
+
+        >>> SessionState().parked
+        ()
+        """
+        return tuple(name for name, obj in self._objects.items() if obj.is_parked)
+
+    def park(
+        self: _St,
+        tier: Tier = "host",
+        /,
+        *,
+        names: Iterable[str] | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> _St:
+        """Return a new state with its parkable objects (or those in ``names``) parked.
+
+        See `StateObject.park`. Attributes are never parked: they stay resident.
+
+        >>> import torch
+        >>> from sessionstate import LatentBuffer, tree_equal
+        >>> ring = LatentBuffer(dim=0).allocate().commit(torch.ones(2, 2))
+        >>> s = SessionState(objects={"r": ring}, attrs={"n": 1})
+        >>> parked = s.park("host")
+        >>> parked.parked, parked.nbytes_by_device(), tree_equal(parked.unpark(), s)
+        (('r',), {}, True)
+        """
+        chosen = (
+            [n for n, obj in self._objects.items() if obj.parkable]
+            if names is None
+            else list(names)
+        )
+        objects = dict(self._objects)
+        for name in chosen:
+            objects[name] = self.object(name).park(tier, name=name, spool_dir=spool_dir)
+        return self._replace(objects, self._attrs)
+
+    def unpark(self: _St) -> _St:
+        """Return a resident state: every parked object unparked (``self`` if none is parked).
+
+        >>> s = SessionState()
+        >>> s.unpark() is s
+        True
+        """
+        if not self.parked:
+            return self
+        objects = {name: obj.unpark() for name, obj in self._objects.items()}
+        return self._replace(objects, self._attrs)
 
     def _replace(self: _St, objects: dict[str, StateObject], attributes: dict[str, Any]) -> _St:
         # The transitions build fresh dicts themselves, so skip `attrs.evolve`, which would
