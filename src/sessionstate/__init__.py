@@ -16,6 +16,7 @@ from sessionstate._accounting import nbytes_by_device, nbytes_by_key
 from sessionstate._config import (
     ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
+    ENV_MAX_BYTES,
     ENV_MAX_SESSIONS,
     OmniDiffusionConfig,
     SessionStateSettings,
@@ -27,13 +28,15 @@ from sessionstate._errors import (
     ImmutableRecordError,
     MissingKeyError,
     NotAllocatedError,
+    ParkedError,
+    ParkingError,
     SessionAdmissionError,
     SessionStateLostError,
     SnapshotError,
     UnsupportedTensorError,
 )
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
-from sessionstate._objects import LatentBuffer, StateObject
+from sessionstate._objects import LatentBuffer, ParkedObject, StateObject, TensorCache
 from sessionstate._session import SessionAttr, SessionState
 from sessionstate._snapshot import dumps_state, load_state, loads_state, save_state
 from sessionstate._tree import (
@@ -57,6 +60,7 @@ __all__ = [
     "DEFAULT_MAX_SESSIONS",
     "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
+    "ENV_MAX_BYTES",
     "ENV_MAX_SESSIONS",
     "NAMESPACE",
     "ImmutabilityViolationError",
@@ -65,6 +69,9 @@ __all__ = [
     "MissingKeyError",
     "NotAllocatedError",
     "OmniDiffusionConfig",
+    "ParkedError",
+    "ParkedObject",
+    "ParkingError",
     "PyTree",
     "SessionAdmissionError",
     "SessionAttr",
@@ -74,6 +81,7 @@ __all__ = [
     "SessionStateSettings",
     "SnapshotError",
     "StateObject",
+    "TensorCache",
     "UnsupportedTensorError",
     "__version__",
     "dumps_state",

@@ -13,11 +13,14 @@ import attrs
 import yaml
 
 from sessionstate._errors import MissingKeyError
+from sessionstate._ledger import parse_nbytes
 from sessionstate._manager import DEFAULT_MAX_SESSIONS
+from sessionstate._park import Tier, check_tier
 
 __all__ = [
     "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
+    "ENV_MAX_BYTES",
     "ENV_MAX_SESSIONS",
     "OmniDiffusionConfig",
     "SessionStateSettings",
@@ -28,6 +31,10 @@ __all__ = [
 ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
 ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
 ENV_CHECK_IMMUTABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE"
+ENV_MAX_BYTES = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES"
+
+MaxBytes = int | Mapping[str, int]
+"""A byte budget: one count (for the model's device) or a count per device string."""
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -53,6 +60,53 @@ def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(msg)
 
 
+def _to_max_bytes(value: Any) -> MaxBytes | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return MappingProxyType(
+            {
+                str(device): parse_nbytes(n, name=f"session_state_max_bytes[{device!r}]")
+                for device, n in value.items()
+            }
+        )
+    return parse_nbytes(value, name="session_state_max_bytes")
+
+
+def _to_tier(value: Any) -> Tier:
+    try:
+        return check_tier(value)
+    except ValueError:
+        msg = (
+            f"`session_state_park_tier` must be 'host' or 'disk', got {value!r} "
+            f"({type(value).__name__})."
+        )
+        raise ValueError(msg) from None
+
+
+def parse_max_bytes(text: str, /) -> MaxBytes | None:
+    """Parse a budget written as text; None when it is not one.
+
+    One byte count (``"24GiB"``) applies to the model's device; ``device=count`` pairs
+    separated by commas (``"cuda:0=24GiB,cpu=8GiB"``) name devices.
+
+    >>> parse_max_bytes("24GiB"), parse_max_bytes("cuda:0=1KiB, cpu=2"), parse_max_bytes("lots")
+    (25769803776, {'cuda:0': 1024, 'cpu': 2}, None)
+    """
+    try:
+        if "=" not in text:
+            return parse_nbytes(text)
+        out: dict[str, int] = {}
+        for part in text.split(","):
+            device, _, count = part.partition("=")
+            if not device.strip():
+                return None
+            out[device.strip()] = parse_nbytes(count)
+        return out
+    except ValueError:
+        return None
+
+
 def _read_only(value: Any) -> Any:
     # A frozen config whose `model` section could be mutated in place would not be frozen.
     return MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
@@ -68,6 +122,14 @@ class OmniDiffusionConfig:
             environment variable ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` overrides it.
         model: The model's own settings (for DreamZero: ``preset`` and geometry overrides),
             validated by the model.
+        session_state_max_bytes: The manager's byte budget: one count for the model's device,
+            or a mapping from device string to count; ints or strings such as ``"24GiB"``.
+            None (default) enforces no budget. The environment variable
+            ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES`` overrides it.
+        session_state_park_tier: Where the budget parks state objects: ``"host"`` (default)
+            or ``"disk"``.
+        session_state_spool_dir: The directory the disk tier writes under (a temporary one
+            when None).
 
     >>> OmniDiffusionConfig(enable_session_state_manager=True).enable_session_state_manager
     True
@@ -77,6 +139,11 @@ class OmniDiffusionConfig:
     model: Mapping[str, Any] = attrs.field(
         factory=dict, validator=_check_mapping, converter=_read_only
     )
+    session_state_max_bytes: MaxBytes | None = attrs.field(
+        default=None, converter=_to_max_bytes, kw_only=True
+    )
+    session_state_park_tier: Tier = attrs.field(default="host", converter=_to_tier, kw_only=True)
+    session_state_spool_dir: str | None = attrs.field(default=None, kw_only=True)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> OmniDiffusionConfig:
@@ -87,7 +154,10 @@ class OmniDiffusionConfig:
             TypeError: for a value of the wrong type, naming the key and the value.
 
         >>> OmniDiffusionConfig.from_dict({"enable_session_state_manager": True})
-        OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}),
+            session_state_max_bytes=None, session_state_park_tier='host',
+            session_state_spool_dir=None)
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
@@ -135,13 +205,16 @@ class OmniDiffusionConfig:
 class SessionStateSettings:
     """The resolved session-state settings of one process.
 
-    >>> SessionStateSettings(enabled=True, max_sessions=4)
-    SessionStateSettings(enabled=True, max_sessions=4, check_immutable=False)
+    >>> SessionStateSettings(enabled=True, max_sessions=4).max_bytes is None
+    True
     """
 
     enabled: bool
     max_sessions: int = DEFAULT_MAX_SESSIONS
     check_immutable: bool = False
+    max_bytes: MaxBytes | None = None
+    park_tier: Tier = "host"
+    spool_dir: str | None = None
 
 
 def parse_env_flag(value: str | None, /) -> bool | None:
@@ -184,6 +257,9 @@ def resolve_session_state_config(
     deliberately not a config field: it mirrors the bespoke path's fixed constant.
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE`` turns on the manager's in-place
     write check (a debugging aid; off by default).
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES`` overrides the config's byte budget (a
+    count such as ``24GiB``, or ``cuda:0=24GiB,cpu=8GiB``); an unparsable value logs a warning
+    naming the variable and the value and is ignored.
 
     Args:
         config: The deploy config (None reads as the defaults).
@@ -191,7 +267,9 @@ def resolve_session_state_config(
 
     >>> cfg = OmniDiffusionConfig(enable_session_state_manager=True)
     >>> resolve_session_state_config(cfg, {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "off"})
-    SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False)
+    ... # doctest: +NORMALIZE_WHITESPACE
+    SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False,
+        max_bytes=None, park_tier='host', spool_dir=None)
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -238,6 +316,28 @@ def resolve_session_state_config(
             )
         else:
             check_immutable = parsed
+    max_bytes = config.session_state_max_bytes if config is not None else None
+    raw_bytes = env.get(ENV_MAX_BYTES)
+    if raw_bytes is not None and raw_bytes.strip():
+        parsed_bytes = parse_max_bytes(raw_bytes)
+        if parsed_bytes is None:
+            logger.warning(
+                "Ignoring %s=%r: expected a byte count such as 24GiB, or device=count pairs "
+                "such as cuda:0=24GiB,cpu=8GiB; using the config value "
+                "session_state_max_bytes=%r.",
+                ENV_MAX_BYTES,
+                raw_bytes,
+                max_bytes,
+            )
+        else:
+            max_bytes = parsed_bytes
+    if isinstance(max_bytes, Mapping):
+        max_bytes = dict(max_bytes)
     return SessionStateSettings(
-        enabled=enabled, max_sessions=max_sessions, check_immutable=check_immutable
+        enabled=enabled,
+        max_sessions=max_sessions,
+        check_immutable=check_immutable,
+        max_bytes=max_bytes,
+        park_tier=config.session_state_park_tier if config is not None else "host",
+        spool_dir=config.session_state_spool_dir if config is not None else None,
     )

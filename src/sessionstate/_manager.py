@@ -9,8 +9,8 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal, TypeVar
 
 import attrs
 import torch
@@ -423,8 +423,8 @@ class SessionStateManager:
                 out[f"max_bytes:{device}"] = self._max_bytes[device]
             parked = {"host": 0, "disk": 0}
             for objects in self._parked.values():
-                for obj in objects.values():
-                    parked[obj.handle.tier] += obj.handle.nbytes
+                for handle in _handles_of(objects.values()):
+                    parked[handle.tier] += handle.nbytes
             out["parked_sessions"] = len(self._parked)
             out["parks"] = self._parks
             out["unparks"] = self._unparks
@@ -556,9 +556,10 @@ class SessionStateManager:
         # Caller holds the lock and has accounted the record's values (`_set_values`).
         self._table[session_id] = state
         parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
-        for name, obj in self._parked.pop(session_id, {}).items():
-            if parked.get(name) is not obj:
-                self._release(obj.handle)
+        kept = {id(handle) for handle in _handles_of(parked.values())}
+        for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+            if id(handle) not in kept:
+                self._release(handle)
         if parked:
             self._parked[session_id] = parked
         self._record_versions(session_id, state)
@@ -568,8 +569,8 @@ class SessionStateManager:
         state = self._table.pop(session_id, None)
         self._versions.pop(session_id, None)
         self._set_values(session_id, {})
-        for obj in self._parked.pop(session_id, {}).values():
-            self._release(obj.handle)
+        for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+            self._release(handle)
         return state is not None
 
     # -- the ledger ------------------------------------------------------------------------------
@@ -666,17 +667,29 @@ class SessionStateManager:
         raise SessionAdmissionError(msg)
 
     def _parkable(self, session_id: str, devices: list[str]) -> list[str]:
+        # The parkable objects holding bytes on `devices`, except any sharing a storage with
+        # a value that stays resident (an attribute): parking it would free nothing, and
+        # unparking would split the alias into two copies.
         values = self._values.get(session_id, {})
-        names = []
-        for name, obj in self._table[session_id].objects.items():
-            item = values.get(("o", name))
-            if (
-                obj.parkable
-                and item is not None
-                and any(entry[0] in devices and entry[3] for entry in item[1])
-            ):
-                names.append(name)
-        return names
+        objects = self._table[session_id].objects
+        candidates = {
+            name
+            for name, obj in objects.items()
+            if obj.parkable
+            and any(entry[0] in devices and entry[3] for entry in values[("o", name)][1])
+        }
+        staying = {
+            entry[1]
+            for key, (_, entries) in values.items()
+            if not (key[0] == "o" and key[1] in candidates)
+            for entry in entries
+        }
+        return [
+            name
+            for name in objects
+            if name in candidates
+            and not any(entry[1] in staying for entry in values[("o", name)][1])
+        ]
 
     def _holds_on(self, session_id: str, devices: list[str]) -> bool:
         return any(
@@ -696,64 +709,53 @@ class SessionStateManager:
         return self._spool_dir
 
     def _park_session(self, session_id: str, names: list[str]) -> None:
-        # Caller holds the lock. Every object is parked (pure) before anything is stored, so a
-        # failure half-way leaves the session resident and intact.
+        # Caller holds the lock. The objects are parked (a pure transition) before anything is
+        # stored, so a failure half-way leaves the session resident and intact.
         state = self._table[session_id]
-        parked: dict[str, ParkedObject] = {}
-        current = names[0]
         try:
-            spool = self._spool()
-            for current in names:
-                parked[current] = state.object(current).park(
-                    self._park_tier, name=current, spool_dir=spool
-                )
+            new = state.park(self._park_tier, names=names, spool_dir=self._spool())
         except Exception as exc:
-            for obj in parked.values():
-                obj.handle.release()
             msg = (
-                f"Cannot park session {session_id!r} (object `{current}`) on the "
+                f"Cannot park session {session_id!r} (objects {names}) on the "
                 f"{self._park_tier} tier: {exc}. The session is left resident and intact; "
                 "free room on the tier (or pick the other one), or raise `max_bytes`."
             )
             raise ParkingError(msg) from exc
-        new = state._replace({**state.objects, **parked}, dict(state.attrs))
+        parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
         self._table[session_id] = new
         self._set_values(session_id, self._values_for(session_id, new))
-        for obj in parked.values():
-            self._handles[id(obj.handle)] = obj.handle
-        self._parked.setdefault(session_id, {}).update(parked)
+        for handle in _handles_of(parked.values()):
+            self._handles[id(handle)] = handle
+        self._parked[session_id] = parked
         self._parks += 1
         self._record_versions(session_id, new)
 
     def _resident(self, session_id: str, state: SessionState) -> SessionState:
-        # Caller holds the lock. Unpark the session's parked objects, making room first;
-        # a failure leaves the session parked (and a retry can succeed).
+        # Caller holds the lock. Unpark the session's parked objects, making room first; a
+        # failure leaves the session parked (and a retry can succeed).
         parked = self._parked.get(session_id)
         if not parked:
             return state
         need: dict[str, int] = {}
-        for obj in parked.values():
-            for device, nbytes in obj.handle.nbytes_by_device.items():
+        for handle in _handles_of(parked.values()):
+            for device, nbytes in handle.nbytes_by_device.items():
                 need[device] = need.get(device, 0) + nbytes
         self._make_room(session_id, need)
-        objects: dict[str, Any] = dict(state.objects)
-        current = next(iter(parked))
         try:
-            for current, obj in parked.items():
-                objects[current] = obj.unpark()
+            new = state.unpark()
         except Exception as exc:
+            tiers = sorted({obj.handle.tier for obj in parked.values()})
             msg = (
-                f"Cannot unpark session {session_id!r} (object `{current}`) from the "
-                f"{obj.handle.tier} tier: {exc}. The session stays parked and intact; retry "
-                "once the cause is fixed, or `drop` it."
+                f"Cannot unpark session {session_id!r} (objects {sorted(parked)}) from the "
+                f"{' and '.join(tiers)} tier: {exc}. The session stays parked and intact; "
+                "retry once the cause is fixed, or `drop` it."
             )
             raise ParkingError(msg) from exc
-        new = state._replace(objects, dict(state.attrs))
         self._table[session_id] = new
         self._set_values(session_id, self._values_for(session_id, new))
         del self._parked[session_id]
-        for obj in parked.values():
-            self._release(obj.handle)
+        for handle in _handles_of(parked.values()):
+            self._release(handle)
         self._unparks += 1
         self._record_versions(session_id, new)
         return new
@@ -800,6 +802,11 @@ class SessionStateManager:
                     f"`drop({session_id!r})` this corrupted session."
                 )
                 raise ImmutabilityViolationError(msg)
+
+
+def _handles_of(objects: Iterable[ParkedObject]) -> list[ParkedBytes]:
+    # Objects parked together share one handle: each handle once.
+    return list({id(obj.handle): obj.handle for obj in objects}.values())
 
 
 def _key_of(state: SessionState, index: int) -> str:

@@ -402,6 +402,8 @@ class ParkedObject(StateObject):
         name: The parked object's name (for messages).
         kind: The parked object's class name.
         handle: The tier's handle on the bytes.
+        key: Where the object sits in the handle's tree when several objects were parked
+            together (so storages they share stay shared); None when parked alone.
 
     >>> import torch
     >>> parked = TensorCache(name="feat").allocate().commit((torch.zeros(2),)).park()
@@ -412,6 +414,7 @@ class ParkedObject(StateObject):
     name: str = static_field()
     kind: str = static_field()
     handle: ParkedBytes = static_field(repr=False)
+    key: str | None = static_field(default=None, repr=False)
 
     parkable: ClassVar[bool] = False
 
@@ -474,8 +477,19 @@ class ParkedObject(StateObject):
                 cannot read them back (a damaged spool file).
         """
         restored = self.handle.restore()
-        assert isinstance(restored, StateObject)
-        return restored
+        return self.unpark_from(restored)
+
+    def unpark_from(self, restored: Any, /) -> StateObject:
+        """This object, taken from the tree its handle restored (see `ParkedBytes.restore`).
+
+        >>> import torch
+        >>> parked = TensorCache().allocate().park()
+        >>> parked.unpark_from(parked.handle.restore()).is_allocated
+        True
+        """
+        obj = restored if self.key is None else restored[self.key]
+        assert isinstance(obj, StateObject)
+        return obj
 
 
 @register_record

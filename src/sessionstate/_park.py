@@ -256,7 +256,8 @@ def park_tree(
     >>> x = torch.arange(6.0)
     >>> handle = park_tree((x, x[2:]), "host")
     >>> a, b = handle.restore()
-    >>> tree_equal((a, b), (x, x[2:])), a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    >>> shared = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    >>> tree_equal((a, b), (x, x[2:])), shared
     (True, True)
     """
     tier = check_tier(tier)

@@ -11,8 +11,8 @@ import attrs
 
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._errors import MissingKeyError
-from sessionstate._objects import StateObject
-from sessionstate._park import Tier
+from sessionstate._objects import ParkedObject, StateObject
+from sessionstate._park import Tier, park_tree
 from sessionstate._tree import field, register_record, tree_leaves
 
 __all__ = ["SessionAttr", "SessionState"]
@@ -262,7 +262,13 @@ class SessionState:
     ) -> _St:
         """Return a new state with its parkable objects (or those in ``names``) parked.
 
-        See `StateObject.park`. Attributes are never parked: they stay resident.
+        The objects are parked together, into one handle of the tier, so a storage two of
+        them share is moved once and shared again after `unpark` (see `StateObject.park`).
+        Attributes are never parked: they stay resident. Objects already parked are skipped.
+
+        Raises:
+            UnsupportedTensorError: for a tensor that cannot be moved storage by storage.
+            OSError: if the disk tier cannot write its file.
 
         >>> import torch
         >>> from sessionstate import LatentBuffer, tree_equal
@@ -277,9 +283,17 @@ class SessionState:
             if names is None
             else list(names)
         )
+        tree = {name: self.object(name) for name in chosen}
+        tree = {name: obj for name, obj in tree.items() if not obj.is_parked}
+        if not tree:
+            return self
+        label = f"state objects {sorted(tree)}"
+        handle = park_tree(tree, tier, label=label, spool_dir=spool_dir)
         objects = dict(self._objects)
-        for name in chosen:
-            objects[name] = self.object(name).park(tier, name=name, spool_dir=spool_dir)
+        for name, obj in tree.items():
+            objects[name] = ParkedObject(
+                name=name, kind=type(obj).__name__, handle=handle, key=name
+            )
         return self._replace(objects, self._attrs)
 
     def unpark(self: _St) -> _St:
@@ -291,7 +305,14 @@ class SessionState:
         """
         if not self.parked:
             return self
-        objects = {name: obj.unpark() for name, obj in self._objects.items()}
+        restored: dict[int, Any] = {}  # one restore per handle keeps shared storages shared
+        objects = dict(self._objects)
+        for name, obj in self._objects.items():
+            if isinstance(obj, ParkedObject):
+                tree = restored.get(id(obj.handle))
+                if tree is None:
+                    tree = restored[id(obj.handle)] = obj.handle.restore()
+                objects[name] = obj.unpark_from(tree)
         return self._replace(objects, self._attrs)
 
     def _replace(self: _St, objects: dict[str, StateObject], attributes: dict[str, Any]) -> _St:

@@ -44,6 +44,32 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nbytes(text: str) -> int:
+    from sessionstate._ledger import parse_nbytes
+
+    try:
+        value = parse_nbytes(text, name="--max-bytes")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 1048576 or 24GiB, got {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
+    return value
+
+
+def _with_budget(deploy: Any, args: argparse.Namespace) -> Any:
+    """The deploy config with ``--max-bytes`` and the park tier applied (if given)."""
+    import attrs
+
+    if getattr(args, "max_bytes", None) is None:
+        return deploy
+    tier = args.park_tier or ("host" if str(args.device).startswith("cuda") else "disk")
+    return attrs.evolve(
+        deploy, session_state_max_bytes=args.max_bytes, session_state_park_tier=tier
+    )
+
+
 def _load_model_config(config: str | None, preset: str | None) -> tuple[Any, Any]:
     """The deploy config (its ``model`` section completed) and the DreamZero config."""
     import attrs
@@ -70,7 +96,8 @@ def _run_episode(args: argparse.Namespace) -> int:
     from sessionstate.models.dreamzero.episode import scripted_episode
 
     deploy, cfg = _load_model_config(args.config, args.preset)
-    pipe = DreamZeroPipeline(deploy, max_bespoke_sessions=args.max_sessions)
+    deploy = _with_budget(deploy, args)
+    pipe = DreamZeroPipeline(deploy, device=args.device, max_bespoke_sessions=args.max_sessions)
     total = args.steps * args.sessions
     records: list[dict[str, Any]] = []
     times: list[float] = []
@@ -111,6 +138,12 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     if args.preset:
         cmd += ["--preset", args.preset]
     cmd += ["--max-sessions", str(args.max_sessions)]
+    if args.device != "cpu":
+        cmd += ["--device", args.device]
+    if args.max_bytes is not None:
+        cmd += ["--max-bytes", str(args.max_bytes)]
+        if args.park_tier:
+            cmd += ["--park-tier", args.park_tier]
     # Both sides get the same cap: the managed side reads it from the environment, the
     # bespoke side (whose cap is a constant upstream) from `--max-sessions`.
     env = dict(
@@ -200,10 +233,21 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                     if k.startswith("nbytes:")
                 },
                 "sessions_held": res["stats"]["sessions"],
+                **(
+                    {
+                        key: res["stats"].get(key, 0)
+                        for key in ("parks", "unparks", "evictions", "parked_sessions")
+                    }
+                    if args.max_bytes is not None
+                    else {}
+                ),
             }
             for name, res in results.items()
         },
     }
+    if args.max_bytes is not None:
+        report["max_bytes"] = args.max_bytes
+        report["device"] = args.device
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -334,14 +378,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+    from sessionstate.models.dreamzero import DreamZeroPipeline
     from sessionstate.models.dreamzero.episode import scripted_episode
 
-    cfg = DreamZeroConfig.preset(args.preset)
+    deploy, cfg = _load_model_config(None, args.preset)
+    deploy = _with_budget(deploy, args)
     environ = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER="1")
     if args.max_sessions is not None:
         environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"] = str(args.max_sessions)
-    pipe = DreamZeroPipeline(cfg, environ=environ)
+    pipe = DreamZeroPipeline(deploy, environ=environ, device=args.device)
     assert pipe.manager is not None
     console = Console()
     episode = scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
@@ -371,6 +416,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- entry point ----------------------------------------------------------------------------------
+
+
+def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="cpu", help="where the networks and session tensors live (cpu)"
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=_nbytes,
+        help="the managed path's byte budget on --device (e.g. 24GiB); least recently used "
+        "sessions are parked to stay under it",
+    )
+    parser.add_argument(
+        "--park-tier",
+        choices=["host", "disk"],
+        help="where the budget parks state (default: host for a CUDA device, else disk)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -403,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="session cap of both paths (default 64, the bespoke constant); lower it to "
         "compare LRU eviction",
     )
+    _add_budget_arguments(ab)
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -428,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=16, help="steps per session")
     demo.add_argument("--max-sessions", type=_positive_int, help="the manager's session cap")
     demo.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
+    _add_budget_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
 
     episode = sub.add_parser("_episode")  # internal: one side of `ab`, unlisted
@@ -438,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     episode.add_argument("--seed", type=int, required=True)
     episode.add_argument("--out", required=True)
     episode.add_argument("--max-sessions", type=int, default=64)
+    episode.add_argument("--device", default="cpu")
+    episode.add_argument("--max-bytes", type=int)
+    episode.add_argument("--park-tier", choices=["host", "disk"])
     episode.set_defaults(func=_run_episode)
     return parser
 

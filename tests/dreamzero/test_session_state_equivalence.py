@@ -477,6 +477,7 @@ def _filled_managed(cfg_nfpb: int = 2) -> DreamZeroSession:
         "video_latents_across_time", lambda b: b.commit(torch.ones(1, 2, 3, 2, 2))
     )
     state = state.update_object("vae_encoder_out", lambda b: b.commit(torch.ones(1, 4, 1, 2, 2)))
+    state = state.update_object("vae_enc_feat_map", lambda c: c.commit((torch.ones(2), None)))
     return state.with_attrs(
         call_count=2,
         current_start_frame=5,
@@ -485,7 +486,6 @@ def _filled_managed(cfg_nfpb: int = 2) -> DreamZeroSession:
         language=_T,
         prompt_embeds=torch.ones(1, 3, 4),
         vae_stream_initialized=True,
-        vae_enc_feat_map=(torch.ones(2), None),
         vae_pending_body_frames=torch.ones(1, 3, 1, 5, 6),
     )
 

@@ -27,10 +27,11 @@ from sessionstate import (
     OmniDiffusionConfig,
     SessionStateManager,
     SessionStateSettings,
+    TensorCache,
     resolve_session_state_config,
 )
 from sessionstate.models.dreamzero.config import MAX_DREAMZERO_SESSIONS, DreamZeroConfig
-from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
+from sessionstate.models.dreamzero.networks import DreamZeroNetworks, FeatMap, build_networks
 from sessionstate.models.dreamzero.state import (
     DreamZeroSession,
     DreamZeroState,
@@ -64,6 +65,17 @@ def _unknown_session(session_id: str) -> str:
 
 def _committer(chunk: torch.Tensor) -> Callable[[LatentBuffer], LatentBuffer]:
     return lambda buffer: buffer.commit(chunk)
+
+
+def _device_key(device: torch.device) -> str:
+    # Tensors report CUDA devices with their index; a budget must name it the same way.
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def _replacer(contents: FeatMap) -> Callable[[TensorCache], TensorCache]:
+    return lambda cache: cache.commit(contents)
 
 
 def _conditioning_frame(frames: torch.Tensor) -> torch.Tensor:
@@ -132,8 +144,13 @@ class DreamZeroPipeline:
         self.manager: SessionStateManager | None = None
         self._states: OrderedDict[str, DreamZeroState] | None = None
         if self.settings.enabled:
+            budget = self.settings.max_bytes
             self.manager = SessionStateManager(
-                self.settings.max_sessions, check_immutable=self.settings.check_immutable
+                self.settings.max_sessions,
+                check_immutable=self.settings.check_immutable,
+                max_bytes={_device_key(self.device): budget} if isinstance(budget, int) else budget,
+                park_tier=self.settings.park_tier,
+                spool_dir=self.settings.spool_dir,
             )
         else:
             self._states = OrderedDict()
@@ -186,7 +203,8 @@ class DreamZeroPipeline:
             if state is None:
                 raise MissingKeyError(_unknown_session(session_id))
             assert isinstance(state, DreamZeroSession)
-            return state.values()
+            # A parked session is read through a resident copy; the stored record stays parked.
+            return state.unpark().values()
         assert self._states is not None
         if session_id not in self._states:
             raise MissingKeyError(_unknown_session(session_id))
@@ -300,9 +318,8 @@ class DreamZeroPipeline:
     def _stream_seed(self, state: DreamZeroSession, first: torch.Tensor) -> DreamZeroSession:
         out, feat_map = self.nets.encode_chunk(first, self.nets.init_feat_map())
         state = state.update_object("vae_encoder_out", lambda b: b.reset().commit(out))
-        return state.with_attrs(
-            vae_enc_feat_map=feat_map, vae_pending_body_frames=None, vae_stream_initialized=True
-        )
+        state = state.update_object("vae_enc_feat_map", _replacer(feat_map))
+        return state.with_attrs(vae_pending_body_frames=None, vae_stream_initialized=True)
 
     def _stream_append(self, state: DreamZeroSession, frame: torch.Tensor) -> DreamZeroSession:
         pending = state.vae_pending_body_frames
@@ -316,7 +333,8 @@ class DreamZeroPipeline:
             out, feat_map = self.nets.encode_chunk(body, feat_map)
             state = state.update_object("vae_encoder_out", _committer(out))
             pending = rest if rest.shape[2] else None
-        return state.with_attrs(vae_enc_feat_map=feat_map, vae_pending_body_frames=pending)
+        state = state.update_object("vae_enc_feat_map", _replacer(feat_map))
+        return state.with_attrs(vae_pending_body_frames=pending)
 
     # -- bespoke path: mutable, in place -----------------------------------------------------------
 

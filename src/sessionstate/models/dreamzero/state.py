@@ -4,19 +4,20 @@
 a list of video latents, an encoder output grown by concatenation forever. `DreamZeroSession`
 is the same state as an immutable `SessionState` record: the frames, video latents and
 encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per_block``
-latent frames), everything else is a `SessionAttr`. Which value goes in which bucket follows
-the rule in the feature description: what the manager can act on is an object, what it can
-only carry is an attribute, whatever its size.
+latent frames), the Wan encoder's causal-conv cache is a `TensorCache` (replaced
+wholesale, and parkable under a byte budget), everything else is a `SessionAttr`. Which
+value goes in which bucket follows the rule in the feature description: what the manager can
+act on is an object, what it can only carry is an attribute, whatever its size.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
-from sessionstate import LatentBuffer, SessionAttr, SessionState
+from sessionstate import LatentBuffer, SessionAttr, SessionState, StateObject, TensorCache
 from sessionstate.models.dreamzero.config import FRAMES_PER_CHUNK, DreamZeroConfig
 from sessionstate.models.dreamzero.networks import FeatMap
 
@@ -33,9 +34,10 @@ __all__ = [
 ]
 
 ResetReason = Literal["session", "inference"]
+_O = TypeVar("_O", bound=StateObject)
 
 BUCKETS: dict[str, Literal["attrs", "object"]] = {
-    "vae_enc_feat_map": "attrs",
+    "vae_enc_feat_map": "object",
     "video_latents_across_time": "object",
     "stitched_buffer": "object",
     "vae_encoder_out": "object",
@@ -204,9 +206,6 @@ class DreamZeroSession(SessionState):
     vae_stream_initialized = SessionAttr(
         False, coerce=bool, doc="Whether the VAE stream is seeded."
     )
-    vae_enc_feat_map = SessionAttr[FeatMap | None](
-        None, doc="Wan encoder causal-conv cache (24 tensors); replaced wholesale per chunk."
-    )
     vae_pending_body_frames = SessionAttr[torch.Tensor | None](
         None, doc="Pixel frames awaiting a 4-frame body chunk (fewer than 4)."
     )
@@ -226,9 +225,27 @@ class DreamZeroSession(SessionState):
         """Ring of the last ``num_frame_per_block`` pre-quant encoder output frames."""
         return self._buffer("vae_encoder_out")
 
+    @property
+    def vae_enc_feat_map(self) -> FeatMap | None:
+        """Wan encoder causal-conv cache (24 tensors), or None before the stream is seeded.
+
+        Held in the `TensorCache` object of the same name: replaced wholesale per chunk.
+        """
+        contents: FeatMap | None = self._typed("vae_enc_feat_map", TensorCache).view()
+        return contents
+
     def _buffer(self, name: str) -> LatentBuffer:
+        return self._typed(name, LatentBuffer)
+
+    def _typed(self, name: str, cls: type[_O]) -> _O:
         obj = self.object(name)
-        assert isinstance(obj, LatentBuffer)
+        if not isinstance(obj, cls):
+            obj.view()  # a parked object refuses here, saying how to unpark it
+            msg = (
+                f"DreamZero session value `{name}` must be a {cls.__name__}, got "
+                f"{type(obj).__name__}; build sessions with `new_session(cfg)`."
+            )
+            raise TypeError(msg)
         return obj
 
     def values(self) -> dict[str, object]:
@@ -255,6 +272,7 @@ def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
             "vae_encoder_out": LatentBuffer(name="vae_encoder_out", dim=2).allocate(
                 maxlen=cfg.num_frame_per_block
             ),
+            "vae_enc_feat_map": TensorCache(name="vae_enc_feat_map").allocate(),
         }
     )
 
