@@ -96,7 +96,7 @@ class BudgetMachine(RuleBasedStateMachine):
             attributes["x"] = self._tensor(data)
         return SessionState(objects=objects, attrs=attributes)
 
-    # -- checks ------------------------------------------------------------------------------------
+    # -- checks -------------------------------------------------------------------------------
 
     def _check_resident(self, sid: str, got: SessionState) -> None:
         expected = self.model[sid]
@@ -167,7 +167,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.model[sid] = candidate
         self._sync()
 
-    # -- rules -------------------------------------------------------------------------------------
+    # -- rules --------------------------------------------------------------------------------
 
     @rule(data=st.data())
     def put(self, data: st.DataObject) -> None:
