@@ -214,7 +214,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.parked.discard(sid)
         self._sync(dropped=sid)
 
-    # -- invariants ----------------------------------------------------------------------------------
+    # -- invariants --------------------------------------------------------------------------------
 
     @invariant()
     def within_budget_and_recounted(self) -> None:

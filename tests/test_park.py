@@ -149,7 +149,8 @@ def test_budget_parks_lru_and_unparks_on_get(tier: str, tmp_path: Path) -> None:
     assert stats[f"nbytes_parked:{tier}"] == size
     assert m.peek("a").parked == ("cache", "ring")  # type: ignore[union-attr]
     got = m.get("a")  # parks "b", the least recently used now
-    assert got is not None and got.parked == ()
+    assert got is not None
+    assert got.parked == ()
     assert tree_equal(got, records["a"])
     stats = m.stats()
     assert (stats["parks"], stats["unparks"], stats["parked_sessions"]) == (2, 1, 1)
@@ -272,7 +273,8 @@ def test_park_failing_half_way_leaves_the_session_resident_and_intact(
     assert tree_equal(m.peek("a"), a)
     monkeypatch.undo()
     m.put("b", b)  # the same put succeeds once parking works
-    assert m.peek("a").parked and tree_equal(m.get("a"), a)  # type: ignore[union-attr]
+    assert m.peek("a").parked  # type: ignore[union-attr]
+    assert tree_equal(m.get("a"), a)
 
 
 def test_disk_full_leaves_the_session_resident(tmp_path: Path) -> None:
@@ -283,7 +285,8 @@ def test_disk_full_leaves_the_session_resident(tmp_path: Path) -> None:
     m.put("a", _record(fill=1))
     with pytest.raises(ParkingError, match=re.escape("Cannot park session 'a'")):
         m.put("b", _record(fill=2))
-    assert m.session_ids() == ["a"] and m.peek("a").parked == ()  # type: ignore[union-attr]
+    assert m.session_ids() == ["a"]
+    assert m.peek("a").parked == ()  # type: ignore[union-attr]
 
 
 def test_unpark_failing_leaves_it_parked_and_a_retry_succeeds(
@@ -309,7 +312,8 @@ def test_unpark_failing_leaves_it_parked_and_a_retry_succeeds(
     assert m.stats()["unparks"] == 0
     monkeypatch.undo()
     got = m.get("a")
-    assert got is not None and tree_equal(got, a)
+    assert got is not None
+    assert tree_equal(got, a)
     assert m.stats()["unparks"] == 1
 
 
@@ -329,7 +333,7 @@ def test_snapshot_of_a_parked_session_saves_its_values(tmp_path: Path) -> None:
 def _advance(state: SessionState, k: int) -> SessionState:
     cache = state.object("cache")
     assert isinstance(cache, TensorCache)
-    a, b, _ = cache.view()
+    a, _, _ = cache.view()
     new = (a + k, (a + k)[2:], None)
     return state.update_object("cache", lambda c: c.commit(new)).with_attrs(step=k)
 
@@ -373,7 +377,8 @@ def test_threads_under_a_budget_match_a_serial_run() -> None:
         assert stored is not None
         assert tree_equal(stored.unpark(), serial_manager.peek(sid))
     stats = budgeted.stats()
-    assert stats["evictions"] == 0 and stats["parks"] > 0
+    assert stats["evictions"] == 0
+    assert stats["parks"] > 0
     assert stats["nbytes:cpu"] <= 3 * size
     recount = nbytes_by_device([budgeted.peek(sid) for sid in ids])
     assert stats["nbytes:cpu"] == recount["cpu"] == stats["total_nbytes"]
