@@ -42,7 +42,7 @@ NOTES = {
     "current_start_frame": "counter",
     "vae_stream_initialized": "flag",
 }
-BUCKET_LABEL = {"attrs": "attr", "object": "`LatentBuffer`"}
+BUCKET_LABEL = {"attrs": "attr", "object": "state object"}
 
 
 def fmt_bytes(n: int) -> str:

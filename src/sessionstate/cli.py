@@ -356,7 +356,7 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
         f"{many['managed'] / 1024**3:.2f} GiB", f"{many['bespoke'] / 1024**3:.2f} GiB",
     )  # fmt: skip
     feat64 = table["vae_enc_feat_map_64_sessions_nbytes"] / 1024**3
-    out.add_row("[bold]64 feature caches", "attrs", f"{feat64:.2f} GiB", f"{feat64:.2f} GiB")
+    out.add_row("[bold]64 feature caches", "object", f"{feat64:.2f} GiB", f"{feat64:.2f} GiB")
     console.print(out)
     console.print(f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors")
     return 0

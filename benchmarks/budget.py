@@ -1,0 +1,163 @@
+"""Benchmarks of the byte budget: what parking costs, and what the budget check costs per put.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/budget.py            # full sizes (a minute or so)
+    .venv/bin/python benchmarks/budget.py --smoke    # every measurement, tiny sizes (seconds)
+    .venv/bin/python benchmarks/budget.py --out some/dir/budget.json
+
+Two measurements, each a median over repeats after a warm-up (`time.perf_counter`); what
+matters is the ratios within one run, and nothing here asserts a time:
+
+1. ``round_trip``: ``park`` then ``unpark`` of a `TensorCache` holding one tensor (and a view
+   of it), per MiB, on the host tier and the disk tier; beside it the copy floor (two
+   ``dst.copy_(src)`` into pre-touched memory: out and back) and, for disk, ``torch.save`` +
+   ``torch.load`` of the same tensor. Targets: host within 2x of the copy floor; disk beside
+   torch.save + torch.load.
+2. ``put_check``: `SessionStateManager.put` of a DreamZero-shaped record (one value changed
+   per put, as a model step does) with a byte budget that never parks, vs the same put without
+   a budget, vs a plain walk of the record's leaves (`tree_leaves`). The budget check is the
+   difference between the first two. Target: within 2x of the walk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sessionstate import LatentBuffer, SessionState, SessionStateManager, TensorCache, tree_leaves
+
+_MIB = 1024 * 1024
+
+
+def _median_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def round_trip(mib: int, repeats: int) -> dict[str, Any]:
+    """Park+unpark per MiB on both tiers, beside the copy floor and torch.save+torch.load."""
+    n = mib * _MIB // 4
+    x = torch.randn(n)
+    cache = TensorCache(name="bench").allocate().commit((x, x[1:]))
+    spool = tempfile.mkdtemp(prefix="sessionstate-bench-")
+
+    def park_unpark(tier: str) -> Callable[[], object]:
+        return lambda: cache.park(tier, spool_dir=spool).unpark()  # type: ignore[arg-type]
+
+    dst, back = torch.empty_like(x), torch.empty_like(x)
+    dst.fill_(0)
+    back.fill_(0)
+
+    def floor() -> None:
+        dst.copy_(x)
+        back.copy_(dst)
+
+    path = os.path.join(spool, "torch.pt")
+
+    def save_load() -> object:
+        torch.save(x, path)
+        return torch.load(path)
+
+    out = {
+        "mib": mib,
+        "host_ms_per_mib": _median_s(park_unpark("host"), repeats) * 1e3 / mib,
+        "disk_ms_per_mib": _median_s(park_unpark("disk"), repeats) * 1e3 / mib,
+        "copy_floor_ms_per_mib": _median_s(floor, repeats) * 1e3 / mib,
+        "torch_save_load_ms_per_mib": _median_s(save_load, repeats) * 1e3 / mib,
+    }
+    out["host_over_floor"] = out["host_ms_per_mib"] / out["copy_floor_ms_per_mib"]
+    out["disk_over_torch_save_load"] = out["disk_ms_per_mib"] / out["torch_save_load_ms_per_mib"]
+    return out
+
+
+def _dreamzero_shaped(step: int) -> SessionState:
+    # 24 feature-cache tensors, three buffers and a handful of attributes, as one DreamZero
+    # session holds; small tensors, since the check's cost is per leaf, not per byte.
+    feat = tuple(torch.zeros(8) for _ in range(24))
+    objects = {
+        "vae_enc_feat_map": TensorCache(name="vae_enc_feat_map").allocate().commit(feat),
+        "stitched_buffer": LatentBuffer(name="s", dim=0).allocate(maxlen=4),
+        "video_latents_across_time": LatentBuffer(name="v", dim=2).allocate(),
+        "vae_encoder_out": LatentBuffer(name="e", dim=2).allocate(maxlen=2),
+    }
+    for _ in range(4):
+        objects["stitched_buffer"] = objects["stitched_buffer"].commit(torch.zeros(1, 8))
+    attributes = {f"a{i}": torch.zeros(4) for i in range(6)}
+    attributes["step"] = step
+    return SessionState(objects=objects, attrs=attributes)
+
+
+def put_check(sessions: int, repeats: int) -> dict[str, Any]:
+    """Cost of the budget check per put, beside the same put unbudgeted and a leaf walk."""
+    base = _dreamzero_shaped(0)
+    records = [
+        base.update_object("vae_encoder_out", lambda b, i=i: b.commit(torch.full((1, 1, 1), i)))
+        for i in range(repeats + 2)
+    ]
+
+    def puts(manager: SessionStateManager) -> Callable[[], object]:
+        for s in range(sessions):
+            manager.put(f"s{s}", base)
+        it = iter(range(10**9))
+
+        def one() -> None:
+            manager.put("s0", records[next(it) % len(records)])
+
+        return one
+
+    budgeted = SessionStateManager(max_bytes={"cpu": 2**40})
+    plain = SessionStateManager()
+    put_budget = _median_s(puts(budgeted), repeats * 20)
+    put_plain = _median_s(puts(plain), repeats * 20)
+    walk = _median_s(lambda: tree_leaves(base), repeats * 20)
+    check = max(put_budget - put_plain, 0.0)
+    return {
+        "sessions": sessions,
+        "leaves": len(tree_leaves(base)),
+        "put_with_budget_us": put_budget * 1e6,
+        "put_without_budget_us": put_plain * 1e6,
+        "budget_check_us": check * 1e6,
+        "leaf_walk_us": walk * 1e6,
+        "check_over_walk": check / walk,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks; print and write the results as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats")
+    parser.add_argument("--out", type=Path, help="write the JSON here too")
+    args = parser.parse_args(argv)
+    sizes, repeats = ([1], 3) if args.smoke else ([1, 16, 64], 7)
+    results = {
+        "smoke": args.smoke,
+        "torch": torch.__version__,
+        "round_trip": [round_trip(mib, repeats) for mib in sizes],
+        "put_check": [put_check(n, repeats) for n in ([4] if args.smoke else [4, 64])],
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
