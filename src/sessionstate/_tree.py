@@ -321,6 +321,7 @@ _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     # Reinterpret floats as same-width ints, so -0.0 != 0.0 and NaN payloads are compared.
+    t = t.resolve_neg()  # a lazy negation (e.g. `z.conj().imag`) cannot be reinterpreted
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if t.dtype.is_floating_point:
