@@ -172,9 +172,13 @@ def _check_tensor(t: torch.Tensor, key: str) -> None:
         fix = f"convert it to one of {sorted(_DTYPES)}"
     if problem is None:
         return
+    try:
+        shape = f"shape {tuple(t.shape)}, "
+    except RuntimeError:  # a strided nested tensor has no single shape
+        shape = ""
     msg = (
-        f"Cannot snapshot the tensor at `{key}`: it is {problem} (shape {tuple(t.shape)}, "
-        f"device {t.device}); {fix}."
+        f"Cannot snapshot the tensor at `{_root(key)}`: it is {problem} ({shape}device "
+        f"{t.device}); {fix}."
     )
     raise UnsupportedTensorError(msg)
 
