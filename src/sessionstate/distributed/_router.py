@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import attrs
@@ -199,7 +199,9 @@ class Router:
         worker is lost, the session is restored on another worker from the latest one.
         Setting it before the session's first step places the session as usual.
         """
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every <= 0
+        ):
             msg = (
                 f"`every` must be a positive int or None, got {every!r} "
                 f"({type(every).__name__}) for session {session_id!r}."
@@ -239,7 +241,10 @@ class Router:
                         session_id, inputs, create=create
                     )
                 else:
-                    reply_ref, snap_ref = handle.step.remote(session_id, inputs, create=create), None
+                    reply_ref, snap_ref = (
+                        handle.step.remote(session_id, inputs, create=create),
+                        None,
+                    )
                 reply: StepReply = self._get(reply_ref, worker)
             except _actor_error():
                 self._worker_lost(worker)
@@ -267,7 +272,9 @@ class Router:
         with session.lock:
             if session.owner not in self._dead:
                 with suppress(*_actor_error()):
-                    self._get(self._handles[session.owner].drop_session.remote(session_id), session.owner)
+                    self._get(
+                        self._handles[session.owner].drop_session.remote(session_id), session.owner
+                    )
             with self._lock:
                 self._sessions.pop(session_id, None)
         return True
@@ -301,7 +308,9 @@ class Router:
             try:
                 data_ref, digest_ref = src.export_session.options(num_returns=2).remote(session_id)
                 stage = "import"
-                ack: ImportAck = self._get(dst.import_session.remote(session_id, data_ref), destination)
+                ack: ImportAck = self._get(
+                    dst.import_session.remote(session_id, data_ref), destination
+                )
                 stage = "acknowledge"
                 expected = self._get(digest_ref, source)
                 if ack.digest != expected:
@@ -332,7 +341,7 @@ class Router:
         Returns:
             The migrations made, in order.
         """
-        if not 0.0 <= tolerance:
+        if not tolerance >= 0.0:
             msg = f"`tolerance` must be a non-negative fraction of the mean, got {tolerance!r}."
             raise ValueError(msg)
         done: list[MigrationRecord] = []
