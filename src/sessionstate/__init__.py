@@ -29,11 +29,13 @@ from sessionstate._errors import (
     NotAllocatedError,
     SessionAdmissionError,
     SessionStateLostError,
+    SnapshotError,
     UnsupportedTensorError,
 )
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
 from sessionstate._objects import LatentBuffer, StateObject
 from sessionstate._session import SessionAttr, SessionState
+from sessionstate._snapshot import dumps_state, load_state, loads_state, save_state
 from sessionstate._tree import (
     NAMESPACE,
     PyTree,
@@ -70,16 +72,21 @@ __all__ = [
     "SessionStateLostError",
     "SessionStateManager",
     "SessionStateSettings",
+    "SnapshotError",
     "StateObject",
     "UnsupportedTensorError",
     "__version__",
+    "dumps_state",
     "field",
+    "load_state",
+    "loads_state",
     "nbytes_by_device",
     "nbytes_by_key",
     "parse_env_flag",
     "record",
     "register_record",
     "resolve_session_state_config",
+    "save_state",
     "static_field",
     "tree_equal",
     "tree_flatten",

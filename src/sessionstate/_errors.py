@@ -15,6 +15,7 @@ __all__ = [
     "NotAllocatedError",
     "SessionAdmissionError",
     "SessionStateLostError",
+    "SnapshotError",
     "UnsupportedTensorError",
 ]
 
@@ -54,3 +55,7 @@ class ImmutableRecordError(attrs.exceptions.FrozenInstanceError):
 
 class ImmutabilityViolationError(RuntimeError):
     """A tensor reachable from a stored record was written in place (see ``check_immutable``)."""
+
+
+class SnapshotError(ValueError):
+    """A snapshot file (or bytes) that cannot be loaded: not a snapshot, newer, damaged."""

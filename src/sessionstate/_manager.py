@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal, TypeVar
 
 import torch
@@ -17,6 +18,7 @@ from sessionstate._errors import (
     SessionStateLostError,
 )
 from sessionstate._session import SessionState
+from sessionstate._snapshot import load_state, save_state
 from sessionstate._tree import tree_flatten_with_keys, tree_leaves
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager"]
@@ -369,6 +371,77 @@ class SessionStateManager:
         with self._lock:
             items = list(self._table.items())
         return {sid: state.nbytes_by_device() for sid, state in items}
+
+    def snapshot(
+        self,
+        session_id: str,
+        path: str | os.PathLike[str],
+        /,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        """Write the latest record of ``session_id`` to ``path`` (see `save_state`).
+
+        Like `peek`, it leaves the LRU order and the hit/miss counters alone: saving a session
+        does not keep it resident. The session id is stored in the file's metadata as
+        ``session_id``.
+
+        Raises:
+            SessionStateLostError: if the manager does not hold ``session_id``.
+
+        >>> import os, tempfile, torch
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(attrs={"x": torch.ones(2)})); m.put("b", SessionState())
+        >>> path = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+        >>> m.snapshot("a", path)
+        >>> m.session_ids(), m.stats()["hits"]
+        (['a', 'b'], 0)
+        """
+        state = self.peek(session_id)
+        if state is None:
+            msg = (
+                f"Cannot snapshot session {session_id!r}: this manager does not hold it (never "
+                "created, dropped, or evicted by the LRU cap). Snapshot a held session; "
+                "`session_ids()` lists them."
+            )
+            raise SessionStateLostError(msg)
+        save_state(state, path, metadata={**(metadata or {}), "session_id": session_id})
+
+    def restore(
+        self,
+        session_id: str,
+        path: str | os.PathLike[str],
+        /,
+        *,
+        device: torch.device | str | None = None,
+    ) -> SessionState:
+        """Load a snapshot (see `load_state`) and store it as ``session_id``, like `put`.
+
+        The record is admitted like a `put` (a new session may evict the least recently used,
+        or be refused with ``on_full="refuse"``); a file that fails to load changes nothing.
+
+        Returns:
+            The restored record.
+
+        Raises:
+            SnapshotError: if the file cannot be loaded or does not hold a `SessionState`.
+            SessionAdmissionError: as `put`.
+
+        >>> import os, tempfile, torch
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(attrs={"x": torch.ones(2)}))
+        >>> path = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+        >>> m.snapshot("a", path)
+        >>> other = SessionStateManager()
+        >>> other.restore("a", path).attrs["x"]
+        tensor([1., 1.])
+        """
+        _check_session_id(session_id)
+        state = load_state(path, device=device, expect=SessionState)
+        self.put(session_id, state)
+        return state
 
     def _admit(self, session_id: str) -> None:
         # Caller holds the lock and has checked that `session_id` is new.

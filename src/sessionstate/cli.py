@@ -1,11 +1,12 @@
 """The ``sessionstate`` command line: A/B validation, size tables, and a demo.
 
-Subcommands: ``ab``, ``sizes``, ``demo`` (each with ``--help``).
+Subcommands: ``ab``, ``sizes``, ``demo``, ``inspect`` (each with ``--help``).
 
 ``sessionstate ab`` runs the same scripted DreamZero episode twice, each in its own process,
 the two differing only in ``OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1``, and compares every
 output with `torch.equal`. ``sessionstate sizes`` runs one session on the meta device and
-prints what every value holds on each path.
+prints what every value holds on each path. ``sessionstate inspect FILE`` describes a snapshot
+written by `sessionstate.save_state` from its header alone.
 """
 
 from __future__ import annotations
@@ -370,6 +371,42 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from sessionstate._snapshot import inspect_snapshot
+
+    report = inspect_snapshot(args.file)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    about = Table("field", "value", title=f"Snapshot {report['file']}")
+    about.add_row("root", report["root"])
+    about.add_row("format_version", str(report["format_version"]))
+    about.add_row("library_version", str(report["library_version"]))
+    about.add_row("torch_version", str(report["torch_version"]))
+    about.add_row("file size", _fmt_bytes(report["file_nbytes"]))
+    about.add_row("storages", str(len(report["storages"])))
+    for device, nbytes in sorted(report["nbytes"].items()):
+        about.add_row(f"nbytes:{device}", _fmt_bytes(nbytes))
+    for key, value in report["metadata"].items():
+        about.add_row(f"metadata:{key}", value)
+    console.print(about)
+    values = Table("value", "bucket", "structure", "tensors", "bytes", title="Values")
+    for row in report["values"]:
+        held = ", ".join(f"{_fmt_bytes(n)} ({d})" for d, n in sorted(row["nbytes"].items()))
+        values.add_row(
+            row["name"], row["bucket"], row["structure"], str(row["tensors"]), held or "-"
+        )
+    console.print(values)
+    return 0
+
+
 # -- entry point ----------------------------------------------------------------------------------
 
 
@@ -381,7 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = _ArgumentParser(prog="sessionstate", description=__doc__)
     sub = parser.add_subparsers(
-        dest="command", required=True, parser_class=_ArgumentParser, metavar="{ab,sizes,demo}"
+        dest="command",
+        required=True,
+        parser_class=_ArgumentParser,
+        metavar="{ab,sizes,demo,inspect}",
     )
 
     ab = sub.add_parser(
@@ -429,6 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-sessions", type=_positive_int, help="the manager's session cap")
     demo.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
     demo.set_defaults(func=_cmd_demo)
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="describe a session snapshot file: structure, bytes per value, metadata",
+        description="Print the structure, the bytes each value holds and the metadata of a "
+        "snapshot written by `sessionstate.save_state`, read from its header alone.",
+    )
+    inspect.add_argument("file", help="the snapshot (.safetensors) file")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(func=_cmd_inspect)
 
     episode = sub.add_parser("_episode")  # internal: one side of `ab`, unlisted
     episode.add_argument("--config")
