@@ -307,12 +307,12 @@ class Router:
             stage = "export"
             try:
                 data_ref, digest_ref = src.export_session.options(num_returns=2).remote(session_id)
+                expected = self._get(digest_ref, source)  # the export is done; bytes stay put
                 stage = "import"
                 ack: ImportAck = self._get(
                     dst.import_session.remote(session_id, data_ref), destination
                 )
                 stage = "acknowledge"
-                expected = self._get(digest_ref, source)
                 if ack.digest != expected:
                     msg = f"digest {ack.digest[:12]} imported, {expected[:12]} exported"
                     raise RuntimeError(msg)
@@ -438,9 +438,10 @@ class Router:
             for worker in (source, destination):
                 if not self._alive(worker):
                     self._worker_lost(worker)
+        cause = getattr(exc, "cause", None) or exc  # the worker's own error, not Ray's wrapper
         msg = (
             f"Migrating session {session_id!r} from {source!r} to {destination!r} failed at "
-            f"the {stage} stage ({type(exc).__name__}: {exc}); the session stays on {source!r} "
+            f"the {stage} stage ({type(cause).__name__}: {cause}); the session stays on {source!r} "
             "with its record intact. Retry, or pick another destination."
         )
         raise MigrationError(msg) from exc

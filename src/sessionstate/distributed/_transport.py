@@ -1,19 +1,15 @@
 """How a session record travels between workers: bytes, and a digest to acknowledge them.
 
-`encode_record` / `decode_record` are the one place the byte format is chosen. They use
-torch's own serialization, which moves every storage once (aliases inside a record survive
-the round trip) and rebuilds the record's classes by import; both ends of a migration run the
-same library, so the classes resolve to the same code.
+A record travels in the snapshot format (`dumps_state` / `loads_state`): every storage once,
+aliases kept, records rebuilt through their constructors, nothing unpickled.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-
-import torch
 
 from sessionstate._session import SessionState
+from sessionstate._snapshot import dumps_state, loads_state
 
 __all__ = ["decode_record", "digest", "encode_record"]
 
@@ -25,30 +21,21 @@ def encode_record(state: SessionState, /) -> bytes:
     >>> len(encode_record(SessionState(attrs={"step": 1}))) > 0
     True
     """
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+    return dumps_state(state)
 
 
 def decode_record(data: bytes, /) -> SessionState:
-    """The record `encode_record` wrote, on the CPU.
+    """The record `encode_record` wrote, each storage on the device it was saved from.
 
     Raises:
-        TypeError: if ``data`` does not hold a `SessionState`.
+        SnapshotError: if ``data`` is not a snapshot of a `SessionState`.
 
     >>> from sessionstate import SessionState, tree_equal
     >>> state = SessionState(attrs={"step": 1})
     >>> tree_equal(decode_record(encode_record(state)), state)
     True
     """
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    if not isinstance(state, SessionState):
-        msg = (
-            f"Session bytes decoded to {type(state).__name__}, not a SessionState; pass the "
-            "bytes a worker's `export_session` returned."
-        )
-        raise TypeError(msg)
-    return state
+    return loads_state(data, expect=SessionState)
 
 
 def digest(data: bytes, /) -> str:
