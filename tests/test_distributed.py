@@ -260,7 +260,12 @@ def test_a_killed_worker_loses_or_restores_its_sessions(cluster: None) -> None:
             router.step("snap-1", 16)
         assert every_step.value.steps_lost == 0
         assert every_step.value.restored_on == "worker-1"
-        with pytest.raises(SessionRestoredError, match=re.escape("1 steps were lost")) as late:
+        restored = (
+            "Session 'snap-3' was lost with worker 'worker-0' and restored on 'worker-1' from "
+            "its snapshot after step 3; 1 steps were lost. This call did not run: resend the "
+            "inputs from step 4 on."
+        )
+        with pytest.raises(SessionRestoredError, match=re.escape(restored)) as late:
             router.step("snap-3", 16)
         assert (late.value.steps_lost, late.value.steps_kept) == (1, 3)
 
@@ -274,3 +279,31 @@ def test_a_killed_worker_loses_or_restores_its_sessions(cluster: None) -> None:
         assert router.step("plain", 16) == 1
     finally:
         router.shutdown()
+
+
+def test_router_messages(toy: Router) -> None:
+    toy.step("msg", 4)
+    owner = toy.owner("msg")
+    same = (
+        f"Session 'msg' is already on {owner!r}; pick another destination among "
+        "['worker-0', 'worker-1']."
+    )
+    with pytest.raises(ValueError, match=re.escape(same)):
+        toy.migrate("msg", owner)
+    unknown = (
+        "'worker-9' (str) is not a live worker of this router; the live workers are "
+        "['worker-0', 'worker-1']."
+    )
+    with pytest.raises(ValueError, match=re.escape(unknown)):
+        toy.migrate("msg", "worker-9")
+    every = "`every` must be a positive int or None, got 0 (int) for session 'msg'."
+    with pytest.raises(ValueError, match=re.escape(every)):
+        toy.set_snapshot_every("msg", 0)
+    tolerance = "`tolerance` must be a non-negative fraction of the mean, got -0.5."
+    with pytest.raises(ValueError, match=re.escape(tolerance)):
+        toy.rebalance(tolerance=-0.5)
+    nobody = "Session 'nobody' is not known to this router; start it with `step`. Known sessions:"
+    with pytest.raises(SessionStateLostError, match=re.escape(nobody)):
+        toy.owner("nobody")
+    assert toy.owner("msg") == owner  # a refused migration moves nothing
+    toy.drop("msg")
