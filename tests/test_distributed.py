@@ -7,6 +7,7 @@ them as it found them: each one starts worker processes that import torch.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import threading
@@ -19,6 +20,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from sessionstate import SessionState, SessionStateLostError, SessionStateManager  # noqa: E402
+from sessionstate.cli import main  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     DreamZeroFactory,
     MigrationError,
@@ -307,3 +309,18 @@ def test_router_messages(toy: Router) -> None:
         toy.owner("nobody")
     assert toy.owner("msg") == owner  # a refused migration moves nothing
     toy.drop("msg")
+
+
+def test_cluster_command_reports_an_identical_episode(
+    cluster: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["cluster", "--sessions", "1", "--steps", "3", "--migrate-every", "1", "--seed", "7"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] is True
+    assert report["first_mismatch"] is None
+    assert report["outputs_compared"] == 3 * 3  # actions, video latents, reset per call
+    assert report["migrations"] == 3
+    assert sorted(report["workers"]) == ["worker-0", "worker-1"]
+    assert sum(w["steps"] for w in report["workers"].values()) == 3
+    assert ray.is_initialized()  # the command left the test's cluster running
