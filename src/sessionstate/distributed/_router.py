@@ -98,7 +98,7 @@ class Router:
     >>> _ = init_local_ray()
     >>> router = Router(DreamZeroFactory(preset="tiny"), workers=2)
     >>> cfg = DreamZeroConfig.preset("tiny")
-    >>> for sid, obs in scripted_episode(cfg, steps=2, sessions=2, seed=0):
+    >>> for sid, obs in scripted_episode(cfg, steps=1, sessions=2, seed=0):
     ...     out = router.step(sid, obs)
     >>> router.owners()
     {'session-1': 'worker-0', 'session-0': 'worker-1'}
