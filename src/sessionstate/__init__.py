@@ -25,15 +25,18 @@ from sessionstate._config import (
 from sessionstate._errors import (
     ImmutabilityViolationError,
     ImmutableRecordError,
+    IncompleteStateError,
     MissingKeyError,
     NotAllocatedError,
     SessionAdmissionError,
     SessionStateLostError,
     UnsupportedTensorError,
 )
+from sessionstate._kv import EncodeOnceKV, KVPair
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
 from sessionstate._objects import LatentBuffer, StateObject
 from sessionstate._session import SessionAttr, SessionState
+from sessionstate._staging import StagedStateObject
 from sessionstate._tree import (
     NAMESPACE,
     PyTree,
@@ -57,8 +60,11 @@ __all__ = [
     "ENV_ENABLE",
     "ENV_MAX_SESSIONS",
     "NAMESPACE",
+    "EncodeOnceKV",
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "IncompleteStateError",
+    "KVPair",
     "LatentBuffer",
     "MissingKeyError",
     "NotAllocatedError",
@@ -70,6 +76,7 @@ __all__ = [
     "SessionStateLostError",
     "SessionStateManager",
     "SessionStateSettings",
+    "StagedStateObject",
     "StateObject",
     "UnsupportedTensorError",
     "__version__",

@@ -11,6 +11,7 @@ import attrs
 __all__ = [
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "IncompleteStateError",
     "MissingKeyError",
     "NotAllocatedError",
     "SessionAdmissionError",
@@ -54,3 +55,7 @@ class ImmutableRecordError(attrs.exceptions.FrozenInstanceError):
 
 class ImmutabilityViolationError(RuntimeError):
     """A tensor reachable from a stored record was written in place (see ``check_immutable``)."""
+
+
+class IncompleteStateError(ValueError):
+    """A state object read or committed while partially initialised (some layers missing)."""
