@@ -163,9 +163,7 @@ class EncodeOnceKV(StagedStateObject):
                 raise ValueError(msg)
             return
         for label, rows in (("layers", self.layers), ("staged", self.staged)):
-            if len(rows) != len(self.branches) or any(
-                len(row) != self.num_layers for row in rows
-            ):
+            if len(rows) != len(self.branches) or any(len(row) != self.num_layers for row in rows):
                 msg = (
                     f"EncodeOnceKV `{self.name}` `{label}` must be {len(self.branches)} rows "
                     f"(one per branch) of {self.num_layers} entries; build it with `.stage(...)` "
@@ -250,9 +248,7 @@ class EncodeOnceKV(StagedStateObject):
             raise IncompleteStateError(msg)
         return pair
 
-    def view(  # type: ignore[override]
-        self, branch: str | None = None, /, *, include_staged: bool = False
-    ) -> Any:
+    def view(self, branch: str | None = None, /, *, include_staged: bool = False) -> Any:
         """Every layer's pair of ``branch`` (a tuple), or of every branch (a dict) if None.
 
         Raises:
@@ -446,7 +442,7 @@ class EncodeOnceKV(StagedStateObject):
                 f"are {list(self.branches)}."
             )
             raise MissingKeyError(msg)
-        return self.branches.index(branch)  # type: ignore[arg-type]
+        return self.branches.index(branch)
 
     def _check_index(self, index: object) -> int:
         if (
