@@ -25,6 +25,7 @@ from sessionstate._config import (
 from sessionstate._errors import (
     ImmutabilityViolationError,
     ImmutableRecordError,
+    IncompleteStateError,
     MissingKeyError,
     NotAllocatedError,
     SessionAdmissionError,
@@ -32,10 +33,12 @@ from sessionstate._errors import (
     SnapshotError,
     UnsupportedTensorError,
 )
+from sessionstate._kv import EncodeOnceKV, KVPair
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
 from sessionstate._objects import LatentBuffer, StateObject
 from sessionstate._session import SessionAttr, SessionState
 from sessionstate._snapshot import dumps_state, load_state, loads_state, save_state
+from sessionstate._staging import StagedStateObject
 from sessionstate._tree import (
     NAMESPACE,
     PyTree,
@@ -59,8 +62,11 @@ __all__ = [
     "ENV_ENABLE",
     "ENV_MAX_SESSIONS",
     "NAMESPACE",
+    "EncodeOnceKV",
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "IncompleteStateError",
+    "KVPair",
     "LatentBuffer",
     "MissingKeyError",
     "NotAllocatedError",
@@ -73,6 +79,7 @@ __all__ = [
     "SessionStateManager",
     "SessionStateSettings",
     "SnapshotError",
+    "StagedStateObject",
     "StateObject",
     "UnsupportedTensorError",
     "__version__",

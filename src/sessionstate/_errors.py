@@ -11,6 +11,7 @@ import attrs
 __all__ = [
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "IncompleteStateError",
     "MissingKeyError",
     "NotAllocatedError",
     "SessionAdmissionError",
@@ -59,3 +60,7 @@ class ImmutabilityViolationError(RuntimeError):
 
 class SnapshotError(ValueError):
     """A snapshot file (or bytes) that cannot be loaded: not a snapshot, newer, damaged."""
+
+
+class IncompleteStateError(ValueError):
+    """A state object read or committed while partially initialised (some layers missing)."""

@@ -6,7 +6,9 @@ Subcommands: ``ab``, ``sizes``, ``demo``, ``inspect``, ``cluster`` (each with ``
 the two differing only in ``OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1``, and compares every
 output with `torch.equal`. ``sessionstate sizes`` runs one session on the meta device and
 prints what every value holds on each path. ``sessionstate inspect FILE`` describes a snapshot
-written by `sessionstate.save_state` from its header alone.
+written by `sessionstate.save_state` from its header alone. ``ab`` and ``sizes`` take
+``--model`` (``dreamzero``, the default, or ``cosmos3``); each model describes itself to them
+with a `sessionstate.models._registry.ModelSpec`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_model
 
 __all__ = ["main"]
 
@@ -45,19 +49,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _load_model_config(config: str | None, preset: str | None) -> tuple[Any, Any]:
-    """The deploy config (its ``model`` section completed) and the DreamZero config."""
+def _load_model_config(
+    config: str | None, preset: str | None, model_name: str = DEFAULT_MODEL
+) -> tuple[Any, Any]:
+    """The deploy config (its ``model`` section completed) and the model's config."""
     import attrs
 
     from sessionstate import OmniDiffusionConfig
-    from sessionstate.models.dreamzero import DreamZeroConfig
 
     deploy = OmniDiffusionConfig.from_yaml(config) if config else OmniDiffusionConfig()
     model = dict(deploy.model)
     if preset is not None:
         model["preset"] = preset
     model.setdefault("preset", "tiny")
-    return attrs.evolve(deploy, model=model), DreamZeroConfig.from_dict(model)
+    return attrs.evolve(deploy, model=model), get_model(model_name).config_from_dict(model)
 
 
 # -- ab -----------------------------------------------------------------------------------------
@@ -67,32 +72,25 @@ def _run_episode(args: argparse.Namespace) -> int:
     """Child process: run the episode on whichever path the environment selects."""
     import torch
 
-    from sessionstate.models.dreamzero import DreamZeroPipeline
-    from sessionstate.models.dreamzero.episode import scripted_episode
-
-    deploy, cfg = _load_model_config(args.config, args.preset)
-    pipe = DreamZeroPipeline(deploy, max_bespoke_sessions=args.max_sessions)
+    spec = get_model(args.model)
+    deploy, cfg = _load_model_config(args.config, args.preset, spec.name)
+    pipe = spec.pipeline(deploy, max_bespoke_sessions=args.max_sessions)
     total = args.steps * args.sessions
     records: list[dict[str, Any]] = []
     times: list[float] = []
     for i, (sid, obs) in enumerate(
-        scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
+        spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
     ):
         start = time.perf_counter()
         out = pipe.forward(obs, sid)
         times.append(time.perf_counter() - start)
-        records.append(
-            {"session": sid, "actions": out.actions, "video": out.video_latents, "reset": out.reset}
-        )
+        records.append({"session": sid, **spec.outputs(out)})
         print(f"PROGRESS {i + 1} {total}", file=sys.stderr, flush=True)
-    decoded = {sid: pipe.decode_video(sid) for sid in pipe.session_ids()}
-    latents = {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}
     torch.save(
         {
             "managed": pipe.managed,
             "records": records,
-            "decoded": decoded,
-            "latents": latents,
+            **spec.finals(pipe),
             "median_step_s": statistics.median(times),
             "stats": pipe.stats(),
         },
@@ -105,7 +103,7 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     cmd = [
         sys.executable, "-m", "sessionstate.cli", "_episode",
         "--steps", str(args.steps), "--sessions", str(args.sessions), "--seed", str(args.seed),
-        "--out", str(out),
+        "--out", str(out), "--model", args.model,
     ]  # fmt: skip
     if args.config:
         cmd += ["--config", args.config]
@@ -133,22 +131,26 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
         raise RuntimeError(msg)
 
 
-def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str | None]:
+def _compare(
+    bespoke: dict[str, Any], managed: dict[str, Any], spec: ModelSpec | None = None
+) -> tuple[int, str | None]:
     import torch
+
+    spec = spec or get_model(DEFAULT_MODEL)
 
     compared = 0
     a_recs, b_recs = bespoke["records"], managed["records"]
     if len(a_recs) != len(b_recs):
         return compared, f"step count differs: {len(a_recs)} vs {len(b_recs)}"
     for i, (a, b) in enumerate(zip(a_recs, b_recs, strict=True)):
-        for key in ("actions", "video"):
+        for key in spec.tensor_outputs:
             compared += 1
             if not torch.equal(a[key], b[key]):
                 return compared, f"step {i} ({a['session']}): {key}"
         compared += 1
         if a["reset"] != b["reset"]:
             return compared, f"step {i} ({a['session']}): reset {a['reset']} vs {b['reset']}"
-    for key in ("latents", "decoded"):
+    for key in spec.final_outputs:
         if sorted(bespoke[key]) != sorted(managed[key]):
             return compared, f"{key}: sessions differ"
         for sid in sorted(bespoke[key]):
@@ -162,7 +164,8 @@ def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
-    _, cfg = _load_model_config(args.config, args.preset)  # fail here, not in both children
+    spec = get_model(args.model)
+    _, cfg = _load_model_config(args.config, args.preset, spec.name)  # fail here, not in both
     total = args.steps * args.sessions
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,8 +185,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     if results["bespoke"]["managed"] or not results["managed"]["managed"]:
         msg = "the flag did not select the intended paths (check the deploy config)"
         raise RuntimeError(msg)
-    compared, mismatch = _compare(results["bespoke"], results["managed"])
-    report = {
+    compared, mismatch = _compare(results["bespoke"], results["managed"], spec)
+    report: dict[str, Any] = {
         "identical": mismatch is None,
         "outputs_compared": compared,
         "first_mismatch": mismatch,
@@ -205,6 +208,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
             for name, res in results.items()
         },
     }
+    if spec.name != DEFAULT_MODEL:  # the default model's report is unchanged
+        report = {"model": spec.name, **report}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -218,8 +223,9 @@ def _print_ab(report: dict[str, Any]) -> None:
 
     console = Console()
     verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
+    model = f"{report['model']} " if "model" in report else ""
     console.print(
-        f"A/B {verdict}: {report['outputs_compared']} outputs compared with torch.equal "
+        f"A/B {model}{verdict}: {report['outputs_compared']} outputs compared with torch.equal "
         f"({report['sessions']} sessions x {report['steps']} steps, seed {report['seed']}, "
         f"preset {report['preset']})"
     )
@@ -235,58 +241,22 @@ def _print_ab(report: dict[str, Any]) -> None:
 # -- sizes --------------------------------------------------------------------------------------
 
 
-def size_table(preset: str, steps: int) -> dict[str, Any]:
-    """Per-value bytes of one session on both paths after ``steps`` steps, on the meta device.
+def size_table(preset: str, steps: int, *, model: str = DEFAULT_MODEL) -> dict[str, Any]:
+    """Per-value bytes of one session of ``model`` on both paths after ``steps`` steps (meta).
 
     >>> table = size_table("tiny", 2)
     >>> table["values"]["vae_encoder_out"]["bucket"]
     'object'
+    >>> size_table("tiny", 2, model="cosmos3")["values"]["text_kv"]["bucket"]
+    'object'
     """
-    from sessionstate import nbytes_by_device
-    from sessionstate.models.dreamzero import BUCKETS, DreamZeroConfig, DreamZeroPipeline
-    from sessionstate.models.dreamzero.episode import scripted_episode
-
-    cfg = DreamZeroConfig.preset(preset)
-    held: dict[str, dict[str, int]] = {}
-    session_totals: dict[str, int] = {}
-    feat_tensors = 0
-    for flag, name in (("0", "bespoke"), ("1", "managed")):
-        pipe = DreamZeroPipeline(
-            cfg,
-            device="meta",
-            host_device="meta",
-            environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": flag},
-        )
-        episode = scripted_episode(
-            cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
-        )
-        for sid, obs in episode:
-            pipe.forward(obs, sid)
-        values = pipe.session_values("session-0")
-        held[name] = {k: sum(nbytes_by_device(v).values()) for k, v in values.items()}
-        session_totals[name] = sum(nbytes_by_device(list(values.values())).values())
-        feat = values["vae_enc_feat_map"]
-        feat_tensors = sum(t is not None for t in feat) if isinstance(feat, tuple) else 0
-    return {
-        "preset": preset,
-        "steps": steps,
-        "values": {
-            k: {
-                "bucket": BUCKETS[k],
-                "managed_nbytes": held["managed"][k],
-                "bespoke_nbytes": held["bespoke"][k],
-            }
-            for k in BUCKETS
-        },
-        "vae_enc_feat_map_tensors": feat_tensors,
-        "session_nbytes": session_totals,
-        "sessions_64_nbytes": {k: 64 * v for k, v in session_totals.items()},
-        "vae_enc_feat_map_64_sessions_nbytes": 64 * held["managed"]["vae_enc_feat_map"],
-    }
+    return get_model(model).size_table(preset, steps)
 
 
 def _cmd_sizes(args: argparse.Namespace) -> int:
-    table = size_table(args.preset, args.steps)
+    spec = get_model(args.model)
+    steps = spec.size_steps if args.steps is None else args.steps
+    table = size_table(args.preset, steps, model=spec.name)
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
@@ -296,7 +266,7 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
     console = Console()
     out = Table(
         "value", "bucket", "managed", "bespoke",
-        title=f"One DreamZero session, preset {args.preset}, after {args.steps} steps (meta)",
+        title=f"One {spec.title} session, preset {args.preset}, after {steps} steps (meta)",
     )  # fmt: skip
     for name, row in table["values"].items():
         out.add_row(
@@ -312,10 +282,12 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
         "[bold]64 sessions", "",
         f"{many['managed'] / 1024**3:.2f} GiB", f"{many['bespoke'] / 1024**3:.2f} GiB",
     )  # fmt: skip
-    feat64 = table["vae_enc_feat_map_64_sessions_nbytes"] / 1024**3
-    out.add_row("[bold]64 feature caches", "attrs", f"{feat64:.2f} GiB", f"{feat64:.2f} GiB")
+    rows, lines = spec.size_footer(table)
+    for row in rows:
+        out.add_row(*row)
     console.print(out)
-    console.print(f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors")
+    for line in lines:
+        console.print(line)
     return 0
 
 
@@ -481,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
         "OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1, and compare every output with torch.equal. "
         "Exits 0 iff identical.",
     )
+    ab.add_argument(
+        "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
+    )
     ab.add_argument("--config", help="deploy YAML (its `model` section picks the preset)")
     ab.add_argument("--preset", choices=["tiny", "deploy"], help="model preset (default tiny)")
     ab.add_argument("--steps", type=_positive_int, default=24, help="steps per session")
@@ -502,8 +477,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one session on the meta device (nothing is allocated) and print the "
         "bytes each value holds on the managed and the bespoke path.",
     )
+    sizes.add_argument(
+        "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
+    )
     sizes.add_argument("--preset", choices=["tiny", "deploy"], default="deploy")
-    sizes.add_argument("--steps", type=_positive_int, default=400, help="steps to run")
+    sizes.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="steps to run (default: 400 for dreamzero, 8 for cosmos3)",
+    )
     sizes.add_argument("--json", action="store_true", help="print one JSON object")
     sizes.set_defaults(func=_cmd_sizes)
 
@@ -560,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     episode.add_argument("--seed", type=int, required=True)
     episode.add_argument("--out", required=True)
     episode.add_argument("--max-sessions", type=int, default=64)
+    episode.add_argument("--model", default=DEFAULT_MODEL)
     episode.set_defaults(func=_run_episode)
     return parser
 
