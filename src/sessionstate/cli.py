@@ -66,6 +66,7 @@ def _run_episode(args: argparse.Namespace) -> int:
     """Child process: run the episode on whichever path the environment selects."""
     import torch
 
+    from sessionstate import SessionAdmissionError
     from sessionstate.models.dreamzero import DreamZeroPipeline
     from sessionstate.models.dreamzero.episode import scripted_episode
 
@@ -78,11 +79,20 @@ def _run_episode(args: argparse.Namespace) -> int:
         scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
     ):
         start = time.perf_counter()
-        out = pipe.forward(obs, sid)
-        times.append(time.perf_counter() - start)
-        records.append(
-            {"session": sid, "actions": out.actions, "video": out.video_latents, "reset": out.reset}
-        )
+        try:
+            out = pipe.forward(obs, sid)
+        except SessionAdmissionError:  # `on_full="refuse"` at the cap: a result to compare
+            records.append({"session": sid, "refused": True})
+        else:
+            times.append(time.perf_counter() - start)
+            records.append(
+                {
+                    "session": sid,
+                    "actions": out.actions,
+                    "video": out.video_latents,
+                    "reset": out.reset,
+                }
+            )
         print(f"PROGRESS {i + 1} {total}", file=sys.stderr, flush=True)
     decoded = {sid: pipe.decode_video(sid) for sid in pipe.session_ids()}
     latents = {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}
@@ -92,7 +102,7 @@ def _run_episode(args: argparse.Namespace) -> int:
             "records": records,
             "decoded": decoded,
             "latents": latents,
-            "median_step_s": statistics.median(times),
+            "median_step_s": statistics.median(times) if times else 0.0,
             "stats": pipe.stats(),
         },
         args.out,
@@ -118,6 +128,8 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
         OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag,
         OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS=str(args.max_sessions),
     )
+    if args.on_full is not None:
+        env["OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL"] = args.on_full
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     tail: list[str] = []
@@ -140,6 +152,11 @@ def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str
     if len(a_recs) != len(b_recs):
         return compared, f"step count differs: {len(a_recs)} vs {len(b_recs)}"
     for i, (a, b) in enumerate(zip(a_recs, b_recs, strict=True)):
+        if a.get("refused") or b.get("refused"):
+            if not (a.get("refused") and b.get("refused")):
+                path = "bespoke" if a.get("refused") else "managed"
+                return compared, f"step {i} ({a['session']}): refused on the {path} path only"
+            continue
         for key in ("actions", "video"):
             compared += 1
             if not torch.equal(a[key], b[key]):
@@ -161,7 +178,7 @@ def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
-    _, cfg = _load_model_config(args.config, args.preset)  # fail here, not in both children
+    deploy, cfg = _load_model_config(args.config, args.preset)  # fail here, not in both children
     total = args.steps * args.sessions
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,6 +199,11 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         msg = "the flag did not select the intended paths (check the deploy config)"
         raise RuntimeError(msg)
     compared, mismatch = _compare(results["bespoke"], results["managed"])
+    refusals = {
+        name: sum(bool(r.get("refused")) for r in res["records"]) for name, res in results.items()
+    }
+    # Reported when asked for or when any step was refused; the default report is unchanged.
+    show_refusals = args.on_full is not None or any(refusals.values())
     report = {
         "identical": mismatch is None,
         "outputs_compared": compared,
@@ -200,10 +222,15 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                     if k.startswith("nbytes:")
                 },
                 "sessions_held": res["stats"]["sessions"],
+                **({"refusals": refusals[name]} if show_refusals else {}),
             }
             for name, res in results.items()
         },
     }
+    if show_refusals:
+        from sessionstate import resolve_session_state_config
+
+        report["on_full"] = args.on_full or resolve_session_state_config(deploy).on_full
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -225,9 +252,14 @@ def _print_ab(report: dict[str, Any]) -> None:
     if report["first_mismatch"]:
         console.print(f"first mismatch: {report['first_mismatch']}")
     table = Table("path", "median step (ms)", "bytes held at end", "sessions")
+    if "on_full" in report:
+        table.add_column("refused steps")
     for name, path in report["paths"].items():
         held = ", ".join(f"{d}: {n / _MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
-        table.add_row(name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"]))
+        row = [name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"])]
+        if "refusals" in path:
+            row.append(str(path["refusals"]))
+        table.add_row(*row)
     console.print(table)
 
 
@@ -402,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="session cap of both paths (default 64, the bespoke constant); lower it to "
         "compare LRU eviction",
+    )
+    ab.add_argument(
+        "--on-full",
+        choices=["evict", "refuse"],
+        help="what a new session does at the cap, on both paths (sets "
+        "OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL; default: the deploy config's "
+        "session_state_on_full); refused steps are counted per path and must agree",
     )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
