@@ -128,7 +128,7 @@ def test_raise_max_sessions_rejects_a_bad_cap(n: Any, error: type[Exception], ms
     assert manager.max_sessions == 2
 
 
-# -- the eviction warning ---------------------------------------------------------------------------
+# -- the eviction warning -------------------------------------------------------------------------
 
 
 def test_eviction_warns_once_per_manager_and_counts_every_eviction(
@@ -174,7 +174,7 @@ def test_a_refusing_manager_never_warns(caplog: pytest.LogCaptureFixture) -> Non
     assert manager.stats()["evictions"] == 0
 
 
-# -- on_full: deploy config and environment ------------------------------------------------------
+# -- on_full: deploy config and environment -------------------------------------------------------
 
 
 def test_on_full_defaults_to_evict() -> None:
@@ -237,7 +237,7 @@ def test_bad_on_full_in_the_config_is_named(tmp_path: Path) -> None:
         OmniDiffusionConfig.from_dict({"session_state_on_full": 1})
 
 
-# -- LatentBuffer.extend ----------------------------------------------------------------------------
+# -- LatentBuffer.extend --------------------------------------------------------------------------
 
 _POOL = [torch.full((1, 2), float(i)) for i in range(6)] + [torch.zeros(3, 2)]
 

@@ -247,7 +247,8 @@ def _print_ab(report: dict[str, Any]) -> None:
     console.print(
         f"A/B {verdict}: {report['outputs_compared']} outputs compared with torch.equal "
         f"({report['sessions']} sessions x {report['steps']} steps, seed {report['seed']}, "
-        f"preset {report['preset']})"
+        f"preset {report['preset']}"
+        + (f", on_full {report['on_full']})" if "on_full" in report else ")")
     )
     if report["first_mismatch"]:
         console.print(f"first mismatch: {report['first_mismatch']}")

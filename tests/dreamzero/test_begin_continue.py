@@ -91,7 +91,7 @@ def _counters(pipe: DreamZeroPipeline) -> tuple[int, ...]:
     return tuple(stats[k] for k in ("sessions", "hits", "misses", "evictions"))
 
 
-# -- readers ------------------------------------------------------------------------------------------
+# -- readers --------------------------------------------------------------------------------------
 
 
 def test_every_reader_raises_session_state_lost_and_creates_nothing() -> None:
@@ -115,7 +115,7 @@ def test_every_reader_raises_session_state_lost_and_creates_nothing() -> None:
         assert _counters(pipe) == before
 
 
-# -- begin / continue ---------------------------------------------------------------------------------
+# -- begin / continue -----------------------------------------------------------------------------
 
 
 def test_continue_of_a_session_never_started_raises_on_both_paths() -> None:
@@ -195,7 +195,7 @@ def test_raised_cap_through_the_managed_pipeline_matches_a_bespoke_cap() -> None
         assert pipe.stats()["max_sessions"] == 3
 
 
-# -- on_full ---------------------------------------------------------------------------------------------
+# -- on_full --------------------------------------------------------------------------------------
 
 
 def _refused_bespoke(sid: str, cap: int) -> str:
@@ -251,7 +251,7 @@ def test_refuse_from_the_deploy_config_on_both_paths() -> None:
     assert overridden.on_full == "evict"
 
 
-# -- the eviction warning ------------------------------------------------------------------------------
+# -- the eviction warning -------------------------------------------------------------------------
 
 
 def test_eviction_warns_once_per_table_on_both_paths(caplog: pytest.LogCaptureFixture) -> None:
@@ -275,7 +275,7 @@ def test_eviction_warns_once_per_table_on_both_paths(caplog: pytest.LogCaptureFi
         assert pipe.stats()["evictions"] == 4
 
 
-# -- clear_accumulated_video_latents ---------------------------------------------------------------------
+# -- clear_accumulated_video_latents --------------------------------------------------------------
 
 
 def test_clear_accumulated_video_latents_keeps_everything_else() -> None:

@@ -101,4 +101,5 @@ def test_the_table_shows_refused_steps(capsys: pytest.CaptureFixture[str]) -> No
     _print_ab(report)
     out = capsys.readouterr().out
     assert "refused steps" in out
+    assert "preset tiny, on_full refuse)" in out
     assert out.count(" 7 ") == 2
