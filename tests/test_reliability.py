@@ -611,7 +611,8 @@ def test_yaml_unknown_key(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "enable_session_state_manger: true\n")
     msg = (
         f"Deploy config {str(path)!r}: Unknown deploy config key 'enable_session_state_manger' "
-        "(value True); known keys: ['enable_session_state_manager', 'model']."
+        "(value True); known keys: ['enable_session_state_manager', 'model', "
+        "'session_state_on_full']."
     )
     with pytest.raises(MissingKeyError, match=_exact(msg)) as info:
         OmniDiffusionConfig.from_yaml(path)

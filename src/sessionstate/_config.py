@@ -13,12 +13,13 @@ import attrs
 import yaml
 
 from sessionstate._errors import MissingKeyError
-from sessionstate._manager import DEFAULT_MAX_SESSIONS
+from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull
 
 __all__ = [
     "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
     "ENV_MAX_SESSIONS",
+    "ENV_ON_FULL",
     "OmniDiffusionConfig",
     "SessionStateSettings",
     "parse_env_flag",
@@ -28,6 +29,9 @@ __all__ = [
 ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
 ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
 ENV_CHECK_IMMUTABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE"
+ENV_ON_FULL = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL"
+
+_ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -53,6 +57,21 @@ def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(msg)
 
 
+def _check_on_full(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        msg = (
+            f"`{attribute.name}` must be 'evict' or 'refuse', got {value!r} "
+            f"({type(value).__name__})."
+        )
+        raise TypeError(msg)
+    if value not in _ON_FULL:
+        msg = (
+            f"`{attribute.name}` must be 'evict' or 'refuse', got {value!r} (str): 'evict' "
+            "drops the least recently used session at the cap, 'refuse' refuses the new one."
+        )
+        raise ValueError(msg)
+
+
 def _read_only(value: Any) -> Any:
     # A frozen config whose `model` section could be mutated in place would not be frozen.
     return MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
@@ -68,6 +87,10 @@ class OmniDiffusionConfig:
             environment variable ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` overrides it.
         model: The model's own settings (for DreamZero: ``preset`` and geometry overrides),
             validated by the model.
+        session_state_on_full: What a new session does when the session table (the
+            manager's, or a model's bespoke one) is at its cap: ``"evict"`` (default) drops
+            the least recently used session, ``"refuse"`` refuses the new one. The
+            environment variable ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL`` overrides it.
 
     >>> OmniDiffusionConfig(enable_session_state_manager=True).enable_session_state_manager
     True
@@ -77,6 +100,7 @@ class OmniDiffusionConfig:
     model: Mapping[str, Any] = attrs.field(
         factory=dict, validator=_check_mapping, converter=_read_only
     )
+    session_state_on_full: OnFull = attrs.field(default="evict", validator=_check_on_full)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> OmniDiffusionConfig:
@@ -87,7 +111,8 @@ class OmniDiffusionConfig:
             TypeError: for a value of the wrong type, naming the key and the value.
 
         >>> OmniDiffusionConfig.from_dict({"enable_session_state_manager": True})
-        OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}))
+        OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}),
+                            session_state_on_full='evict')
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
@@ -109,7 +134,7 @@ class OmniDiffusionConfig:
         Raises:
             FileNotFoundError: if there is no such file.
             ValueError: if the file is not valid YAML (the parser's message included).
-            KeyError, TypeError: as `from_dict`.
+            KeyError, TypeError, ValueError: as `from_dict`.
 
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "deploy.yaml"
@@ -129,6 +154,8 @@ class OmniDiffusionConfig:
             raise MissingKeyError(f"Deploy config {str(path)!r}: {exc}") from None
         except TypeError as exc:
             raise TypeError(f"Deploy config {str(path)!r}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"Deploy config {str(path)!r}: {exc}") from None
 
 
 @attrs.frozen
@@ -136,12 +163,13 @@ class SessionStateSettings:
     """The resolved session-state settings of one process.
 
     >>> SessionStateSettings(enabled=True, max_sessions=4)
-    SessionStateSettings(enabled=True, max_sessions=4, check_immutable=False)
+    SessionStateSettings(enabled=True, max_sessions=4, check_immutable=False, on_full='evict')
     """
 
     enabled: bool
     max_sessions: int = DEFAULT_MAX_SESSIONS
     check_immutable: bool = False
+    on_full: OnFull = "evict"
 
 
 def parse_env_flag(value: str | None, /) -> bool | None:
@@ -184,6 +212,9 @@ def resolve_session_state_config(
     deliberately not a config field: it mirrors the bespoke path's fixed constant.
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE`` turns on the manager's in-place
     write check (a debugging aid; off by default).
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL`` (``evict`` or ``refuse``, any case)
+    overrides the config's ``session_state_on_full``; unset or empty falls back to the config,
+    and any other value logs a warning naming the variable and the value and is ignored.
 
     Args:
         config: The deploy config (None reads as the defaults).
@@ -191,7 +222,8 @@ def resolve_session_state_config(
 
     >>> cfg = OmniDiffusionConfig(enable_session_state_manager=True)
     >>> resolve_session_state_config(cfg, {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "off"})
-    SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False)
+    SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False,
+                         on_full='evict')
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -238,6 +270,29 @@ def resolve_session_state_config(
             )
         else:
             check_immutable = parsed
+    on_full = _resolve_on_full(config, env)
     return SessionStateSettings(
-        enabled=enabled, max_sessions=max_sessions, check_immutable=check_immutable
+        enabled=enabled,
+        max_sessions=max_sessions,
+        check_immutable=check_immutable,
+        on_full=on_full,
     )
+
+
+def _resolve_on_full(config: OmniDiffusionConfig | None, env: Mapping[str, str]) -> OnFull:
+    on_full: OnFull = config.session_state_on_full if config is not None else "evict"
+    raw = env.get(ENV_ON_FULL)
+    if raw is None or not raw.strip():
+        return on_full
+    token = raw.strip().lower()
+    for choice in _ON_FULL:
+        if token == choice:
+            return choice
+    logger.warning(
+        "Ignoring %s=%r: expected 'evict' or 'refuse'; using the config value "
+        "session_state_on_full=%r.",
+        ENV_ON_FULL,
+        raw,
+        on_full,
+    )
+    return on_full

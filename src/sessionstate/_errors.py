@@ -38,7 +38,12 @@ class MissingKeyError(KeyError):
 
 
 class SessionStateLostError(MissingKeyError):
-    """A continuation asked for a session the manager does not hold (never created, or evicted)."""
+    """A session's state was asked for but is not held (never started, dropped or evicted).
+
+    Raised by a continuation (`SessionStateManager.require`, a model's ``forward(...,
+    begin=False)``) and by a model's readers. It is a `MissingKeyError`, hence a `KeyError`,
+    so code written against the earlier `KeyError` keeps working.
+    """
 
 
 class SessionAdmissionError(RuntimeError):

@@ -52,6 +52,9 @@ class SessionStateManager:
     `get`, `get_or_create`, `require` and `put` mark a session most recently used; ``in`` and
     ``len`` do not. All methods are safe to call from several threads.
 
+    The first eviction logs a warning on the ``sessionstate`` logger naming the evicted session
+    and how to end sessions explicitly; later ones are only counted (``stats()["evictions"]``).
+
     Args:
         max_sessions: The cap on retained sessions (default 64).
         on_full: What a new session does at the cap: ``"evict"`` (default) drops the least
@@ -101,6 +104,7 @@ class SessionStateManager:
         self._check_immutable = bool(check_immutable)
         self._versions: dict[str, list[tuple[int, torch.Tensor, int]]] = {}
         self._warned_unversioned = False
+        self._warned_eviction = False
         # Storage entries per stored record, computed by `stats()` once per record, and the
         # byte totals of the whole table, valid while `_generation` (bumped by every change
         # to the table) stays the same.
@@ -120,6 +124,38 @@ class SessionStateManager:
         3
         """
         return self._max_sessions
+
+    def raise_max_sessions(self, n: int, /) -> bool:
+        """Raise the cap to ``n`` at runtime; returns whether the cap went up.
+
+        A serving runner publishes its capacity once it knows its device. The cap never goes
+        down at runtime: an ``n`` not above the current cap changes nothing and returns False.
+
+        Raises:
+            TypeError: if ``n`` is not an int.
+            ValueError: if ``n`` is not positive.
+
+        >>> m = SessionStateManager(2)
+        >>> m.raise_max_sessions(8), m.raise_max_sessions(4), m.max_sessions
+        (True, False, 8)
+        """
+        if isinstance(n, bool) or not isinstance(n, int):
+            msg = (
+                f"`max_sessions` must be a positive int, got {n!r} ({type(n).__name__}); "
+                "pass the new cap as an int."
+            )
+            raise TypeError(msg)
+        if n <= 0:
+            msg = (
+                f"`max_sessions` must be a positive int, got {n!r} ({type(n).__name__}); "
+                "pass a cap above the current one (the cap never goes down at runtime)."
+            )
+            raise ValueError(msg)
+        with self._lock:
+            if n <= self._max_sessions:
+                return False
+            self._max_sessions = n
+            return True
 
     @property
     def check_immutable(self) -> bool:
@@ -459,6 +495,16 @@ class SessionStateManager:
         self._entries.pop(evicted, None)
         self._generation += 1
         self._evictions += 1
+        if not self._warned_eviction:
+            self._warned_eviction = True
+            logger.warning(
+                "Session %r was evicted by the session cap (max_sessions=%d) although nobody "
+                "ended it; its state is lost. End finished sessions explicitly with "
+                "`drop(session_id)` (`drop_session(session_id)` on a model pipeline), or raise "
+                "the cap. Warned once per manager; `stats()['evictions']` counts every eviction.",
+                evicted,
+                self._max_sessions,
+            )
 
     def _store(self, session_id: str, state: SessionState) -> None:
         # Caller holds the lock.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import attrs
@@ -187,6 +188,46 @@ class LatentBuffer(StateObject):
             chunks = chunks[len(chunks) - self.maxlen :]
         return self._with_chunks(chunks)
 
+    def extend(self, chunks: Iterable[torch.Tensor], /) -> LatentBuffer:
+        """Return a buffer that also holds ``chunks``, in order, built in one transition.
+
+        The result equals committing the chunks one by one (a ring keeps the newest
+        ``maxlen``), but only one new tuple is built. Each chunk is checked as `commit` checks
+        it, against the chunks before it; if any fails, nothing is built.
+
+        Raises:
+            NotAllocatedError: if the buffer is not allocated.
+            TypeError: if ``chunks`` is a single tensor or not iterable, or holds a non-tensor.
+            ValueError: as `commit`, for the first chunk that disagrees.
+
+        >>> import torch
+        >>> ring = LatentBuffer(dim=0).allocate(maxlen=2)
+        >>> ring = ring.extend([torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)])
+        >>> len(ring), ring.concat()
+        (2, tensor([1., 2.]))
+        """
+        self._require_allocated("extend")
+        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Iterable):
+            hint = (
+                "use `commit(chunk)` for one chunk"
+                if isinstance(chunks, torch.Tensor)
+                else "pass a list or tuple of tensors"
+            )
+            msg = (
+                f"LatentBuffer `{self.name}`: `extend` takes an iterable of tensors, got "
+                f"{type(chunks).__name__}; {hint}."
+            )
+            raise TypeError(msg)
+        new = tuple(chunks)
+        ref = self.chunks[-1] if self.chunks else None
+        for chunk in new:
+            self._check_against(chunk, ref)
+            ref = chunk
+        joined = (*self.chunks, *new)
+        if self.maxlen is not None and len(joined) > self.maxlen:
+            joined = joined[len(joined) - self.maxlen :]
+        return self._with_chunks(joined)
+
     def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
         """The retained chunks, oldest to newest; with ``last=n``, the newest ``min(n, len)``.
 
@@ -278,6 +319,10 @@ class LatentBuffer(StateObject):
             raise NotAllocatedError(msg)
 
     def _check_chunk(self, chunk: object) -> None:
+        self._check_against(chunk, self.chunks[-1] if self.chunks else None)
+
+    def _check_against(self, chunk: object, ref: torch.Tensor | None) -> None:
+        # `ref` is the chunk `chunk` will follow: the newest held one, or None if empty.
         if not isinstance(chunk, torch.Tensor):
             msg = (
                 f"LatentBuffer `{self.name}` holds tensors, got {type(chunk).__name__}; "
@@ -291,9 +336,8 @@ class LatentBuffer(StateObject):
                 "with the time axis at `dim`, or build the buffer with a matching `dim=`."
             )
             raise ValueError(msg)
-        if not self.chunks:
+        if ref is None:
             return
-        ref = self.chunks[-1]
         dim = self.dim
         if (
             chunk.dtype != ref.dtype

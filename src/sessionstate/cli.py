@@ -72,6 +72,8 @@ def _run_episode(args: argparse.Namespace) -> int:
     """Child process: run the episode on whichever path the environment selects."""
     import torch
 
+    from sessionstate import SessionAdmissionError
+
     spec = get_model(args.model)
     deploy, cfg = _load_model_config(args.config, args.preset, spec.name)
     pipe = spec.pipeline(deploy, max_bespoke_sessions=args.max_sessions)
@@ -82,16 +84,20 @@ def _run_episode(args: argparse.Namespace) -> int:
         spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
     ):
         start = time.perf_counter()
-        out = pipe.forward(obs, sid)
-        times.append(time.perf_counter() - start)
-        records.append({"session": sid, **spec.outputs(out)})
+        try:
+            out = pipe.forward(obs, sid)
+        except SessionAdmissionError:  # `on_full="refuse"` at the cap: a result to compare
+            records.append({"session": sid, "refused": True})
+        else:
+            times.append(time.perf_counter() - start)
+            records.append({"session": sid, **spec.outputs(out)})
         print(f"PROGRESS {i + 1} {total}", file=sys.stderr, flush=True)
     torch.save(
         {
             "managed": pipe.managed,
             "records": records,
             **spec.finals(pipe),
-            "median_step_s": statistics.median(times),
+            "median_step_s": statistics.median(times) if times else 0.0,
             "stats": pipe.stats(),
         },
         args.out,
@@ -112,11 +118,13 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     cmd += ["--max-sessions", str(args.max_sessions)]
     # Both sides get the same cap: the managed side reads it from the environment, the
     # bespoke side (whose cap is a constant upstream) from `--max-sessions`.
-    env = dict(
-        os.environ,
-        OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag,
-        OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS=str(args.max_sessions),
-    )
+    from sessionstate._config import ENV_ENABLE, ENV_MAX_SESSIONS, ENV_ON_FULL
+
+    env = dict(os.environ)
+    env[ENV_ENABLE] = flag
+    env[ENV_MAX_SESSIONS] = str(args.max_sessions)
+    if args.on_full is not None:
+        env[ENV_ON_FULL] = args.on_full
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     tail: list[str] = []
@@ -143,6 +151,11 @@ def _compare(
     if len(a_recs) != len(b_recs):
         return compared, f"step count differs: {len(a_recs)} vs {len(b_recs)}"
     for i, (a, b) in enumerate(zip(a_recs, b_recs, strict=True)):
+        if a.get("refused") or b.get("refused"):
+            if not (a.get("refused") and b.get("refused")):
+                path = "bespoke" if a.get("refused") else "managed"
+                return compared, f"step {i} ({a['session']}): refused on the {path} path only"
+            continue
         for key in spec.tensor_outputs:
             compared += 1
             if not torch.equal(a[key], b[key]):
@@ -165,7 +178,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
     spec = get_model(args.model)
-    _, cfg = _load_model_config(args.config, args.preset, spec.name)  # fail here, not in both
+    deploy, cfg = _load_model_config(args.config, args.preset, spec.name)  # fail here, not in both
     total = args.steps * args.sessions
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,6 +199,11 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         msg = "the flag did not select the intended paths (check the deploy config)"
         raise RuntimeError(msg)
     compared, mismatch = _compare(results["bespoke"], results["managed"], spec)
+    refusals = {
+        name: sum(bool(r.get("refused")) for r in res["records"]) for name, res in results.items()
+    }
+    # Reported when asked for or when any step was refused; the default report is unchanged.
+    show_refusals = args.on_full is not None or any(refusals.values())
     report: dict[str, Any] = {
         "identical": mismatch is None,
         "outputs_compared": compared,
@@ -204,12 +222,17 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                     if k.startswith("nbytes:")
                 },
                 "sessions_held": res["stats"]["sessions"],
+                **({"refusals": refusals[name]} if show_refusals else {}),
             }
             for name, res in results.items()
         },
     }
     if spec.name != DEFAULT_MODEL:  # the default model's report is unchanged
         report = {"model": spec.name, **report}
+    if show_refusals:
+        from sessionstate import resolve_session_state_config
+
+        report["on_full"] = args.on_full or resolve_session_state_config(deploy).on_full
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -227,14 +250,20 @@ def _print_ab(report: dict[str, Any]) -> None:
     console.print(
         f"A/B {model}{verdict}: {report['outputs_compared']} outputs compared with torch.equal "
         f"({report['sessions']} sessions x {report['steps']} steps, seed {report['seed']}, "
-        f"preset {report['preset']})"
+        f"preset {report['preset']}"
+        + (f", on_full {report['on_full']})" if "on_full" in report else ")")
     )
     if report["first_mismatch"]:
         console.print(f"first mismatch: {report['first_mismatch']}")
     table = Table("path", "median step (ms)", "bytes held at end", "sessions")
+    if "on_full" in report:
+        table.add_column("refused steps")
     for name, path in report["paths"].items():
         held = ", ".join(f"{d}: {n / _MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
-        table.add_row(name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"]))
+        row = [name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"])]
+        if "refusals" in path:
+            row.append(str(path["refusals"]))
+        table.add_row(*row)
     console.print(table)
 
 
@@ -467,6 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="session cap of both paths (default 64, the bespoke constant); lower it to "
         "compare LRU eviction",
+    )
+    ab.add_argument(
+        "--on-full",
+        choices=["evict", "refuse"],
+        help="what a new session does at the cap, on both paths (sets "
+        "OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL; default: the deploy config's "
+        "session_state_on_full); refused steps are counted per path and must agree",
     )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)

@@ -15,6 +15,7 @@ is written so that does not matter; see `DreamZeroNetworks.normalize_latents`).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
@@ -23,8 +24,9 @@ import torch
 
 from sessionstate import (
     LatentBuffer,
-    MissingKeyError,
     OmniDiffusionConfig,
+    SessionAdmissionError,
+    SessionStateLostError,
     SessionStateManager,
     SessionStateSettings,
     resolve_session_state_config,
@@ -45,6 +47,8 @@ __all__ = ["DreamZeroOutput", "DreamZeroPipeline"]
 
 _BODY_FRAMES = 4
 
+logger = logging.getLogger("sessionstate")
+
 
 @attrs.frozen(eq=False)
 class DreamZeroOutput:
@@ -59,6 +63,14 @@ def _unknown_session(session_id: str) -> str:
     return (
         f"DreamZero session {session_id!r} is not held (never started, dropped or evicted); "
         "call `forward(obs, session_id)` to start it."
+    )
+
+
+def _lost_continuation(session_id: str) -> str:
+    return (
+        f"Cannot continue DreamZero session {session_id!r}: it is not held (never started, "
+        "dropped or evicted), so its state is lost. Start it again with "
+        f"`forward(obs, {session_id!r}, begin=True)`, or raise the session cap."
     )
 
 
@@ -90,6 +102,11 @@ class DreamZeroPipeline:
         host_device: Where accumulated video latents are kept (the host, as upstream).
         max_bespoke_sessions: The bespoke path's cap. Upstream it is the fixed constant
             `MAX_DREAMZERO_SESSIONS`; tests lower it to exercise eviction on both paths.
+
+    What a new session does at the cap (``on_full``: evict the least recently used session,
+    or refuse the new one with `SessionAdmissionError`) comes from the deploy config's
+    ``session_state_on_full`` and ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL``, and is the
+    same on both paths. The first eviction logs a warning naming the evicted session.
 
     >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
     >>> from sessionstate.models.dreamzero.episode import scripted_episode
@@ -133,25 +150,67 @@ class DreamZeroPipeline:
         self._states: OrderedDict[str, DreamZeroState] | None = None
         if self.settings.enabled:
             self.manager = SessionStateManager(
-                self.settings.max_sessions, check_immutable=self.settings.check_immutable
+                self.settings.max_sessions,
+                on_full=self.settings.on_full,
+                check_immutable=self.settings.check_immutable,
             )
         else:
             self._states = OrderedDict()
             self._max_bespoke_sessions = max_bespoke_sessions
             self._bespoke_counts = {"hits": 0, "misses": 0, "evictions": 0}
+            self._warned_eviction = False
 
     @property
     def managed(self) -> bool:
         """Whether this pipeline runs the manager-backed path."""
         return self.manager is not None
 
+    @property
+    def on_full(self) -> str:
+        """What a new session does at the cap, on either path: ``"evict"`` or ``"refuse"``.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL": "refuse"}
+        >>> DreamZeroPipeline(DreamZeroConfig.preset("tiny"), environ=env).on_full
+        'refuse'
+        """
+        return self.settings.on_full
+
     # -- entry point ---------------------------------------------------------------------------
 
-    def forward(self, obs: Observation, session_id: str = "default") -> DreamZeroOutput:
-        """Run one streaming step of ``session_id`` on ``obs``."""
+    def forward(
+        self, obs: Observation, session_id: str = "default", *, begin: bool | None = None
+    ) -> DreamZeroOutput:
+        """Run one streaming step of ``session_id`` on ``obs``.
+
+        Args:
+            obs: The observation of this step.
+            session_id: The session to step.
+            begin: ``True`` starts the session, or restarts it from scratch if it is held;
+                ``False`` continues it and never starts one; ``None`` (default) continues a
+                held session and starts one that is not.
+
+        Raises:
+            SessionStateLostError: if ``begin=False`` and the session is not held (never
+                started, dropped or evicted); nothing is created.
+            SessionAdmissionError: if the session is new, the cap is reached and
+                ``on_full`` is ``"refuse"``; nothing is stored or evicted.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> from sessionstate.models.dreamzero.episode import scripted_episode
+        >>> cfg = DreamZeroConfig.preset("tiny")
+        >>> pipe = DreamZeroPipeline(cfg)
+        >>> (sid, first), (_, second) = scripted_episode(cfg, steps=2, sessions=1, seed=0)
+        >>> pipe.forward(first, sid, begin=True).reset
+        'session'
+        >>> pipe.forward(second, sid, begin=False).reset is None
+        True
+        """
         if self.manager is not None:
-            state = self.manager.get(session_id)
+            state = None if begin else self.manager.get(session_id)
             if state is None:
+                if begin is False:
+                    raise SessionStateLostError(_lost_continuation(session_id))
                 state = self.new_session()
             assert isinstance(state, DreamZeroSession)
             state, out = self.step(state, obs)
@@ -159,7 +218,7 @@ class DreamZeroPipeline:
             # record (or the absence of one) exactly as it was.
             self.manager.put(session_id, state)
             return out
-        return self._bespoke_forward(self._bespoke_state(session_id), obs)
+        return self._bespoke_forward(self._bespoke_state(session_id, begin), obs)
 
     def new_session(self) -> DreamZeroSession:
         """An empty managed session for this pipeline's geometry."""
@@ -184,12 +243,12 @@ class DreamZeroPipeline:
         if self.manager is not None:
             state = self.manager.peek(session_id)
             if state is None:
-                raise MissingKeyError(_unknown_session(session_id))
+                raise SessionStateLostError(_unknown_session(session_id))
             assert isinstance(state, DreamZeroSession)
             return state.values()
         assert self._states is not None
         if session_id not in self._states:
-            raise MissingKeyError(_unknown_session(session_id))
+            raise SessionStateLostError(_unknown_session(session_id))
         return self._states[session_id].values()
 
     def video_latents(self, session_id: str) -> torch.Tensor | None:
@@ -200,6 +259,39 @@ class DreamZeroPipeline:
             return latents.concat() if len(latents) else None
         assert self._states is not None
         return self._states[session_id].get_concatenated_video_latents()
+
+    def clear_accumulated_video_latents(self, session_id: str) -> None:
+        """Empty the session's accumulated video latents, for a caller that exported them.
+
+        Keeps everything else: the VAE stream, the conditioning, the counters. The session is
+        marked most recently used, on either path.
+
+        Raises:
+            SessionStateLostError: if the session is not held; nothing is created.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> from sessionstate.models.dreamzero.episode import scripted_episode
+        >>> cfg = DreamZeroConfig.preset("tiny")
+        >>> pipe = DreamZeroPipeline(cfg)
+        >>> for sid, obs in scripted_episode(cfg, steps=2, sessions=1, seed=0):
+        ...     _ = pipe.forward(obs, sid)
+        >>> pipe.clear_accumulated_video_latents(sid)
+        >>> pipe.video_latents(sid) is None, pipe.session_values(sid)["call_count"]
+        (True, 2)
+        """
+        if self.manager is not None:
+            state = self.manager.peek(session_id)
+            if state is None:
+                raise SessionStateLostError(_unknown_session(session_id))
+            state = state.update_object("video_latents_across_time", lambda b: b.reset())
+            self.manager.put(session_id, state)
+            return
+        assert self._states is not None
+        bespoke = self._states.get(session_id)
+        if bespoke is None:
+            raise SessionStateLostError(_unknown_session(session_id))
+        bespoke.video_latents_across_time = []
+        self._states.move_to_end(session_id)
 
     def decode_video(self, session_id: str) -> torch.Tensor | None:
         """Decode the session's accumulated latents with the Wan decoder: (1, 3, T, H, W)."""
@@ -320,19 +412,44 @@ class DreamZeroPipeline:
 
     # -- bespoke path: mutable, in place -----------------------------------------------------------
 
-    def _bespoke_state(self, session_id: str) -> DreamZeroState:
+    def _bespoke_state(self, session_id: str, begin: bool | None = None) -> DreamZeroState:
         assert self._states is not None
-        state = self._states.get(session_id)
-        if state is None:
-            self._bespoke_counts["misses"] += 1
-            state = DreamZeroState()
-            self._states[session_id] = state
-            if len(self._states) > self._max_bespoke_sessions:
-                self._states.popitem(last=False)
-                self._bespoke_counts["evictions"] += 1
-        else:
+        state = None if begin else self._states.get(session_id)
+        if state is not None:
             self._bespoke_counts["hits"] += 1
             self._states.move_to_end(session_id)
+            return state
+        state = DreamZeroState()
+        if begin and session_id in self._states:  # a restart replaces the held state
+            self._states[session_id] = state
+            self._states.move_to_end(session_id)
+            return state
+        if not begin:  # counted as the manager's `get` counts it
+            self._bespoke_counts["misses"] += 1
+        if begin is False:
+            raise SessionStateLostError(_lost_continuation(session_id))
+        if self.settings.on_full == "refuse" and len(self._states) >= self._max_bespoke_sessions:
+            msg = (
+                f"Cannot admit DreamZero session {session_id!r}: the bespoke session table "
+                f"holds {self._max_bespoke_sessions} sessions (its cap) and "
+                "`on_full='refuse'`. Drop a finished session first with `drop_session`, or "
+                "raise the cap."
+            )
+            raise SessionAdmissionError(msg)
+        self._states[session_id] = state
+        if len(self._states) > self._max_bespoke_sessions:
+            evicted, _ = self._states.popitem(last=False)
+            self._bespoke_counts["evictions"] += 1
+            if not self._warned_eviction:
+                self._warned_eviction = True
+                logger.warning(
+                    "DreamZero session %r was evicted by the bespoke session cap (%d) although "
+                    "nobody ended it; its state is lost. End finished sessions explicitly with "
+                    "`drop_session(session_id)`, or raise the cap. Warned once per pipeline; "
+                    "`stats()['evictions']` counts every eviction.",
+                    evicted,
+                    self._max_bespoke_sessions,
+                )
         return state
 
     def _bespoke_forward(self, state: DreamZeroState, obs: Observation) -> DreamZeroOutput:
