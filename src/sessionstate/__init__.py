@@ -32,6 +32,7 @@ from sessionstate._errors import (
     UnsupportedTensorError,
 )
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
+from sessionstate._movers import to_device
 from sessionstate._objects import LatentBuffer, StateObject
 from sessionstate._session import SessionAttr, SessionState
 from sessionstate._tree import (
@@ -81,6 +82,7 @@ __all__ = [
     "register_record",
     "resolve_session_state_config",
     "static_field",
+    "to_device",
     "tree_equal",
     "tree_flatten",
     "tree_flatten_with_keys",
