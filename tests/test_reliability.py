@@ -667,8 +667,7 @@ def _known_model_keys() -> str:
             "{preset: tiny, camera_hieght: 40}",
             MissingKeyError,
             "Unknown DreamZero model setting 'camera_hieght' (value 40); did you mean "
-            "'camera_height'? Known: " + _known_model_keys()
-            + ".",
+            "'camera_height'? Known: " + _known_model_keys() + ".",
             id="unknown-key",
         ),
         pytest.param(

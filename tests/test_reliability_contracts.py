@@ -109,7 +109,8 @@ def test_manager_accepts_any_hashable_session_id() -> None:
         assert manager.require(sid) is manager.get(sid)
     assert manager.session_ids() == ids
     assert manager.stats()["nbytes:cpu"] == 4 * len(ids)
-    assert manager.drop(None) and None not in manager
+    assert manager.drop(None)
+    assert None not in manager
 
 
 # --- accounting: refused tensors, with key paths, before anything is stored -------------------
@@ -226,11 +227,15 @@ def test_manager_refuses_an_uncountable_record_up_front(how: str) -> None:
     manager.put("a", resident)
     bad = SessionState(attrs={"p": torch.nn.UninitializedParameter()})
     before = manager.stats()
-    with pytest.raises(UnsupportedTensorError, match=re.escape("at `attrs['p']`")):
+
+    def store() -> None:
         if how == "put":
             manager.put("a", bad)
         else:
             manager.get_or_create("b", lambda: bad)
+
+    with pytest.raises(UnsupportedTensorError, match=re.escape("at `attrs['p']`")):
+        store()
     assert manager.get("a") is resident
     assert "b" not in manager
     after = manager.stats()
@@ -303,8 +308,7 @@ def test_constructor_checks_chunks_as_commit_does() -> None:
 @pytest.mark.parametrize("value", ["no", 1, None], ids=repr)
 def test_check_immutable_accepts_a_bool_only(value: object) -> None:
     msg = (
-        f"`check_immutable` must be a bool (True or False), got {value!r} "
-        f"({type(value).__name__})."
+        f"`check_immutable` must be a bool (True or False), got {value!r} ({type(value).__name__})."
     )
     with pytest.raises(TypeError, match=_exact(msg)):
         SessionStateManager(check_immutable=value)  # type: ignore[arg-type]
@@ -485,7 +489,7 @@ def test_no_reachable_container_of_any_version_can_be_mutated(values: list[objec
     for i, value in enumerate(values):
         state = state.with_attrs(**{f"v{i % 2}": value})
         versions.append((state, {k: _plain(v) for k, v in state.attrs.items()}))
-    for state, expected in versions:
+    for state, _ in versions:
         for name in state.attrs:
             for container in _containers(state.get_attr(name)) + _containers(state.attrs[name]):
                 for mutate in _MUTATIONS:
@@ -509,6 +513,13 @@ def test_lists_and_dicts_become_tuples_and_read_only_mappings() -> None:
     holder = SessionState(attrs={"d": {"t": t}})
     assert ss.nbytes_by_device(holder) == {"cpu": 16}
     assert ss.tree_flatten_with_keys(holder)[0] == ["attrs['d']['t']"]
+
+
+def test_a_frozen_mapping_refuses_assignment() -> None:
+    frozen = SessionState(attrs={"cfg": {"a": 1}}).attrs["cfg"]
+    msg = "`FrozenDict` is immutable; build a new one: `FrozenDict({**d, key: value})`."
+    with pytest.raises(AttributeError, match=_exact(msg)):
+        frozen._data = {}
 
 
 @pytest.mark.parametrize(
@@ -618,13 +629,15 @@ def test_tree_equal_treats_float_leaves_bitwise_like_tensors() -> None:
 def test_to_device_moves_every_tensor_once_and_keeps_aliasing() -> None:
     base = torch.arange(16.0)
     ring = LatentBuffer(name="r", dim=0).allocate(maxlen=2).commit(base[:4]).commit(base[4:8])
-    state = SessionState(objects={"r": ring}, attrs={"full": base, "tail": base[8:].view(2, 4), "n": 3})
+    attributes = {"full": base, "tail": base[8:].view(2, 4), "n": 3}
+    state = SessionState(objects={"r": ring}, attrs=attributes)
     moved = ss.to_device(state, "meta")
     assert moved.attrs["n"] == 3
     assert ss.nbytes_by_device(moved) == {"meta": 64} == {"meta": ss.nbytes_by_device(state)["cpu"]}
     leaves = [t for t in ss.tree_leaves(moved) if isinstance(t, torch.Tensor)]
     assert {t.untyped_storage()._cdata for t in leaves} == {leaves[0].untyped_storage()._cdata}
-    assert moved.attrs["tail"].shape == (2, 4) and moved.attrs["tail"].storage_offset() == 8
+    assert moved.attrs["tail"].shape == (2, 4)
+    assert moved.attrs["tail"].storage_offset() == 8
     same = ss.to_device(state, "cpu")
     assert same.attrs["full"] is base
     assert tree_equal(same, state)

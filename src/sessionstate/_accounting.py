@@ -98,7 +98,7 @@ class ByteCounter:
         """
         try:
             entries = list(_storages(leaf))
-        except _Refused as refused:
+        except _RefusedError as refused:
             raise _refuse(path, refused) from None
         return self.add_entries(entries)
 
@@ -183,7 +183,7 @@ def storage_entries(tree: PyTree, /) -> list[StorageEntry]:
     for index, leaf in enumerate(leaves):
         try:
             out.extend(_storages(leaf))
-        except _Refused as refused:
+        except _RefusedError as refused:
             # Key paths are costly to render; render the one at fault.
             keys, _, _ = tree_flatten_with_keys(tree)
             raise _refuse(keys[index], refused) from None
@@ -230,7 +230,7 @@ def nbytes_by_key(tree: PyTree, /) -> dict[str, dict[str, int]]:
     return {key: counter.add(leaf, path=key) for key, leaf in zip(keys, leaves, strict=True)}
 
 
-class _Refused(Exception):
+class _RefusedError(Exception):
     """An unsupported tensor, before its key path is known: ``detail`` follows "the tensor"."""
 
     def __init__(self, detail: str) -> None:
@@ -238,7 +238,7 @@ class _Refused(Exception):
         self.detail = detail
 
 
-def _refuse(path: str, refused: _Refused) -> UnsupportedTensorError:
+def _refuse(path: str, refused: _RefusedError) -> UnsupportedTensorError:
     where = "" if path == "<root>" else f" at `{path}`"
     msg = f"Cannot count the bytes of the tensor{where}{refused.detail}"
     return UnsupportedTensorError(msg)
@@ -271,6 +271,9 @@ _DEVICE_NAMES: dict[torch.device, str] = {}
 # batched tensors, lazy modules' uninitialized parameters, ...).
 _TORCH_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError)
 
+# Lazy modules' placeholders (the mixin is not in torch's typed public surface).
+_UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+
 _PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_affine_float_qparams)
 
 _STORE_INSTEAD = (
@@ -300,7 +303,7 @@ def _tensor_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
     yield from _other_storages(t)
 
 
-def _no_storage(t: torch.Tensor, exc: BaseException) -> _Refused:
+def _no_storage(t: torch.Tensor, exc: BaseException) -> _RefusedError:
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is not None and functorch.is_batchedtensor(t):
         msg = (
@@ -308,21 +311,21 @@ def _no_storage(t: torch.Tensor, exc: BaseException) -> _Refused:
             "the vmapped function and has no storage of its own. Count the unbatched tensor "
             "outside `torch.vmap`."
         )
-        return _Refused(msg)
+        return _RefusedError(msg)
     msg = (
         f"{_describe(t)} (layout={t.layout}, device={t.device}): it has no storage torch can "
         f"report ({exc}). {_STORE_INSTEAD}"
     )
-    return _Refused(msg)
+    return _RefusedError(msg)
 
 
 def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
-    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+    if isinstance(t, _UNINITIALIZED):
         msg = (
             f"{_describe(t)}: an uninitialized (lazy) parameter or buffer has no storage yet. "
             "Run the lazy module once to materialize it, then store the materialized tensor."
         )
-        raise _Refused(msg)
+        raise _RefusedError(msg)
     fake = sys.modules.get("torch._subclasses.fake_tensor")
     if fake is not None and isinstance(t, fake.FakeTensor):
         msg = (
@@ -330,7 +333,7 @@ def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
             "holding its memory, so counting it as real bytes would be wrong. Build the tree "
             "on the `meta` device to size it without allocating."
         )
-        raise _Refused(msg)
+        raise _RefusedError(msg)
     if is_traceable_wrapper_subclass(t):
         try:
             names, _ = t.__tensor_flatten__()
@@ -364,7 +367,7 @@ def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
             "private to torch. Store the component tensors (`t.unbind()`) or a jagged nested "
             "tensor (`layout=torch.jagged`) instead."
         )
-        raise _Refused(msg)
+        raise _RefusedError(msg)
     yield from _own_storage(t)
     if t.is_quantized and t.qscheme() in _PER_CHANNEL:
         # Per-channel scales and zero points are tensors the quantized tensor keeps alive.

@@ -48,7 +48,7 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if isinstance(key, Hashable) and key in lines:
                 msg = (
@@ -179,10 +179,13 @@ class OmniDiffusionConfig:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            msg = f"Deploy config {str(path)!r}: the file is not UTF-8 text ({exc}); save it as UTF-8."
+            msg = (
+                f"Deploy config {str(path)!r}: the file is not UTF-8 text ({exc}); "
+                "save it as UTF-8."
+            )
             raise ValueError(msg) from None
         try:
-            data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+            data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
         except yaml.YAMLError as exc:
             msg = f"Deploy config {str(path)!r} is not valid YAML: {exc}"
             raise ValueError(msg) from None

@@ -54,7 +54,7 @@ class FrozenDict(Mapping[_K, _V]):
         return f"FrozenDict({self._data!r})"
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
-        msg = f"`FrozenDict` is immutable; build a new one: `FrozenDict({{**d, key: value}})`."
+        msg = "`FrozenDict` is immutable; build a new one: `FrozenDict({**d, key: value})`."
         raise AttributeError(msg)
 
     def __reduce__(self) -> tuple[type[FrozenDict[_K, _V]], tuple[dict[_K, _V]]]:
@@ -71,9 +71,9 @@ def _unflatten(keys: tuple[Any, ...], values: Any) -> FrozenDict[Any, Any]:
 
 
 optree.register_pytree_node(
-    FrozenDict,  # type: ignore[arg-type]
+    FrozenDict,
     _flatten,  # type: ignore[arg-type]
-    _unflatten,
+    _unflatten,  # type: ignore[arg-type]
     path_entry_type=optree.MappingEntry,
     namespace=NAMESPACE,
 )

@@ -53,7 +53,6 @@ def check_session_id(session_id: object) -> Hashable:
     return session_id
 
 
-
 class SessionStateManager:
     """Maps session id to the latest `SessionState`, capped by least-recently-used eviction.
 

@@ -77,9 +77,7 @@ def map_storages(
     return tree_map(leaf, tree)
 
 
-def to_device(
-    tree: PyTree, device: torch.device | str, /, *, non_blocking: bool = False
-) -> PyTree:
+def to_device(tree: PyTree, device: torch.device | str, /, *, non_blocking: bool = False) -> PyTree:
     """Return ``tree`` with every tensor on ``device``, aliasing kept; other leaves unchanged.
 
     Each storage is copied to ``device`` once and every tensor is rebuilt as a view of its
@@ -106,9 +104,10 @@ def to_device(
         here = storage.device
         if here.type == target.type and target.index in (None, here.index):
             return storage
-        if target.type == "meta":
-            return torch.UntypedStorage(storage.nbytes(), device=target)
-        return storage.to(device=target, non_blocking=non_blocking)
+        if target.type == "meta":  # meta storages hold no data; copying would fail
+            return torch.empty(storage.nbytes(), dtype=torch.uint8, device=target).untyped_storage()
+        moved: torch.UntypedStorage = storage.to(device=target, non_blocking=non_blocking)
+        return moved
 
     def move_other(t: torch.Tensor) -> torch.Tensor:
         return t.to(target, non_blocking=non_blocking)

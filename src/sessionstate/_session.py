@@ -371,7 +371,8 @@ def _check_object(name: str, obj: object, carried_fix: str) -> None:
         msg = (
             f"State object `{name}` is a `{type(obj).__qualname__}`, a StateObject that is not "
             "a record, so its tensors would be invisible to byte accounting, the immutability "
-            f"guard and `tree_map`. Decorate `{type(obj).__qualname__}` with `@sessionstate.record`."
+            f"guard and `tree_map`. Decorate `{type(obj).__qualname__}` with "
+            "`@sessionstate.record`."
         )
         raise TypeError(msg)
 
