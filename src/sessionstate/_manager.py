@@ -71,7 +71,8 @@ class SessionStateManager:
         check_immutable: Record every stored tensor's version counter and verify it on the
             session's next access, raising `ImmutabilityViolationError` that names the session
             and the leaf's key path if an in-place op wrote into it (through the tensor or any
-            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``)
+            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``,
+            ``tensor.untyped_storage().fill_()``)
             and inference-mode tensors (which have no counter; a warning says so once) are
             not seen. Off by default, and then free; `resolve_session_state_config` reads it
             from ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE``.
