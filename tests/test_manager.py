@@ -156,7 +156,7 @@ def test_a_failed_create_evicts_nothing() -> None:
 
 @pytest.mark.parametrize(
     ("session_id", "error"),
-    [(None, TypeError), (1, TypeError), (b"a", TypeError), (("a",), TypeError), ("", ValueError)],
+    [([1], TypeError), ({"a": 1}, TypeError), ({"a"}, TypeError), (bytearray(b"a"), TypeError)],
     ids=repr,
 )
 def test_invalid_session_ids(session_id: object, error: type[Exception]) -> None:
@@ -169,7 +169,7 @@ def test_invalid_session_ids(session_id: object, error: type[Exception]) -> None
         lambda: manager.drop(session_id),  # type: ignore[arg-type]
     ]
     for call in calls:
-        with pytest.raises(error, match="`session_id` must be a non-empty str"):
+        with pytest.raises(error, match="`session_id` must be hashable"):
             call()
     assert len(manager) == 0
     assert manager.stats()["misses"] == 0

@@ -36,6 +36,7 @@ from sessionstate._errors import (
 )
 from sessionstate._kv import EncodeOnceKV, KVPair
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
+from sessionstate._movers import to_device
 from sessionstate._objects import LatentBuffer, StateObject
 from sessionstate._session import SessionAttr, SessionState
 from sessionstate._snapshot import dumps_state, load_state, loads_state, save_state
@@ -97,6 +98,7 @@ __all__ = [
     "resolve_session_state_config",
     "save_state",
     "static_field",
+    "to_device",
     "tree_equal",
     "tree_flatten",
     "tree_flatten_with_keys",

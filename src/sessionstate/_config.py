@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import yaml
@@ -37,6 +37,32 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 logger = logging.getLogger("sessionstate")
+
+_T = TypeVar("_T")
+
+
+class _DuplicateKeyError(Exception):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML says keys are
+    unique; PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, Hashable) and key in lines:
+                msg = (
+                    f"key {key!r} appears twice in one mapping (lines {lines[key]} and {line}); "
+                    "keep one."
+                )
+                raise _DuplicateKeyError(msg)
+            if isinstance(key, Hashable):
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -101,6 +127,35 @@ class OmniDiffusionConfig:
         factory=dict, validator=_check_mapping, converter=_read_only
     )
     session_state_on_full: OnFull = attrs.field(default="evict", validator=_check_on_full)
+    source: str | None = attrs.field(default=None, kw_only=True, repr=False, eq=False)
+    """The file this config was loaded from (set by `from_yaml`), named in its errors."""
+
+    def parse_model(self, parse: Callable[[Mapping[str, Any]], _T], /) -> _T:
+        """Return ``parse(self.model)``; an error it raises names the file the config came from.
+
+        Models validate their own ``model`` section; this keeps the file name in their errors.
+
+        Raises:
+            KeyError, TypeError, ValueError: as ``parse``, prefixed with
+                ``Deploy config '<path>', `model` section:`` for a config loaded from a file.
+
+        >>> OmniDiffusionConfig(model={"width": 8}).parse_model(lambda m: m["width"] * 2)
+        16
+        """
+        try:
+            return parse(self.model)
+        except (KeyError, TypeError, ValueError) as exc:
+            if self.source is None:
+                raise
+            msg = f"Deploy config {self.source!r}, `model` section: {exc}"
+            kind = (
+                MissingKeyError
+                if isinstance(exc, KeyError)
+                else TypeError
+                if isinstance(exc, TypeError)
+                else ValueError
+            )
+            raise kind(msg) from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> OmniDiffusionConfig:
@@ -117,7 +172,7 @@ class OmniDiffusionConfig:
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
             raise TypeError(msg)
-        known = {a.name for a in attrs.fields(cls)}
+        known = {a.name for a in attrs.fields(cls)} - {"source"}
         for key in data:
             if key not in known:
                 msg = (
@@ -131,9 +186,13 @@ class OmniDiffusionConfig:
     def from_yaml(cls, path: str | os.PathLike[str], /) -> OmniDiffusionConfig:
         """Load a deploy YAML file.
 
+        The loader is strict: a key given twice in one mapping is an error (naming the key and
+        both lines), as is a file that is not UTF-8 text. Every error names the file.
+
         Raises:
             FileNotFoundError: if there is no such file.
-            ValueError: if the file is not valid YAML (the parser's message included).
+            ValueError: if the file is not UTF-8 or not valid YAML (the parser's message
+                included), or repeats a key.
             KeyError, TypeError, ValueError: as `from_dict`.
 
         >>> import tempfile, pathlib
@@ -142,14 +201,25 @@ class OmniDiffusionConfig:
         >>> OmniDiffusionConfig.from_yaml(p).enable_session_state_manager
         True
         """
-        text = Path(path).read_text(encoding="utf-8")
         try:
-            data = yaml.safe_load(text)
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            msg = (
+                f"Deploy config {str(path)!r}: the file is not UTF-8 text ({exc}); "
+                "save it as UTF-8."
+            )
+            raise ValueError(msg) from None
+        try:
+            data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
         except yaml.YAMLError as exc:
             msg = f"Deploy config {str(path)!r} is not valid YAML: {exc}"
             raise ValueError(msg) from None
+        except _DuplicateKeyError as exc:
+            msg = f"Deploy config {str(path)!r}: {exc}"
+            raise ValueError(msg) from None
         try:
-            return cls.from_dict({} if data is None else data)
+            config = cls.from_dict({} if data is None else data)
+            return attrs.evolve(config, source=str(path))
         except MissingKeyError as exc:
             raise MissingKeyError(f"Deploy config {str(path)!r}: {exc}") from None
         except TypeError as exc:

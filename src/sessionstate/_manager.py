@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Literal, TypeVar
 
 import torch
@@ -32,13 +32,26 @@ _St = TypeVar("_St", bound=SessionState)
 OnFull = Literal["evict", "refuse"]
 
 
-def _check_session_id(session_id: object) -> str:
-    if not isinstance(session_id, str) or not session_id:
+def check_session_id(session_id: object) -> Hashable:
+    """Return ``session_id`` if it is a valid session id: any hashable value, as a dict key.
+
+    The manager and the models' bespoke paths apply the same rule with the same message.
+
+    Raises:
+        TypeError: for an unhashable value, naming it, its type and the rule.
+
+    >>> check_session_id(42), check_session_id(("user", 7))
+    (42, ('user', 7))
+    """
+    try:
+        hash(session_id)
+    except TypeError:
         msg = (
-            f"`session_id` must be a non-empty str, got {session_id!r} "
-            f"({type(session_id).__name__}); pass the session's id as a string."
+            f"`session_id` must be hashable (any value a dict accepts as a key: a str, an int, "
+            f"a tuple, ...), got {session_id!r} ({type(session_id).__name__}); pass an "
+            "immutable id such as a str or a tuple."
         )
-        raise (TypeError if not isinstance(session_id, str) else ValueError)(msg)
+        raise TypeError(msg) from None
     return session_id
 
 
@@ -63,7 +76,8 @@ class SessionStateManager:
         check_immutable: Record every stored tensor's version counter and verify it on the
             session's next access, raising `ImmutabilityViolationError` that names the session
             and the leaf's key path if an in-place op wrote into it (through the tensor or any
-            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``)
+            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``,
+            ``tensor.untyped_storage().fill_()``)
             and inference-mode tensors (which have no counter; a warning says so once) are
             not seen. Off by default, and then free; `resolve_session_state_config` reads it
             from ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE``.
@@ -86,6 +100,12 @@ class SessionStateManager:
         on_full: OnFull = "evict",
         check_immutable: bool = False,
     ) -> None:
+        if not isinstance(check_immutable, bool):
+            msg = (
+                f"`check_immutable` must be a bool (True or False), got {check_immutable!r} "
+                f"({type(check_immutable).__name__})."
+            )
+            raise TypeError(msg)
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
             msg = (
                 f"`max_sessions` must be a positive int, got {max_sessions!r} "
@@ -100,15 +120,15 @@ class SessionStateManager:
             raise ValueError(msg)
         self._max_sessions = max_sessions
         self._on_full: OnFull = on_full
-        self._table: OrderedDict[str, SessionState] = OrderedDict()
-        self._check_immutable = bool(check_immutable)
-        self._versions: dict[str, list[tuple[int, torch.Tensor, int]]] = {}
+        self._table: OrderedDict[Hashable, SessionState] = OrderedDict()
+        self._check_immutable = check_immutable
+        self._versions: dict[Hashable, list[tuple[int, torch.Tensor, int]]] = {}
         self._warned_unversioned = False
         self._warned_eviction = False
         # Storage entries per stored record, computed by `stats()` once per record, and the
         # byte totals of the whole table, valid while `_generation` (bumped by every change
         # to the table) stays the same.
-        self._entries: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
+        self._entries: dict[Hashable, tuple[SessionState, list[StorageEntry]]] = {}
         self._generation = 0
         self._totals: tuple[int, dict[str, int]] | None = None
         self._lock = threading.RLock()
@@ -189,7 +209,7 @@ class SessionStateManager:
             f"on_full={self._on_full!r})"
         )
 
-    def session_ids(self) -> list[str]:
+    def session_ids(self) -> list[Hashable]:
         """Ids of the retained sessions, least recently used first.
 
         >>> from sessionstate import SessionState
@@ -201,13 +221,13 @@ class SessionStateManager:
         with self._lock:
             return list(self._table)
 
-    def get(self, session_id: str, /) -> SessionState | None:
+    def get(self, session_id: Hashable, /) -> SessionState | None:
         """The latest record of ``session_id``, or None (counted as a miss).
 
         >>> SessionStateManager().get("nobody") is None
         True
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         with self._lock:
             state = self._table.get(session_id)
             if state is None:
@@ -218,11 +238,12 @@ class SessionStateManager:
             self._table.move_to_end(session_id)
             return state
 
-    def peek(self, session_id: str, /) -> SessionState | None:
+    def peek(self, session_id: Hashable, /) -> SessionState | None:
         """The latest record of ``session_id``, or None, for inspection only.
 
         Unlike `get`, it leaves the LRU order and the hit/miss counters alone, so looking at
-        a session (for a size table, a dashboard) does not keep it resident.
+        a session (for a size table, a dashboard) does not keep it resident. With
+        ``check_immutable``, it raises for a corrupted record, as `get` does.
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -230,11 +251,14 @@ class SessionStateManager:
         >>> m.peek("a") is not None, m.session_ids(), m.stats()["hits"]
         (True, ['a', 'b'], 0)
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         with self._lock:
-            return self._table.get(session_id)
+            state = self._table.get(session_id)
+            if state is not None:
+                self._verify(session_id)
+            return state
 
-    def require(self, session_id: str, /) -> SessionState:
+    def require(self, session_id: Hashable, /) -> SessionState:
         """The latest record of ``session_id``; never creates one.
 
         Use it for a continuation: a session that was evicted or never began raises instead
@@ -259,15 +283,19 @@ class SessionStateManager:
             raise SessionStateLostError(msg)
         return state
 
-    def get_or_create(self, session_id: str, factory: Callable[[], _St], /) -> SessionState:
+    def get_or_create(self, session_id: Hashable, factory: Callable[[], _St], /) -> SessionState:
         """The latest record of ``session_id``, or ``factory()`` stored as a new session.
 
         The factory runs under the manager's lock, so concurrent callers create a session
         once. It must not block on other threads that use this manager.
 
         Raises:
+            TypeError: if ``factory`` is not callable (checked first: nothing is counted), or
+                returns something that is not a `SessionState`.
             SessionAdmissionError: if the session is new, the manager is full and
                 ``on_full="refuse"``.
+            UnsupportedTensorError: if the new record holds a tensor whose bytes cannot be
+                counted; nothing is stored.
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -275,7 +303,14 @@ class SessionStateManager:
         >>> m.get_or_create("a", SessionState) is first
         True
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
+        if not callable(factory):
+            msg = (
+                f"Session {session_id!r}: `factory` must be a callable that returns a new "
+                f"SessionState, got {factory!r} ({type(factory).__name__}); pass the class "
+                "itself (e.g. `SessionState`) or a function."
+            )
+            raise TypeError(msg)
         with self._lock:
             state = self._table.get(session_id)
             if state is not None:
@@ -288,19 +323,25 @@ class SessionStateManager:
                 self._admit(session_id)  # refuse before paying for the factory
             created = factory()
             _check_state(created, session_id)
+            entries = storage_entries(created)  # refuse an uncountable record up front
             # Evict only once the new record exists: a failing factory costs no resident. A
             # factory that stored this session itself (re-entrantly) made room already.
             if session_id not in self._table:
                 self._admit(session_id)
-            self._store(session_id, created)
+            self._store(session_id, created, entries)
             return created
 
-    def put(self, session_id: str, state: SessionState, /) -> None:
+    def put(self, session_id: Hashable, state: SessionState, /) -> None:
         """Store ``state`` as the latest record of ``session_id`` (replacing any earlier one).
+
+        Replacing a record is how a session recovers from an immutability violation: ``put``
+        does not check the record it replaces.
 
         Raises:
             TypeError: if ``state`` is not a `SessionState`.
             SessionAdmissionError: as `get_or_create`.
+            UnsupportedTensorError: if ``state`` holds a tensor whose bytes cannot be counted
+                (nothing stored changes).
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -308,17 +349,18 @@ class SessionStateManager:
         >>> m.get("a").attrs["step"]
         1
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         _check_state(state, session_id)
+        # Counted before anything changes, so `stats()` can never fail because of one session.
+        entries = storage_entries(state)
         with self._lock:
             if session_id in self._table:
-                self._verify(session_id)
                 self._table.move_to_end(session_id)
             else:
                 self._admit(session_id)
-            self._store(session_id, state)
+            self._store(session_id, state, entries)
 
-    def drop(self, session_id: str, /) -> bool:
+    def drop(self, session_id: Hashable, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
 
         >>> from sessionstate import SessionState
@@ -327,7 +369,7 @@ class SessionStateManager:
         >>> m.drop("a"), m.drop("a")
         (True, False)
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         with self._lock:
             self._versions.pop(session_id, None)
             self._entries.pop(session_id, None)
@@ -376,7 +418,7 @@ class SessionStateManager:
             # Records are immutable, so counting outside the lock sees a consistent snapshot,
             # and a record's storage entries, once computed, serve every later call.
             entries: list[StorageEntry] = []
-            fresh: dict[str, tuple[SessionState, list[StorageEntry]]] = {}
+            fresh: dict[Hashable, tuple[SessionState, list[StorageEntry]]] = {}
             for sid, state in items:
                 cached = memo[sid]
                 if cached is None or cached[0] is not state:
@@ -394,7 +436,7 @@ class SessionStateManager:
             out[f"nbytes:{device}"] = totals[device]
         return out
 
-    def nbytes_by_session(self) -> dict[str, dict[str, int]]:
+    def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
 
         >>> import torch
@@ -410,7 +452,7 @@ class SessionStateManager:
 
     def snapshot(
         self,
-        session_id: str,
+        session_id: Hashable,
         path: str | os.PathLike[str],
         /,
         *,
@@ -442,11 +484,13 @@ class SessionStateManager:
                 "`session_ids()` lists them."
             )
             raise SessionStateLostError(msg)
-        save_state(state, path, metadata={**(metadata or {}), "session_id": session_id})
+        # Metadata values are strings: a non-str id is stored as its repr.
+        sid = session_id if isinstance(session_id, str) else repr(session_id)
+        save_state(state, path, metadata={**(metadata or {}), "session_id": sid})
 
     def restore(
         self,
-        session_id: str,
+        session_id: Hashable,
         path: str | os.PathLike[str],
         /,
         *,
@@ -474,12 +518,12 @@ class SessionStateManager:
         >>> other.restore("a", path).attrs["x"]
         tensor([1., 1.])
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         state = load_state(path, device=device, expect=SessionState)
         self.put(session_id, state)
         return state
 
-    def _admit(self, session_id: str) -> None:
+    def _admit(self, session_id: Hashable) -> None:
         # Caller holds the lock and has checked that `session_id` is new.
         if len(self._table) < self._max_sessions:
             return
@@ -506,10 +550,12 @@ class SessionStateManager:
                 self._max_sessions,
             )
 
-    def _store(self, session_id: str, state: SessionState) -> None:
-        # Caller holds the lock.
+    def _store(
+        self, session_id: Hashable, state: SessionState, entries: list[StorageEntry]
+    ) -> None:
+        # Caller holds the lock. `entries` are the record's storage entries, computed already.
         self._table[session_id] = state
-        self._entries.pop(session_id, None)
+        self._entries[session_id] = (state, entries)
         self._generation += 1
         if self._check_immutable:
             # Key paths are costly to render; keep leaf positions and render one on violation.
@@ -530,7 +576,7 @@ class SessionStateManager:
                     )
             self._versions[session_id] = versions
 
-    def _verify(self, session_id: str) -> None:
+    def _verify(self, session_id: Hashable) -> None:
         # Caller holds the lock. Views share their base's version counter, so an in-place op
         # through any view of a stored tensor is seen here. Writes that bypass autograd's
         # counter (through `tensor.numpy()` or `tensor.data`) are not.
@@ -561,7 +607,7 @@ def _version_of(leaf: object) -> int | None:
         return None
 
 
-def _check_state(state: object, session_id: str) -> None:
+def _check_state(state: object, session_id: Hashable) -> None:
     if not isinstance(state, SessionState):
         msg = (
             f"Session {session_id!r}: the manager stores SessionState records, got "

@@ -24,7 +24,8 @@ class StateObject(abc.ABC):
     Every method except the queries (`view`, `nbytes_by_device`, `is_allocated`) is a pure
     transition: it returns a new object and leaves ``self`` valid and unchanged. Implementations
     are `record` classes, so a session moves between devices with
-    ``tree_map(lambda t: t.to(device), state)`` and keeps its configuration.
+    `sessionstate.to_device` and keeps its configuration. A subclass must be a record too
+    (decorate it with `record`): `SessionState` refuses one that is not.
 
     Lifecycle: ``allocate(**sizing)`` makes an object usable; ``commit(payload)`` adds to it;
     ``view(...)`` reads it; ``reset()`` empties it and keeps its configuration; ``evict()``
@@ -86,6 +87,18 @@ def _check_maxlen(maxlen: object) -> int | None:
     return maxlen
 
 
+def _as_chunks(value: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        # `tuple(tensor)` would split it into rows silently.
+        msg = (
+            f"LatentBuffer `chunks` must be a sequence of tensors, got one tensor of shape "
+            f"{tuple(value.shape)}; pass `chunks=(t,)`, or build the buffer with "
+            "`.allocate(...)` and `.commit(t)`."
+        )
+        raise TypeError(msg)
+    return tuple(value)  # type: ignore[arg-type]
+
+
 @register_record
 @attrs.frozen(eq=False)
 class LatentBuffer(StateObject):
@@ -116,13 +129,15 @@ class LatentBuffer(StateObject):
     (tensor([[2., 2.]]),)
     """
 
-    chunks: tuple[torch.Tensor, ...] = field(default=(), converter=tuple)
+    chunks: tuple[torch.Tensor, ...] = field(default=(), converter=_as_chunks)
     name: str = static_field(default="buffer", kw_only=True)
     dim: int = static_field(default=2, kw_only=True, validator=_check_dim)
     maxlen: int | None = static_field(default=None, kw_only=True, converter=_check_maxlen)
     allocated: bool = static_field(default=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
+        for i, chunk in enumerate(self.chunks):
+            _check_chunk(self.name, self.dim, chunk, self.chunks[i - 1] if i else None)
         if self.chunks and not self.allocated:
             msg = (
                 f"LatentBuffer `{self.name}` holds {len(self.chunks)} chunks but is not "
@@ -182,7 +197,7 @@ class LatentBuffer(StateObject):
         (0, 1)
         """
         self._require_allocated("commit to")
-        self._check_chunk(chunk)
+        _check_chunk(self.name, self.dim, chunk, self.chunks[-1] if self.chunks else None)
         chunks = (*self.chunks, chunk)
         if self.maxlen is not None and len(chunks) > self.maxlen:
             chunks = chunks[len(chunks) - self.maxlen :]
@@ -221,7 +236,7 @@ class LatentBuffer(StateObject):
         new = tuple(chunks)
         ref = self.chunks[-1] if self.chunks else None
         for chunk in new:
-            self._check_against(chunk, ref)
+            _check_chunk(self.name, self.dim, chunk, ref)
             ref = chunk
         joined = (*self.chunks, *new)
         if self.maxlen is not None and len(joined) > self.maxlen:
@@ -272,6 +287,13 @@ class LatentBuffer(StateObject):
         tensor([1., 0., 0.])
         """
         chunks = self.view(last=last)
+        if not chunks and self.chunks:  # `last=0` on a buffer that holds chunks
+            msg = (
+                f"`last=0` selects no chunks of LatentBuffer `{self.name}` (it holds "
+                f"{len(self.chunks)}), and there is nothing to join; pass `last` >= 1, or "
+                "`last=None` for every chunk."
+            )
+            raise ValueError(msg)
         if not chunks:
             msg = f"LatentBuffer `{self.name}` is empty; check `len(buffer)` before `concat()`."
             raise ValueError(msg)
@@ -318,41 +340,49 @@ class LatentBuffer(StateObject):
             )
             raise NotAllocatedError(msg)
 
-    def _check_chunk(self, chunk: object) -> None:
-        self._check_against(chunk, self.chunks[-1] if self.chunks else None)
 
-    def _check_against(self, chunk: object, ref: torch.Tensor | None) -> None:
-        # `ref` is the chunk `chunk` will follow: the newest held one, or None if empty.
-        if not isinstance(chunk, torch.Tensor):
-            msg = (
-                f"LatentBuffer `{self.name}` holds tensors, got {type(chunk).__name__}; "
-                "commit a torch.Tensor."
-            )
-            raise TypeError(msg)
-        if chunk.dim() <= self.dim:
-            msg = (
-                f"LatentBuffer `{self.name}` concatenates along dim {self.dim}, so a chunk needs "
-                f"at least {self.dim + 1} dims; got shape {tuple(chunk.shape)}. Commit chunks "
-                "with the time axis at `dim`, or build the buffer with a matching `dim=`."
-            )
-            raise ValueError(msg)
-        if ref is None:
-            return
-        dim = self.dim
-        if (
-            chunk.dtype != ref.dtype
-            or chunk.device != ref.device
-            or chunk.dim() != ref.dim()
-            or chunk.shape[:dim] != ref.shape[:dim]
-            or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
-        ):
-            msg = (
-                f"LatentBuffer `{self.name}` holds chunks of dtype {ref.dtype} on {ref.device} "
-                f"with shape {_shape_pattern(ref.shape, self.dim)}; got dtype {chunk.dtype} on "
-                f"{chunk.device} with shape {tuple(chunk.shape)}. Convert the chunk "
-                "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
-            )
-            raise ValueError(msg)
+def _check_chunk(name: str, dim: int, chunk: object, ref: torch.Tensor | None) -> None:
+    """Check that ``chunk`` may follow ``ref`` (the newest held chunk) in a buffer."""
+    if not isinstance(chunk, torch.Tensor):
+        msg = (
+            f"LatentBuffer `{name}` holds tensors, got {type(chunk).__name__}; "
+            "commit a torch.Tensor."
+        )
+        raise TypeError(msg)
+    if chunk.dim() <= dim:
+        msg = (
+            f"LatentBuffer `{name}` concatenates along dim {dim}, so a chunk needs "
+            f"at least {dim + 1} dims; got shape {tuple(chunk.shape)}. Commit chunks "
+            "with the time axis at `dim`, or build the buffer with a matching `dim=`."
+        )
+        raise ValueError(msg)
+    if ref is None:
+        return
+    if chunk.layout != ref.layout or chunk.is_nested != ref.is_nested:
+        msg = (
+            f"LatentBuffer `{name}` holds chunks of layout {_layout(ref)}; got layout "
+            f"{_layout(chunk)}, which `torch.cat` cannot join with them. Convert the chunk "
+            "(`.to_dense()`, `.to_sparse()`) or `reset()` the buffer to change its layout."
+        )
+        raise ValueError(msg)
+    if (
+        chunk.dtype != ref.dtype
+        or chunk.device != ref.device
+        or chunk.dim() != ref.dim()
+        or chunk.shape[:dim] != ref.shape[:dim]
+        or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
+    ):
+        msg = (
+            f"LatentBuffer `{name}` holds chunks of dtype {ref.dtype} on {ref.device} "
+            f"with shape {_shape_pattern(ref.shape, dim)}; got dtype {chunk.dtype} on "
+            f"{chunk.device} with shape {tuple(chunk.shape)}. Convert the chunk "
+            "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
+        )
+        raise ValueError(msg)
+
+
+def _layout(t: torch.Tensor) -> str:
+    return f"{t.layout} (nested)" if t.is_nested else str(t.layout)
 
 
 def _shape_pattern(shape: torch.Size, dim: int) -> str:

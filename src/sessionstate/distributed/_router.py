@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import suppress
 from typing import Any
 
@@ -34,7 +34,7 @@ class SessionRestoredError(RuntimeError):
     """
 
     def __init__(
-        self, msg: str, *, session_id: str, worker: str, restored_on: str, steps_lost: int,
+        self, msg: str, *, session_id: Hashable, worker: str, restored_on: str, steps_lost: int,
         steps_kept: int,
     ) -> None:  # fmt: skip
         super().__init__(msg)
@@ -49,7 +49,7 @@ class SessionRestoredError(RuntimeError):
 class MigrationRecord:
     """One completed migration: which session moved where, how many bytes, how long it took."""
 
-    session_id: str
+    session_id: Hashable
     source: str
     destination: str
     nbytes: int
@@ -141,11 +141,11 @@ class Router:
             name = f"worker-{i}"
             self._handles[name] = actor.remote(name, factory, num_threads=num_threads)
         self._lock = threading.RLock()
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[Hashable, _Session] = {}
         self._reported: dict[str, int] = dict.fromkeys(self._handles, 0)
         self._dead: set[str] = set()
-        self._lost: dict[str, str] = {}
-        self._notices: dict[str, SessionRestoredError] = {}
+        self._lost: dict[Hashable, str] = {}
+        self._notices: dict[Hashable, SessionRestoredError] = {}
         self.migrations: list[MigrationRecord] = []
         # Surface a failing factory here, not at the first step.
         for name, handle in self._handles.items():
@@ -162,12 +162,12 @@ class Router:
         """The Ray actor handle of ``worker`` (to inspect it, or to `ray.kill` it in a drill)."""
         return self._handles[self._check_worker(worker)]
 
-    def owners(self) -> dict[str, str]:
+    def owners(self) -> dict[Hashable, str]:
         """Session id -> owning worker, for every live session, in order of first call."""
         with self._lock:
             return {sid: s.owner for sid, s in self._sessions.items()}
 
-    def owner(self, session_id: str) -> str:
+    def owner(self, session_id: Hashable) -> str:
         """The worker that owns ``session_id``.
 
         Raises:
@@ -192,7 +192,7 @@ class Router:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def set_snapshot_every(self, session_id: str, every: int | None) -> None:
+    def set_snapshot_every(self, session_id: Hashable, every: int | None) -> None:
         """Snapshot ``session_id`` after every ``every``-th step (None: never).
 
         A snapshot is the session's bytes, left in Ray's object store; if the session's
@@ -210,7 +210,7 @@ class Router:
         with self._lock:
             self._session_for_call(session_id).snapshot_every = every
 
-    def step(self, session_id: str, inputs: Any) -> Any:
+    def step(self, session_id: Hashable, inputs: Any) -> Any:
         """Run one step of ``session_id`` on the worker that owns it; returns the output.
 
         A new session is placed first (see the class docstring). Calls for one session run
@@ -261,7 +261,7 @@ class Router:
                 self._reported[worker] = reply.resident_nbytes
             return reply.output
 
-    def drop(self, session_id: str) -> bool:
+    def drop(self, session_id: Hashable) -> bool:
         """End ``session_id`` on its worker (or forget a lost one); returns whether it was known."""
         with self._lock:
             session = self._sessions.get(session_id)
@@ -279,7 +279,7 @@ class Router:
                 self._sessions.pop(session_id, None)
         return True
 
-    def migrate(self, session_id: str, destination: str) -> MigrationRecord:
+    def migrate(self, session_id: Hashable, destination: str) -> MigrationRecord:
         """Move ``session_id`` to ``destination``: export, import and acknowledge, drop, switch.
 
         The record's bytes go from the source to the destination through Ray's object
@@ -360,7 +360,7 @@ class Router:
             }
             if not candidates:
                 break
-            sid = min(candidates, key=lambda s: (abs(gap - 2 * candidates[s]), s))
+            sid = min(candidates, key=lambda s: (abs(gap - 2 * candidates[s]), repr(s)))
             done.append(self.migrate(sid, light))
         return done
 
@@ -389,7 +389,7 @@ class Router:
             raise ValueError(msg)
         return worker
 
-    def _session_for_call(self, session_id: str) -> _Session:
+    def _session_for_call(self, session_id: Hashable) -> _Session:
         session = self._sessions.get(session_id)
         if session is None and session_id not in self._lost:
             session = _Session(self._place())
@@ -399,7 +399,7 @@ class Router:
         assert session is not None
         return session
 
-    def _require(self, session_id: str) -> _Session:
+    def _require(self, session_id: Hashable) -> _Session:
         session = self._sessions.get(session_id)
         if session is not None:
             return session
@@ -413,7 +413,7 @@ class Router:
         else:
             msg = (
                 f"Session {session_id!r} is not known to this router; start it with `step`. "
-                f"Known sessions: {sorted(self._sessions)}."
+                f"Known sessions: {sorted(self._sessions, key=repr)}."
             )
         raise SessionStateLostError(msg)
 
@@ -429,7 +429,7 @@ class Router:
         return min(live, key=lambda n: (self._reported[n], owned[n], live.index(n)))
 
     def _abort(
-        self, session_id: str, source: str, destination: str, stage: str, exc: Exception
+        self, session_id: Hashable, source: str, destination: str, stage: str, exc: Exception
     ) -> None:
         # Undo a completed import, so the destination holds no second copy.
         with suppress(Exception):
@@ -468,7 +468,7 @@ class Router:
                     continue
                 self._restore(sid, session, worker)
 
-    def _restore(self, session_id: str, session: _Session, worker: str) -> None:
+    def _restore(self, session_id: Hashable, session: _Session, worker: str) -> None:
         target = self._place()
         lost = session.steps - session.snapshot_steps
         if session.snapshot is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import attrs
@@ -66,7 +66,7 @@ class WorkerStats:
     """
 
     worker: str
-    nbytes_by_session: dict[str, int]
+    nbytes_by_session: dict[Hashable, int]
     total_nbytes: int
     steps: int
     not_held: int

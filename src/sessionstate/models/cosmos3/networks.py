@@ -10,7 +10,7 @@ which only the bespoke path reads or writes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -92,7 +92,7 @@ class GenerationTransformer(nn.Module):
         self.blocks = nn.ModuleList(GenerationBlock(cfg) for _ in range(cfg.num_layers))
         self.proj_out = nn.Linear(cfg.model_dim, patch_dim)
         self.cached_rope: torch.Tensor | None = None
-        self.cached_kv_key: str | None = None
+        self.cached_kv_key: Hashable | None = None
 
     def clear_cached_kv(self) -> None:
         """Drop every block's cached K/V (the bespoke path's reset)."""

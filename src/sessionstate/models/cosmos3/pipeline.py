@@ -23,7 +23,7 @@ bespoke cache keyed) they are bit-identical.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import attrs
 import torch
@@ -38,6 +38,7 @@ from sessionstate import (
     nbytes_by_device,
     resolve_session_state_config,
 )
+from sessionstate._manager import check_session_id  # the manager's session-id rule
 from sessionstate.models.cosmos3.config import MAX_COSMOS3_SESSIONS, Cosmos3Config
 from sessionstate.models.cosmos3.networks import (
     Cosmos3Networks,
@@ -73,7 +74,7 @@ class Cosmos3Output:
     reset: str | None
 
 
-def _unknown_session(session_id: str) -> str:
+def _unknown_session(session_id: Hashable) -> str:
     return (
         f"Cosmos3 session {session_id!r} is not held (never started, dropped or evicted); "
         "call `forward(request, session_id)` to start it."
@@ -146,7 +147,7 @@ class Cosmos3Pipeline:
         self.encodes = 0
         """Prompt encodings run so far (one per branch encoded), on either path."""
         self.manager: SessionStateManager | None = None
-        self._states: OrderedDict[str, Cosmos3State] | None = None
+        self._states: OrderedDict[Hashable, Cosmos3State] | None = None
         if self.settings.enabled:
             self.manager = SessionStateManager(
                 self.settings.max_sessions, check_immutable=self.settings.check_immutable
@@ -164,8 +165,9 @@ class Cosmos3Pipeline:
 
     # -- entry point ---------------------------------------------------------------------------
 
-    def forward(self, request: Cosmos3Request, session_id: str = "default") -> Cosmos3Output:
-        """Run one streaming step (one generated chunk) of ``session_id``."""
+    def forward(self, request: Cosmos3Request, session_id: Hashable = "default") -> Cosmos3Output:
+        """Run one streaming step (one generated chunk) of ``session_id`` (any hashable value)."""
+        check_session_id(session_id)
         if self.manager is not None:
             state = self.manager.get(session_id)
             if state is None:
@@ -181,21 +183,21 @@ class Cosmos3Pipeline:
         """An empty managed session for this pipeline's geometry."""
         return new_session(self.cfg)
 
-    def drop_session(self, session_id: str) -> bool:
+    def drop_session(self, session_id: Hashable) -> bool:
         """End a session on either path; returns whether it was held."""
         if self.manager is not None:
             return self.manager.drop(session_id)
         assert self._states is not None
         return self._states.pop(session_id, None) is not None
 
-    def session_ids(self) -> list[str]:
+    def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
         if self.manager is not None:
             return self.manager.session_ids()
         assert self._states is not None
         return list(self._states)
 
-    def session_values(self, session_id: str) -> dict[str, object]:
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds or reads, by name (without touching LRU order).
 
         On the bespoke path ``text_kv`` and ``rope_freqs`` are the transformer instance's
@@ -226,7 +228,7 @@ class Cosmos3Pipeline:
         blocks = self.nets.transformer.blocks
         return tuple(dict(b.cached_kv) for b in blocks if isinstance(b, GenerationBlock))
 
-    def video_latents(self, session_id: str) -> torch.Tensor | None:
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every chunk generated for the session, joined along time (None if none)."""
         latents = self.session_values(session_id)["video_latents"]
         chunks = latents.view() if isinstance(latents, LatentBuffer) else latents
@@ -328,7 +330,7 @@ class Cosmos3Pipeline:
 
     # -- bespoke path: mutable, in place, cache on the instance ------------------------------------
 
-    def _bespoke_state(self, session_id: str) -> Cosmos3State:
+    def _bespoke_state(self, session_id: Hashable) -> Cosmos3State:
         assert self._states is not None
         state = self._states.get(session_id)
         if state is None:
@@ -343,7 +345,7 @@ class Cosmos3Pipeline:
             self._states.move_to_end(session_id)
         return state
 
-    def _bespoke_forward(self, session_id: str, request: Cosmos3Request) -> Cosmos3Output:
+    def _bespoke_forward(self, session_id: Hashable, request: Cosmos3Request) -> Cosmos3Output:
         nets = self.nets
         tr = nets.transformer
         state = self._bespoke_state(session_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,9 @@ FRAMES_PER_CHUNK = 4
 
 MAX_DREAMZERO_SESSIONS = 64
 """The bespoke path's fixed session cap (not configurable, as upstream)."""
+
+_MASK_CHANNELS = 4
+"""Channels of the conditioning mask joined to the latents (networks use the same count)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +94,32 @@ class DreamZeroConfig:
     num_inference_steps: int = attrs.field(default=4, validator=_positive)
     seed: int = attrs.field(default=0, validator=_check_int)
 
+    def __attrs_post_init__(self) -> None:
+        # Relations between fields, so a bad geometry fails here and not at step 0 in torch.
+        if (self.num_frames - 1) % 4:
+            valid = 1 + 4 * ((self.num_frames - 1) // 4)
+            msg = (
+                f"`num_frames` must be 1 more than a multiple of 4 (the Wan VAE encodes one "
+                f"frame, then 4 at a time), got {self.num_frames}; use {valid} or {valid + 4}."
+            )
+            raise ValueError(msg)
+        if self.num_frame_per_block > self.num_latent_frames:
+            msg = (
+                f"`num_frame_per_block` ({self.num_frame_per_block}) cannot exceed the latent "
+                f"frames of a `num_frames` clip ({self.num_frames} frames -> "
+                f"{self.num_latent_frames} latent frames); use `num_frame_per_block` <= "
+                f"{self.num_latent_frames}, or `num_frames` >= "
+                f"{1 + 4 * (self.num_frame_per_block - 1)}."
+            )
+            raise ValueError(msg)
+        if self.vae_z_dim < _MASK_CHANNELS:
+            msg = (
+                f"`vae_z_dim` must be at least {_MASK_CHANNELS} (the conditioning mask has "
+                f"{_MASK_CHANNELS} channels), got {self.vae_z_dim}; use {_MASK_CHANNELS} or "
+                "more (16 at deploy)."
+            )
+            raise ValueError(msg)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         """The model dtype as a `torch.dtype`."""
@@ -150,8 +180,10 @@ class DreamZeroConfig:
         known = {a.name for a in attrs.fields(cls)} - {"name"}
         for key in data:
             if key not in known:
+                close = difflib.get_close_matches(str(key), ["preset", *known], n=1)
+                hint = f"did you mean {close[0]!r}? Known" if close else "known"
                 msg = (
-                    f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); known: "
+                    f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); {hint}: "
                     f"{['preset', *sorted(known)]}."
                 )
                 raise MissingKeyError(msg)

@@ -17,7 +17,7 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
-from sessionstate.models.dreamzero.config import DreamZeroConfig
+from sessionstate.models.dreamzero.config import _MASK_CHANNELS, DreamZeroConfig
 
 __all__ = [
     "DreamZeroNetworks",
@@ -27,8 +27,6 @@ __all__ = [
 
 FeatMap = tuple[torch.Tensor | None, ...]
 """The Wan encoder's causal-conv cache: one slot per causal conv (24 of 26 in use)."""
-
-_MASK_CHANNELS = 4
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import attrs
 import torch
@@ -31,6 +31,7 @@ from sessionstate import (
     SessionStateSettings,
     resolve_session_state_config,
 )
+from sessionstate._manager import check_session_id  # the manager's session-id rule
 from sessionstate.models.dreamzero.config import MAX_DREAMZERO_SESSIONS, DreamZeroConfig
 from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
 from sessionstate.models.dreamzero.state import (
@@ -59,14 +60,14 @@ class DreamZeroOutput:
     reset: str | None
 
 
-def _unknown_session(session_id: str) -> str:
+def _unknown_session(session_id: Hashable) -> str:
     return (
         f"DreamZero session {session_id!r} is not held (never started, dropped or evicted); "
         "call `forward(obs, session_id)` to start it."
     )
 
 
-def _lost_continuation(session_id: str) -> str:
+def _lost_continuation(session_id: Hashable) -> str:
     return (
         f"Cannot continue DreamZero session {session_id!r}: it is not held (never started, "
         "dropped or evicted), so its state is lost. Start it again with "
@@ -141,13 +142,13 @@ class DreamZeroPipeline:
             self.cfg = config
             self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
         else:
-            self.cfg = DreamZeroConfig.from_dict(config.model)
+            self.cfg = config.parse_model(DreamZeroConfig.from_dict)
             self.settings = resolve_session_state_config(config, environ)
         self.device = torch.device(device)
         self.host_device = torch.device(host_device)
         self.nets: DreamZeroNetworks = build_networks(self.cfg, self.device)
         self.manager: SessionStateManager | None = None
-        self._states: OrderedDict[str, DreamZeroState] | None = None
+        self._states: OrderedDict[Hashable, DreamZeroState] | None = None
         if self.settings.enabled:
             self.manager = SessionStateManager(
                 self.settings.max_sessions,
@@ -179,13 +180,13 @@ class DreamZeroPipeline:
     # -- entry point ---------------------------------------------------------------------------
 
     def forward(
-        self, obs: Observation, session_id: str = "default", *, begin: bool | None = None
+        self, obs: Observation, session_id: Hashable = "default", *, begin: bool | None = None
     ) -> DreamZeroOutput:
         """Run one streaming step of ``session_id`` on ``obs``.
 
         Args:
             obs: The observation of this step.
-            session_id: The session to step.
+            session_id: The session to step: any hashable value, as a dict key.
             begin: ``True`` starts the session, or restarts it from scratch if it is held;
                 ``False`` continues it and never starts one; ``None`` (default) continues a
                 held session and starts one that is not.
@@ -206,6 +207,7 @@ class DreamZeroPipeline:
         >>> pipe.forward(second, sid, begin=False).reset is None
         True
         """
+        check_session_id(session_id)
         if self.manager is not None:
             state = None if begin else self.manager.get(session_id)
             if state is None:
@@ -224,22 +226,24 @@ class DreamZeroPipeline:
         """An empty managed session for this pipeline's geometry."""
         return new_session(self.cfg)
 
-    def drop_session(self, session_id: str) -> bool:
+    def drop_session(self, session_id: Hashable) -> bool:
         """End a session on either path; returns whether it was held."""
+        check_session_id(session_id)
         if self.manager is not None:
             return self.manager.drop(session_id)
         assert self._states is not None
         return self._states.pop(session_id, None) is not None
 
-    def session_ids(self) -> list[str]:
+    def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
         if self.manager is not None:
             return self.manager.session_ids()
         assert self._states is not None
         return list(self._states)
 
-    def session_values(self, session_id: str) -> dict[str, object]:
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds, by name (without touching LRU order)."""
+        check_session_id(session_id)
         if self.manager is not None:
             state = self.manager.peek(session_id)
             if state is None:
@@ -251,7 +255,7 @@ class DreamZeroPipeline:
             raise SessionStateLostError(_unknown_session(session_id))
         return self._states[session_id].values()
 
-    def video_latents(self, session_id: str) -> torch.Tensor | None:
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every latent chunk generated for the session, joined along time (None if none)."""
         values = self.session_values(session_id)
         latents = values["video_latents_across_time"]
@@ -260,7 +264,7 @@ class DreamZeroPipeline:
         assert self._states is not None
         return self._states[session_id].get_concatenated_video_latents()
 
-    def clear_accumulated_video_latents(self, session_id: str) -> None:
+    def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
         """Empty the session's accumulated video latents, for a caller that exported them.
 
         Keeps everything else: the VAE stream, the conditioning, the counters. The session is
@@ -293,7 +297,7 @@ class DreamZeroPipeline:
         bespoke.video_latents_across_time = []
         self._states.move_to_end(session_id)
 
-    def decode_video(self, session_id: str) -> torch.Tensor | None:
+    def decode_video(self, session_id: Hashable) -> torch.Tensor | None:
         """Decode the session's accumulated latents with the Wan decoder: (1, 3, T, H, W)."""
         latents = self.video_latents(session_id)
         if latents is None:
@@ -412,7 +416,7 @@ class DreamZeroPipeline:
 
     # -- bespoke path: mutable, in place -----------------------------------------------------------
 
-    def _bespoke_state(self, session_id: str, begin: bool | None = None) -> DreamZeroState:
+    def _bespoke_state(self, session_id: Hashable, begin: bool | None = None) -> DreamZeroState:
         assert self._states is not None
         state = None if begin else self._states.get(session_id)
         if state is not None:
