@@ -76,7 +76,7 @@ MUTANTS = (
                 "        _check_state(state, session_id)\n",
             ),
         ),
-        ("tests/test_manager.py", "tests/test_reliability.py"),
+        ("tests/test_manager.py",),
     ),
     Mutant(
         "ring-keeps-one-too-many",
