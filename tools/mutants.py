@@ -119,7 +119,7 @@ MUTANTS = (
                 "yield device, storage.data_ptr(), storage.data_ptr(), storage.nbytes(), storage",
             ),
         ),
-        ("tests/test_manager_stateful.py",),
+        ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
     ),
 )
 

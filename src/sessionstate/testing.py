@@ -731,10 +731,11 @@ def _dense_parts(leaf: torch.Tensor) -> list[torch.Tensor]:
     if leaf.layout in (torch.sparse_csc, torch.sparse_bsc):
         return [leaf.ccol_indices(), leaf.row_indices(), leaf.values()]
     if leaf.layout != torch.strided or leaf.is_nested or type(leaf) is not torch.Tensor:
+        kind = "a nested tensor" if leaf.is_nested else f"a `{type(leaf).__qualname__}`"
         msg = (
-            f"`recount_nbytes_by_device` recounts plain dense and sparse tensors, got a "
-            f"{type(leaf).__name__} with layout={leaf.layout}; check such leaves with "
-            "`nbytes_by_device` against a count you know."
+            f"`recount_nbytes_by_device` recounts plain dense and sparse tensors, got {kind} "
+            f"(layout={leaf.layout}); check such leaves with `nbytes_by_device` against a "
+            "count you know."
         )
         raise TypeError(msg)
     return [leaf]
