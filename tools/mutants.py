@@ -124,6 +124,10 @@ MUTANTS = (
 )
 
 
+class MutantError(Exception):
+    """A mutant cannot be applied, or its tests would not see it."""
+
+
 def _copy_source(dest: Path) -> Path:
     src = dest / "src"
     shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -142,7 +146,7 @@ def _apply(mutant: Mutant, src: Path) -> None:
                 f"(it must occur exactly once):\n{old}\nUpdate the anchor in tools/mutants.py "
                 "to the current code."
             )
-            raise SystemExit(msg)
+            raise MutantError(msg)
         text = text.replace(old, new)
     target.write_text(text)
 
@@ -157,7 +161,8 @@ def _pytest(src: Path, tests: tuple[str, ...], *, stop_early: bool) -> tuple[int
         check=True,
     ).stdout.strip()
     if not Path(where).is_relative_to(src):
-        raise SystemExit(f"The tests would import sessionstate from {where}, not from {src}.")
+        msg = f"The tests would import sessionstate from {where}, not from {src}."
+        raise MutantError(msg)
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *tests]
     if stop_early:
         args.insert(4, "-x")
@@ -187,17 +192,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name}: {m.description} ({m.path}); caught by {', '.join(m.tests)}")
         return 0
 
+    try:
+        return _run(chosen, full=args.full, baseline=not args.no_baseline)
+    except MutantError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _run(chosen: list[Mutant], *, full: bool, baseline: bool) -> int:
     with tempfile.TemporaryDirectory(prefix="sessionstate-mutants-") as tmp:
         # Every anchor is checked before any test runs.
         for m in chosen:
             _apply(m, _copy_source(Path(tmp) / f"check-{m.name}"))
 
         def tests_of(m: Mutant) -> tuple[str, ...]:
-            return ("tests",) if args.full else m.tests
+            return ("tests",) if full else m.tests
 
-        if not args.no_baseline:
-            baseline = tuple(dict.fromkeys(t for m in chosen for t in tests_of(m)))
-            code, summary = _pytest(_copy_source(Path(tmp) / "baseline"), baseline, stop_early=True)
+        if baseline:
+            unmutated = tuple(dict.fromkeys(t for m in chosen for t in tests_of(m)))
+            src = _copy_source(Path(tmp) / "baseline")
+            code, summary = _pytest(src, unmutated, stop_early=True)
             print(f"baseline (no mutant): {summary}", flush=True)
             if code != 0:
                 print("The tests fail without a mutant; fix them first.")
