@@ -277,7 +277,7 @@ def bench_step_time(sizes: Sizes) -> dict[str, Any]:
     times: dict[str, dict[str, list[list[float]]]] = {
         clock: {name: [] for name in PATHS} for clock in ("wall", "cpu")
     }
-    identical = True
+    identical = {"actions": True, "video_latents": True}
     for repeat in range(sizes.step_repeats):
         wall: dict[str, list[float]] = {name: [] for name in PATHS}
         cpu: dict[str, list[float]] = {name: [] for name in PATHS}
@@ -292,7 +292,9 @@ def bench_step_time(sizes: Sizes) -> dict[str, Any]:
                 outs[name] = pipes[name].forward(obs, f"bench-{repeat}")
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - cpu_start)
-            identical = identical and torch.equal(outs["bespoke"].actions, outs["managed"].actions)
+            for field in identical:
+                same = torch.equal(getattr(outs["bespoke"], field), getattr(outs["managed"], field))
+                identical[field] = identical[field] and same
         for name, pipe in pipes.items():
             pipe.drop_session(f"bench-{repeat}")
             times["wall"][name].append(wall[name])
@@ -337,7 +339,8 @@ def bench_step_time(sizes: Sizes) -> dict[str, Any]:
         "steps": sizes.steps,
         "repeats": sizes.step_repeats,
         "window_steps": sizes.step_window,
-        "bit_identical_actions": identical,
+        "bit_identical_actions": identical["actions"],
+        "bit_identical_video_latents": identical["video_latents"],
         "checkpoints": checkpoints,
         "managed_last_over_first": last["managed_median_ms"] / first["managed_median_ms"],
         "bespoke_last_over_first": last["bespoke_median_ms"] / first["bespoke_median_ms"],
@@ -1064,7 +1067,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{_fmt(st['bespoke_last_over_first_mean'])}x; (CPU time, median): managed "
         f"{_fmt(st['managed_last_over_first_cpu'])}x, bespoke "
         f"{_fmt(st['bespoke_last_over_first_cpu'])}x. "
-        f"Actions bit-identical on every step: {st['bit_identical_actions']}.",
+        f"Actions bit-identical on every step: {st['bit_identical_actions']}; video latents: "
+        f"{st['bit_identical_video_latents']}.",
         "",
         "Median step time along the session (ms):",
         "",

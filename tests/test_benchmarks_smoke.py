@@ -61,6 +61,7 @@ def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) ->
             assert math.isfinite(row[key]), (row["step"], key)
             assert row[key] > 0, (row["step"], key)
     assert results["step_time"]["bit_identical_actions"] is True
+    assert results["step_time"]["bit_identical_video_latents"] is True
     assert [p["frames"] for p in results["reader"]["points"]] == sizes["reader_frames"]
     assert all(p["bit_identical"] for p in results["reader"]["points"])
     assert [p["video_chunks"] for p in results["library_overhead"]["points"]] == sizes[

@@ -20,6 +20,7 @@ from sessionstate import (
     SessionStateLostError,
     SessionStateManager,
 )
+from sessionstate.testing import recount_nbytes_by_device
 
 
 def _state(nbytes: int = 16, **attrs: object) -> SessionState:
@@ -470,7 +471,7 @@ def test_threaded_stress() -> None:
     stats = manager.stats()
     assert stats["sessions"] == len(held)
     assert stats["hits"] + stats["misses"] == sum(lookups) + len(held)
-    recount = ss.nbytes_by_device(list(held.values()))
+    recount = recount_nbytes_by_device(list(held.values()))
     assert stats["total_nbytes"] == sum(recount.values())
     assert {k: v for k, v in stats.items() if k.startswith("nbytes:")} == {
         f"nbytes:{device}": n for device, n in recount.items()

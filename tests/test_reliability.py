@@ -516,36 +516,61 @@ BAD_CHUNKS: list[Any] = [
 
 @pytest.mark.parametrize(("chunk", "error", "msg"), BAD_CHUNKS)
 def test_bad_commit_changes_nothing(chunk: Any, error: type[Exception], msg: str) -> None:
-    manager = SessionStateManager(check_immutable=True)
+    # The manager is full, so a new session would evict "s"; the bad commit runs inside the
+    # manager, in the factory of `get_or_create`, and must cost nothing.
+    manager = SessionStateManager(1, check_immutable=True)
     ring = LatentBuffer(name="frames", dim=0).allocate(maxlen=4).commit(torch.zeros(1, 2, 3))
     state = SessionState(objects={"frames": ring})
     manager.put("s", state)
     clone = clone_tree(state)
+    before = manager.stats()
+
+    def fork() -> SessionState:
+        return state.update_object("frames", lambda b: b.commit(chunk))
+
     with pytest.raises(error, match=_exact(msg)):
-        manager.put("s", state.update_object("frames", lambda b: b.commit(chunk)))
-    assert manager.get("s") is state
+        manager.get_or_create("t", fork)
+    assert manager.session_ids() == ["s"]
+    assert manager.peek("s") is state
     assert tree_equal(state, clone)
     assert len(ring) == 1
+    assert manager.stats() == {**before, "misses": before["misses"] + 1}
 
 
-def test_bad_commit_into_a_dreamzero_record_names_the_buffer() -> None:
-    pipe = DreamZeroPipeline(CFG, environ=MANAGED)
-    (sid, obs), *_ = episode(steps=1)
-    pipe.forward(obs, sid)
-    record = stored(pipe.manager, sid)
-    assert isinstance(record, DreamZeroSession)
-    clone = clone_tree(record)
-    good = record.vae_encoder_out.view()[-1]
+def test_bad_commit_into_a_dreamzero_record_names_the_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No window resets, so the only VAE encodes after the first step are the stream's body
+    # chunks, the first of them committed on step 5.
+    cfg = DreamZeroConfig.preset("tiny", local_attn_size=-1)
+    pipe = DreamZeroPipeline(cfg, environ={**MANAGED, ENV_CHECK_IMMUTABLE: "1"})
+    (sid, first), *rest = scripted_episode(cfg, steps=5, sessions=1, seed=5)
+    pipe.forward(first, sid)
+    good = stored(pipe.manager, sid).vae_encoder_out.view()[-1]
     msg = (
         "LatentBuffer `vae_encoder_out` holds chunks of dtype torch.float32 on cpu with shape "
         f"(1, {good.shape[1]}, T, {good.shape[3]}, {good.shape[4]}); got dtype torch.bfloat16 on "
         f"cpu with shape {tuple(good.shape)}. Convert the chunk (`.to(dtype=..., device=...)`) "
         "or `reset()` the buffer to change its layout."
     )
-    with pytest.raises(ValueError, match=_exact(msg)):
-        record.update_object("vae_encoder_out", lambda b: b.commit(good.bfloat16()))
+    # From now on the VAE encoder returns bfloat16: the pipeline's next body chunk is
+    # committed into the float32 ring inside `forward`, which must then change nothing.
+    encode_chunk = pipe.nets.encode_chunk
+
+    def encode_to_bfloat16(chunk: torch.Tensor, feat_map: Any) -> tuple[torch.Tensor, Any]:
+        out, feat_map = encode_chunk(chunk, feat_map)
+        return out.bfloat16(), feat_map
+
+    monkeypatch.setattr(pipe.nets, "encode_chunk", encode_to_bfloat16)
+    with pytest.raises(ValueError, match=_exact(msg)):  # noqa: PT012 (steps until the commit)
+        for _, obs in rest:
+            record = stored(pipe.manager, sid)
+            clone = clone_tree(record)
+            pipe.forward(obs, sid)
+    assert isinstance(record, DreamZeroSession)
     assert stored(pipe.manager, sid) is record
     assert tree_equal(record, clone)
+    assert pipe.session_ids() == [sid]
 
 
 def _bad_id(value: object) -> str:
