@@ -25,12 +25,15 @@ from sessionstate._config import (
 from sessionstate._errors import (
     ImmutabilityViolationError,
     ImmutableRecordError,
+    KVPoolExhaustedError,
     MissingKeyError,
     NotAllocatedError,
     SessionAdmissionError,
     SessionStateLostError,
+    StaleKVHandleError,
     UnsupportedTensorError,
 )
+from sessionstate._kvpool import KVHandle, KVPool
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
 from sessionstate._objects import LatentBuffer, StateObject
 from sessionstate._session import SessionAttr, SessionState
@@ -59,6 +62,9 @@ __all__ = [
     "NAMESPACE",
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "KVHandle",
+    "KVPool",
+    "KVPoolExhaustedError",
     "LatentBuffer",
     "MissingKeyError",
     "NotAllocatedError",
@@ -70,6 +76,7 @@ __all__ = [
     "SessionStateLostError",
     "SessionStateManager",
     "SessionStateSettings",
+    "StaleKVHandleError",
     "StateObject",
     "UnsupportedTensorError",
     "__version__",

@@ -11,10 +11,12 @@ import attrs
 __all__ = [
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "KVPoolExhaustedError",
     "MissingKeyError",
     "NotAllocatedError",
     "SessionAdmissionError",
     "SessionStateLostError",
+    "StaleKVHandleError",
     "UnsupportedTensorError",
 ]
 
@@ -54,3 +56,11 @@ class ImmutableRecordError(attrs.exceptions.FrozenInstanceError):
 
 class ImmutabilityViolationError(RuntimeError):
     """A tensor reachable from a stored record was written in place (see ``check_immutable``)."""
+
+
+class KVPoolExhaustedError(RuntimeError):
+    """A `KVPool` had no free block for an append."""
+
+
+class StaleKVHandleError(RuntimeError):
+    """A `KVHandle` made by a step that was rolled back was used."""
