@@ -286,6 +286,25 @@ class KVPool:
                         heapq.heappush(self._free, block)
             return new
 
+    def adopt(self, handle: KVHandle, /) -> KVHandle:
+        """``handle`` itself if it is of this pool, else a handle of this pool to a copy of its tokens.
+
+        A record made by another pipeline (another pool) continues here with the same KV.
+
+        >>> import torch
+        >>> a = KVPool(2, block_tokens=2, token_shape=())
+        >>> b = KVPool(2, block_tokens=2, token_shape=())
+        >>> h = a.append(a.empty(), torch.arange(3.0))
+        >>> copy = b.adopt(h)
+        >>> copy.pool is b, copy == h, b.adopt(copy) is copy
+        (True, True, True)
+        """
+        if isinstance(handle, KVHandle) and handle.pool is self:
+            return handle
+        if not isinstance(handle, KVHandle):
+            self._check(handle, "adopt")
+        return self.append(self.empty(), handle.read())
+
     def read(self, handle: KVHandle, /) -> torch.Tensor:
         """``handle``'s tokens gathered into a new tensor ``(tokens, *token_shape)``.
 

@@ -75,8 +75,11 @@ def window_tokens(cfg: DreamZeroConfig) -> int:
 def append_handle(
     pool: KVPool, handle: KVHandle | None, kv: torch.Tensor, cfg: DreamZeroConfig
 ) -> KVHandle:
-    """Managed: a new handle with ``kv`` appended (to an empty cache when ``handle`` is None)."""
-    start = pool.empty() if handle is None else handle
+    """Managed: a new handle with ``kv`` appended (to an empty cache when ``handle`` is None).
+
+    A handle of another pipeline's pool (a record moved between pipelines) is copied in first.
+    """
+    start = pool.empty() if handle is None else pool.adopt(handle)
     return pool.append(start, kv, window=window_tokens(cfg))
 
 
