@@ -82,7 +82,8 @@ def test_older_handles_keep_their_prefix_and_branches_copy_on_write() -> None:
     assert torch.equal(base.read(), _kv(5))
     assert torch.equal(first.read(), torch.cat([_kv(5), _kv(2, 100)]))
     assert torch.equal(second.read(), torch.cat([_kv(5), _kv(2, 200)]))
-    assert first.blocks[0] == second.blocks[0] and first.blocks[1] != second.blocks[1]
+    assert first.blocks[0] == second.blocks[0]
+    assert first.blocks[1] != second.blocks[1]
 
 
 def test_blocks_return_when_the_last_handle_goes() -> None:
@@ -92,7 +93,8 @@ def test_blocks_return_when_the_last_handle_goes() -> None:
     held = manager.get("a")
     manager.put("b", SessionState(attrs={"kv": pool.append(pool.empty(), _kv(1))}))  # evicts a
     assert pool.free_blocks == 8 - 3 - 1  # the holder keeps a's blocks alive
-    assert held is not None and torch.equal(held.attrs["kv"].read(), _kv(9))
+    assert held is not None
+    assert torch.equal(held.attrs["kv"].read(), _kv(9))
     del held
     assert pool.free_blocks == 8 - 1
     manager.drop("b")
@@ -103,9 +105,16 @@ def test_a_failed_transaction_leaves_the_pool_as_before() -> None:
     pool = _pool()
     kept = pool.append(pool.empty(), _kv(5))
     before = _state(pool)
-    with pytest.raises(RuntimeError, match="boom"), pool.transaction():
-        grown = pool.append(kept, _kv(9, 7))
-        raise RuntimeError("boom")
+    made: list[ss.KVHandle] = []
+
+    def failing_step() -> None:
+        with pool.transaction():
+            made.append(pool.append(kept, _kv(9, 7)))
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        failing_step()
+    grown = made.pop()
     assert _state(pool) == before
     assert torch.equal(kept.read(), _kv(5))
     assert not grown.alive

@@ -287,7 +287,7 @@ class KVPool:
             return new
 
     def adopt(self, handle: KVHandle, /) -> KVHandle:
-        """``handle`` itself if it is of this pool, else a handle of this pool to a copy of its tokens.
+        """``handle`` if it is of this pool, else this pool's handle to a copy of its tokens.
 
         A record made by another pipeline (another pool) continues here with the same KV.
 

@@ -6,13 +6,12 @@ import gc
 
 import pytest
 import torch
+from dz_support import assert_same_output, observations, pipeline_pair, tiny
 
 from sessionstate import KVHandle, SessionStateManager
 from sessionstate.cli import size_table
 from sessionstate.models.dreamzero import DreamZeroPipeline, DreamZeroSession
 from sessionstate.models.dreamzero.kv import read_blocks
-
-from dz_support import assert_same_output, observations, pipeline_pair, tiny
 
 
 def _pool_state(pipe: DreamZeroPipeline) -> tuple[list[int], list[int], list[int]]:
@@ -91,7 +90,8 @@ def test_drop_evict_and_held_records_return_every_block_once() -> None:
     pipe = DreamZeroPipeline(
         cfg, environ={**environ, "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS": "2"}
     )
-    assert pipe.kv_pool is not None and isinstance(pipe.manager, SessionStateManager)
+    assert pipe.kv_pool is not None
+    assert isinstance(pipe.manager, SessionStateManager)
     initial = pipe.kv_pool.free_blocks
     obs = observations(cfg, 3, seed=2)
     for o in obs:

@@ -505,7 +505,8 @@ def test_window_reset_clears_exactly_the_window_fields() -> None:
             assert len(new_b) == len(new_m) == 0
             assert new_b.maxlen == new_m.maxlen == FRAMES_PER_CHUNK
         elif name == "kv_cache":  # the window's KV starts again empty (`_kv_create`)
-            assert new_b == [] and bespoke.kv_tokens == 0
+            assert new_b == []
+            assert bespoke.kv_tokens == 0
             assert new_m is None
         elif name in _WINDOW_CLEARED:
             assert new_b is None or new_b == 0, name
