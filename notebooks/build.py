@@ -760,7 +760,7 @@ NB03: list[Cell] = [
         predicted["bespoke"]["vae_encoder_out"] = per_encoded_frame * encoded_frames(N)
 
         print(f"{'value':26} {'predicted 400':>14} {'committed 400':>14}   (managed / bespoke)")
-        for name in BUCKETS:
+        for name in committed["values"]:  # the committed table predates `kv_cache`
             row = committed["values"][name]
             for path in ("managed", "bespoke"):
                 print(f"{name if path == 'managed' else '':26} {predicted[path][name]:>14,} "
@@ -807,7 +807,7 @@ NB03: list[Cell] = [
         assert per_encoded_frame / MiB == 0.21484375  # the bespoke history, per latent frame
         assert round(64 * held["managed"]["vae_enc_feat_map"] / GiB, 1) == 37.7
         # ... and the committed table the docs render: steady values equal, growing ones on rate.
-        for name in BUCKETS:
+        for name in committed["values"]:
             for path in ("managed", "bespoke"):
                 assert predicted[path][name] == committed["values"][name][path + "_nbytes"], name
         print("all checks passed")

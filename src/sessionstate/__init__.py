@@ -27,14 +27,17 @@ from sessionstate._errors import (
     ImmutabilityViolationError,
     ImmutableRecordError,
     IncompleteStateError,
+    KVPoolExhaustedError,
     MissingKeyError,
     NotAllocatedError,
     SessionAdmissionError,
     SessionStateLostError,
     SnapshotError,
+    StaleKVHandleError,
     UnsupportedTensorError,
 )
 from sessionstate._kv import EncodeOnceKV, KVPair
+from sessionstate._kvpool import KVHandle, KVPool
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
 from sessionstate._movers import to_device
 from sessionstate._objects import LatentBuffer, StateObject
@@ -69,7 +72,10 @@ __all__ = [
     "ImmutabilityViolationError",
     "ImmutableRecordError",
     "IncompleteStateError",
+    "KVHandle",
     "KVPair",
+    "KVPool",
+    "KVPoolExhaustedError",
     "LatentBuffer",
     "MissingKeyError",
     "NotAllocatedError",
@@ -83,6 +89,7 @@ __all__ = [
     "SessionStateSettings",
     "SnapshotError",
     "StagedStateObject",
+    "StaleKVHandleError",
     "StateObject",
     "UnsupportedTensorError",
     "__version__",

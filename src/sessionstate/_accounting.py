@@ -8,15 +8,22 @@ Storages with memory are counted as address ranges per device, and a device's to
 size of the union of its ranges: two storage objects over the same memory (a NumPy array and
 `torch.from_numpy` of it, a storage re-wrapped with `Tensor.set_`) count once, whichever is
 seen first. Storages without memory (every storage on the ``meta`` device, where each data
-pointer is 0) are identified by their storage object, the C++ ``StorageImpl``.
+pointer is 0) are identified by their storage object, the C++ ``StorageImpl``, and given a
+private address range of their own above every real address, so part of such a storage (an
+engine pool's block) and the whole of it still count once.
+
+A leaf may report its own storages: a class defining ``__sessionstate_storage_entries__``
+returns `StorageEntry` tuples whose identity is an `EngineBlock`. That is how memory owned by
+an engine (a paged KV pool's blocks, reached through an immutable handle) enters the same
+accounting, deduplicated per (pool, block) and against any tensor view of the pool.
 """
 
 from __future__ import annotations
 
 import bisect
 import sys
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -26,8 +33,10 @@ from sessionstate._tree import PyTree, tree_flatten_with_keys, tree_leaves
 
 __all__ = [
     "ByteCounter",
+    "EngineBlock",
     "StorageEntry",
     "count_entries",
+    "engine_entries",
     "nbytes_by_device",
     "nbytes_by_key",
     "storage_entries",
@@ -36,8 +45,36 @@ __all__ = [
 _HOST = "cpu"
 
 
-StorageEntry = tuple[str, int, int, int, Any]
-"""``(device, identity, data pointer, nbytes, keepalive)`` of one dense storage."""
+StorageEntry = tuple[str, Hashable, int, int, Any]
+"""``(device, identity, data pointer, nbytes, keepalive)`` of one dense storage (or block)."""
+
+
+class EngineBlock(NamedTuple):
+    """The identity of one block of an engine-owned pool in a `StorageEntry`.
+
+    ``pool`` identifies the pool's storage, ``block`` the block. Entries with this identity
+    are engine bytes: counted like any storage, reported apart, never moved by the library.
+
+    >>> EngineBlock(pool=7, block=2)
+    EngineBlock(pool=7, block=2)
+    """
+
+    pool: int
+    block: int
+
+
+def virtual_address(storage: torch.UntypedStorage) -> int:
+    """The address a storage is counted at: its data pointer, or a private range if it has none.
+
+    Storages without memory (``meta``) get ``id << 64``: above every real address and
+    disjoint from every other storage's range, so sub-ranges of one storage dedup against it.
+
+    >>> import torch
+    >>> s = torch.zeros(2, device="meta").untyped_storage()
+    >>> virtual_address(s) == s._cdata << 64
+    True
+    """
+    return storage.data_ptr() or (storage._cdata << 64)
 
 
 class _RangeUnion:
@@ -85,7 +122,7 @@ class ByteCounter:
     """
 
     def __init__(self) -> None:
-        self._seen: dict[int, object] = {}
+        self._seen: dict[Hashable, object] = {}
         self._ranges: dict[str, _RangeUnion] = {}
         self.totals: dict[str, int] = {}
 
@@ -141,7 +178,7 @@ def count_entries(entries: Iterable[StorageEntry], /) -> dict[str, int]:
     >>> count_entries(storage_entries([x, x[2:], torch.zeros(2, device="meta")]))
     {'cpu': 32, 'meta': 8}
     """
-    seen: set[int] = set()
+    seen: set[Hashable] = set()
     totals: dict[str, int] = {}  # devices in order of first appearance, as `ByteCounter`
     ranges: dict[str, list[tuple[int, int]]] = {}
     for device, identity, pointer, nbytes, _ in entries:
@@ -163,6 +200,16 @@ def count_entries(entries: Iterable[StorageEntry], /) -> dict[str, int]:
             reach = end
         totals[device] += covered
     return totals
+
+
+def engine_entries(entries: Iterable[StorageEntry], /) -> list[StorageEntry]:
+    """The entries among ``entries`` that are engine-owned blocks (identity an `EngineBlock`).
+
+    >>> import torch
+    >>> engine_entries(storage_entries([torch.zeros(2)]))
+    []
+    """
+    return [entry for entry in entries if isinstance(entry[1], EngineBlock)]
 
 
 def storage_entries(tree: PyTree, /) -> list[StorageEntry]:
@@ -249,6 +296,10 @@ def _storages(leaf: Any) -> Iterator[StorageEntry]:
     if isinstance(leaf, torch.Tensor):
         yield from _tensor_storages(leaf)
         return
+    report = getattr(type(leaf), "__sessionstate_storage_entries__", None)
+    if report is not None:
+        yield from report(leaf)
+        return
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(leaf, numpy.ndarray):
         yield from _array_storages(leaf, numpy)
@@ -291,7 +342,7 @@ def _tensor_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
         # The common case, first: a plain dense tensor.
         try:
             storage = t.untyped_storage()
-            entry = (storage._cdata, storage.data_ptr(), storage.nbytes(), storage)
+            entry = (storage._cdata, virtual_address(storage), storage.nbytes(), storage)
         except _TORCH_ERRORS as exc:
             raise _no_storage(t, exc) from None
         if not t.is_quantized:
@@ -378,7 +429,7 @@ def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
 def _own_storage(t: torch.Tensor) -> Iterator[StorageEntry]:
     try:
         storage = t.untyped_storage()
-        entry = (storage._cdata, storage.data_ptr(), int(storage.nbytes()), storage)
+        entry = (storage._cdata, virtual_address(storage), int(storage.nbytes()), storage)
     except _TORCH_ERRORS as exc:
         raise _no_storage(t, exc) from None
     yield (str(t.device), *entry)

@@ -12,11 +12,13 @@ __all__ = [
     "ImmutabilityViolationError",
     "ImmutableRecordError",
     "IncompleteStateError",
+    "KVPoolExhaustedError",
     "MissingKeyError",
     "NotAllocatedError",
     "SessionAdmissionError",
     "SessionStateLostError",
     "SnapshotError",
+    "StaleKVHandleError",
     "UnsupportedTensorError",
 ]
 
@@ -69,3 +71,11 @@ class SnapshotError(ValueError):
 
 class IncompleteStateError(ValueError):
     """A state object read or committed while partially initialised (some layers missing)."""
+
+
+class KVPoolExhaustedError(RuntimeError):
+    """A `KVPool` had no free block for an append."""
+
+
+class StaleKVHandleError(RuntimeError):
+    """A `KVHandle` made by a step that was rolled back was used."""

@@ -11,7 +11,12 @@ from typing import Literal, TypeVar
 
 import torch
 
-from sessionstate._accounting import StorageEntry, count_entries, storage_entries
+from sessionstate._accounting import (
+    StorageEntry,
+    count_entries,
+    engine_entries,
+    storage_entries,
+)
 from sessionstate._errors import (
     ImmutabilityViolationError,
     SessionAdmissionError,
@@ -130,7 +135,7 @@ class SessionStateManager:
         # to the table) stays the same.
         self._entries: dict[Hashable, tuple[SessionState, list[StorageEntry]]] = {}
         self._generation = 0
-        self._totals: tuple[int, dict[str, int]] | None = None
+        self._totals: tuple[int, dict[str, int], dict[str, int]] | None = None
         self._lock = threading.RLock()
         self._hits = 0
         self._misses = 0
@@ -396,7 +401,9 @@ class SessionStateManager:
         Keys: ``sessions``, ``max_sessions``, ``hits``, ``misses``, ``evictions``,
         ``total_nbytes``, and ``nbytes:<device>`` for each device holding bytes
         (``nbytes:cpu``, ``nbytes:cuda:0``). Device memory is the contended resource and host
-        memory usually is not, so the per-device keys are the ones to watch.
+        memory usually is not, so the per-device keys are the ones to watch. Engine-owned
+        bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of those totals and
+        also reported on their own as ``engine_nbytes:<device>``, each block once.
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
@@ -406,7 +413,8 @@ class SessionStateManager:
             items = list(self._table.items())
             memo = {sid: self._entries.get(sid) for sid, _ in items}
             generation = self._generation
-            totals = self._totals[1] if self._totals and self._totals[0] == generation else None
+            valid = self._totals if self._totals and self._totals[0] == generation else None
+            totals, engine = (valid[1], valid[2]) if valid else (None, {})
             out = {
                 "sessions": len(items),
                 "max_sessions": self._max_sessions,
@@ -425,15 +433,18 @@ class SessionStateManager:
                     cached = fresh[sid] = (state, storage_entries(state))
                 entries.extend(cached[1])
             totals = count_entries(entries)
+            engine = count_entries(engine_entries(entries))
             with self._lock:
                 for sid, record in fresh.items():
                     if self._table.get(sid) is record[0]:  # not replaced or dropped meanwhile
                         self._entries[sid] = record
                 if self._generation == generation:
-                    self._totals = (generation, totals)
+                    self._totals = (generation, totals, engine)
         out["total_nbytes"] = sum(totals.values())
         for device in sorted(totals):
             out[f"nbytes:{device}"] = totals[device]
+        for device in sorted(engine):
+            out[f"engine_nbytes:{device}"] = engine[device]
         return out
 
     def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:

@@ -67,6 +67,11 @@ class DreamZeroConfig:
     released width (base_dim 96, z_dim 16); ``num_frame_per_block = 2``. The ``tiny`` preset
     keeps the structure at small widths, in float32, for CPU tests.
 
+    The KV cache geometry of the ``deploy`` preset is the Wan 2.1 14B transformer's (40
+    layers, 40 heads of 128), one latent frame (``frame_seqlen`` = 880 tokens) per block, and
+    an attention window of ``kv_window_frames`` latent frames; the stand-in denoiser writes
+    and reads KV of exactly that shape, so byte counts on ``meta`` are the deploy ones.
+
     >>> cfg = DreamZeroConfig.preset("deploy")
     >>> (cfg.canvas_height, cfg.canvas_width), (cfg.latent_height, cfg.latent_width)
     ((352, 640), (44, 80))
@@ -92,6 +97,11 @@ class DreamZeroConfig:
     action_horizon: int = attrs.field(default=24, validator=_positive)
     action_dim: int = attrs.field(default=8, validator=_positive)
     num_inference_steps: int = attrs.field(default=4, validator=_positive)
+    kv_layers: int = attrs.field(default=40, validator=_positive)
+    kv_heads: int = attrs.field(default=40, validator=_positive)
+    kv_head_dim: int = attrs.field(default=128, validator=_positive)
+    kv_block_tokens: int = attrs.field(default=880, validator=_positive)
+    kv_window_frames: int = attrs.field(default=9, validator=_positive)
     seed: int = attrs.field(default=0, validator=_check_int)
 
     def __attrs_post_init__(self) -> None:
@@ -144,6 +154,16 @@ class DreamZeroConfig:
     def latent_width(self) -> int:
         """Latent width (the Wan VAE compresses space by 8)."""
         return self.canvas_width // 8
+
+    @property
+    def frame_seqlen(self) -> int:
+        """Tokens per latent frame (2x2 patches of the latent grid), 880 at deploy."""
+        return (self.latent_height // 2) * (self.latent_width // 2)
+
+    @property
+    def kv_token_shape(self) -> tuple[int, int, int, int]:
+        """The shape of one token's KV: ``(layers, 2, heads, head_dim)`` (keys and values)."""
+        return (self.kv_layers, 2, self.kv_heads, self.kv_head_dim)
 
     @property
     def num_latent_frames(self) -> int:
@@ -209,5 +229,10 @@ PRESETS: dict[str, DreamZeroConfig] = {
         hidden_dim=16,
         action_horizon=4,
         num_inference_steps=2,
+        kv_layers=1,
+        kv_heads=2,
+        kv_head_dim=8,
+        kv_block_tokens=16,
+        kv_window_frames=4,
     ),
 }

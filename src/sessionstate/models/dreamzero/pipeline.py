@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from sessionstate import (
+    KVPool,
     LatentBuffer,
     OmniDiffusionConfig,
     SessionAdmissionError,
@@ -32,6 +33,7 @@ from sessionstate import (
     resolve_session_state_config,
 )
 from sessionstate._manager import check_session_id  # the manager's session-id rule
+from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero.config import MAX_DREAMZERO_SESSIONS, DreamZeroConfig
 from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
 from sessionstate.models.dreamzero.state import (
@@ -149,12 +151,15 @@ class DreamZeroPipeline:
         self.nets: DreamZeroNetworks = build_networks(self.cfg, self.device)
         self.manager: SessionStateManager | None = None
         self._states: OrderedDict[Hashable, DreamZeroState] | None = None
+        self.kv_pool: KVPool | None = None
         if self.settings.enabled:
             self.manager = SessionStateManager(
                 self.settings.max_sessions,
                 on_full=self.settings.on_full,
                 check_immutable=self.settings.check_immutable,
             )
+            # Engine-owned: the pipeline owns the pool, records hold handles to its blocks.
+            self.kv_pool = kv_cache.build_kv_pool(self.cfg, self.device, self.settings.max_sessions)
         else:
             self._states = OrderedDict()
             self._max_bespoke_sessions = max_bespoke_sessions
@@ -215,10 +220,13 @@ class DreamZeroPipeline:
                     raise SessionStateLostError(_lost_continuation(session_id))
                 state = self.new_session()
             assert isinstance(state, DreamZeroSession)
-            state, out = self.step(state, obs)
-            # Published only after the whole step succeeded: a failed step leaves the stored
-            # record (or the absence of one) exactly as it was.
-            self.manager.put(session_id, state)
+            assert self.kv_pool is not None
+            # A failed step returns the KV blocks it took, so the pool is as it was too.
+            with self.kv_pool.transaction():
+                state, out = self.step(state, obs)
+                # Published only after the whole step succeeded: a failed step leaves the
+                # stored record (or the absence of one) exactly as it was.
+                self.manager.put(session_id, state)
             return out
         return self._bespoke_forward(self._bespoke_state(session_id, begin), obs)
 
@@ -362,10 +370,16 @@ class DreamZeroPipeline:
             ref = nets.observation_latents(
                 state.vae_encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
             )
+        assert self.kv_pool is not None
+        previous = None if state.current_start_frame == 0 else state.kv_cache  # `_kv_create`
+        handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
+        state = state.with_attrs(kv_cache=handle)
         assert state.ys is not None
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
-        video, out = self._generate(ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs)
+        video, out = self._generate(
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read()
+        )
         state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(self.host_device, copy=True)
@@ -380,10 +394,11 @@ class DreamZeroPipeline:
         prompt_embeds: torch.Tensor,
         csf: int,
         obs: Observation,
+        kv: torch.Tensor,
     ) -> tuple[torch.Tensor, DreamZeroOutput]:
         """Denoise the next block and post-process the actions (both paths, no state)."""
         n = self.cfg.num_frame_per_block
-        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds)
+        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv)
         if csf == 1:  # the window's first block carries its conditioning latent in front
             video = torch.cat([ref, video], dim=2)
         out = DreamZeroOutput(
@@ -470,7 +485,8 @@ class DreamZeroPipeline:
         if state.prompt_embeds is None:
             state.prompt_embeds = nets.encode_prompt(tokens)
 
-        if state.current_start_frame == 0:
+        window_start = state.current_start_frame == 0
+        if window_start:
             clip_feas, ys, cond_latent = nets.encode_image(_conditioning_frame(frames))
             if state.vae_stream_initialized:
                 self._bespoke_stream_append(state, frames[:, :, -1:])
@@ -493,7 +509,15 @@ class DreamZeroPipeline:
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
         csf = state.current_start_frame
-        video, out = self._generate(ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs)
+        if window_start:  # `_kv_create`: the window's cache starts empty
+            state.kv_cache, state.kv_tokens = [], 0
+        state.kv_tokens = kv_cache.append_blocks(
+            state.kv_cache, state.kv_tokens, nets.prefill_kv(ref), cfg
+        )
+        kv = kv_cache.read_blocks(state.kv_cache, state.kv_tokens)
+        video, out = self._generate(
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, kv
+        )
         state.current_start_frame += cfg.num_frame_per_block
         state.video_latents_across_time.append(video.detach().to(self.host_device, copy=True))
         return attrs.evolve(out, reset=reason)
