@@ -45,12 +45,16 @@ def _text_outputs(nb: Any) -> list[list[str]]:
     return cells
 
 
-def _body(percent: str) -> str:
-    """A percent-format notebook without its leading ``# ---`` YAML header."""
+def _body(percent: str) -> list[str]:
+    """A percent-format notebook's lines without its ``# ---`` YAML header and blank lines.
+
+    Blank lines are left out: ruff and jupytext space a cell that opens with a ``def`` apart
+    from the cell above differently.
+    """
     lines = percent.splitlines()
     if lines and lines[0] == "# ---":
         lines = lines[lines.index("# ---", 1) + 1 :]
-    return "\n".join(lines).strip()
+    return [line for line in lines if line.strip()]
 
 
 def _load(path: Path) -> ModuleType:
