@@ -19,7 +19,7 @@ test: lint typecheck pytest
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks docs notebooks tools
-	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/griffe_doctest.py notebooks/build.py tools
+	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/griffe_doctest.py notebooks tools
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -33,6 +33,7 @@ mutants: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --out benchmarks/results/latest.json
+	$(PY) benchmarks/chart.py
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site
