@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck pytest bench docs docs-serve notebooks sizes-data clean
+.PHONY: demo test lint typecheck pytest mutants bench docs docs-serve notebooks sizes-data clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,8 @@ demo: $(STAMP)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks docs notebooks
-	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/griffe_doctest.py notebooks/build.py
+	$(PY) -m ruff check src tests benchmarks docs notebooks tools
+	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/griffe_doctest.py notebooks tools
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -27,8 +27,13 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(PY) -m pytest
 
+# Plant known bugs in a copy of src/ and check the tests catch each (slow; not part of `test`).
+mutants: $(STAMP)
+	$(PY) tools/mutants.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --out benchmarks/results/latest.json
+	$(PY) benchmarks/chart.py
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site

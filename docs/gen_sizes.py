@@ -1,4 +1,4 @@
-"""The DreamZero size table in the docs, rendered from `sessionstate sizes` output.
+"""The size tables in the docs (DreamZero, Cosmos3), rendered from `sessionstate sizes` output.
 
 Two uses:
 
@@ -8,8 +8,10 @@ Two uses:
   hand; a missing or malformed file fails the build.
 - As a script: ``python docs/gen_sizes.py`` re-runs
   ``sessionstate sizes --preset deploy --steps 400 --json`` (a few minutes on the meta device;
-  nothing is allocated) and rewrites ``docs/data/sizes-deploy-400.json``. Run it when the
-  model's state changes, and commit the result.
+  nothing is allocated) and rewrites ``docs/data/sizes-deploy-400.json``, then
+  ``sessionstate sizes --model cosmos3 --preset deploy --steps 8 --json`` into
+  ``docs/data/sizes-cosmos3-deploy-8.json``. Run it when a model's state changes, and commit
+  the result.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 DOCS = Path(__file__).resolve().parent
 DEFAULT_DATA = DOCS / "data" / "sizes-deploy-400.json"
+COSMOS3_DATA = DOCS / "data" / "sizes-cosmos3-deploy-8.json"
 MARKER = re.compile(r"<!--\s*sizes-table:\s*(?P<path>\S+)\s*-->")
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -41,8 +44,16 @@ NOTES = {
     "call_count": "counter",
     "current_start_frame": "counter",
     "vae_stream_initialized": "flag",
+    "text_kv": "reasoner K/V of every layer, prompt and negative prompt; encoded once",
+    "context_latents": "ring of the last generated chunk(s): the next chunk's context",
+    "video_latents": "every generated chunk, on the host",
+    "rope_freqs": "RoPE cos/sin tables of the generation tokens, computed once",
+    "prompt_tokens": "prompt token ids (the reset check compares them)",
+    "negative_tokens": "negative-prompt token ids",
+    "chunk_count": "counter",
 }
 BUCKET_LABEL = {"attrs": "attr", "object": "state object"}
+OBJECT_TYPE = {"text_kv": "`EncodeOnceKV`"}
 
 
 def fmt_bytes(n: int) -> str:
@@ -70,7 +81,7 @@ def render(table: dict[str, Any]) -> str:
         managed, bespoke = row["managed_nbytes"], row["bespoke_nbytes"]
         bespoke_cell = fmt_bytes(bespoke) if bespoke == managed else f"**{fmt_bytes(bespoke)}**"
         rows.append(
-            f"| `{name}` | {BUCKET_LABEL.get(row['bucket'], row['bucket'])} | "
+            f"| `{name}` | {_bucket_label(name, row['bucket'])} | "
             f"{fmt_bytes(managed)} | {bespoke_cell} | {NOTES.get(name, '')} |"
         )
     session, many = table["session_nbytes"], table["sessions_64_nbytes"]
@@ -78,10 +89,16 @@ def render(table: dict[str, Any]) -> str:
         f"| **one session** | | **{fmt_bytes(session['managed'])}** | "
         f"**{fmt_bytes(session['bespoke'])}** | every value, each storage once |"
     )
+    shared = table.get("bespoke_per_instance")
+    note = "the default cap, all full"
+    if shared:
+        note += f"; the bespoke path keeps {', '.join(f'`{v}`' for v in shared)} once"
     rows.append(
         f"| **64 sessions** | | {fmt_bytes(many['managed'])} | {fmt_bytes(many['bespoke'])} | "
-        "the default cap, all full |"
+        f"{note} |"
     )
+    if "text_kv_layers" in table:
+        return "\n".join(rows) + "\n\n" + _cosmos3_caption(table) + "\n"
     feat = table["values"]["vae_enc_feat_map"]["managed_nbytes"]
     caption = (
         f"One session of the `{table['preset']}` preset after {table['steps']} steps, counted "
@@ -90,6 +107,26 @@ def render(table: dict[str, Any]) -> str:
         "A **bold** bespoke figure differs from the managed one."
     )
     return "\n".join(rows) + "\n\n" + caption + "\n"
+
+
+def _bucket_label(name: str, bucket: str) -> str:
+    if bucket == "object":
+        return OBJECT_TYPE.get(name, BUCKET_LABEL["object"])
+    return BUCKET_LABEL.get(bucket, bucket)
+
+
+def _cosmos3_caption(table: dict[str, Any]) -> str:
+    geo = table["text_kv_geometry"]
+    kv = table["values"]["text_kv"]["managed_nbytes"]
+    return (
+        f"One session of the Cosmos3 `{table['preset']}` preset after {table['steps']} steps, "
+        f"counted on the meta device. `text_kv` is {table['text_kv_layers']} layers x "
+        f"{table['text_kv_branches']} branches of K and V, each (1, {geo['num_kv_heads']}, "
+        f"{geo['text_len']}, {geo['head_dim']}) {geo['dtype']}: "
+        f"{fmt_bytes(table['text_kv_pair_nbytes'])} per layer and branch, {fmt_bytes(kv)} per "
+        f"session, {fmt_bytes(64 * kv)} for 64 sessions. The geometry is assumed (see "
+        "`Cosmos3Config`)."
+    )
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -122,6 +159,13 @@ def main() -> int:
     DEFAULT_DATA.parent.mkdir(parents=True, exist_ok=True)
     DEFAULT_DATA.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {DEFAULT_DATA.relative_to(DOCS.parent)}")
+    cmd = [
+        sys.executable, "-m", "sessionstate.cli", "sizes", "--model", "cosmos3",
+        "--preset", "deploy", "--steps", "8", "--json",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    COSMOS3_DATA.write_text(result.stdout, encoding="utf-8")
+    print(f"wrote {COSMOS3_DATA.relative_to(DOCS.parent)}")
     return 0
 
 

@@ -53,7 +53,7 @@ def session_tensors(state: SessionState) -> list[torch.Tensor]:
     for value in state.attrs.values():
         if isinstance(value, torch.Tensor):
             out.append(value)
-        elif isinstance(value, list):
+        elif isinstance(value, tuple):  # a list attribute is stored as a tuple
             out.extend(value)
     return out
 

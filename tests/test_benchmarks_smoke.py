@@ -1,10 +1,12 @@
 """The benchmark harness runs end to end at a tiny size, so it cannot rot.
 
-No timing is asserted: the quick run only has to produce every section and the Targets table.
+No timing is asserted: the quick run only has to produce every section and the Targets table,
+with the two paths' outputs (actions and video latents) bit-identical at every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -60,12 +62,13 @@ def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) ->
         for key in ("bespoke_median_ms", "managed_median_ms", "bespoke_over_managed"):
             assert math.isfinite(row[key]), (row["step"], key)
             assert row[key] > 0, (row["step"], key)
-    assert results["step_time"]["bit_identical_actions"] is True
+    assert results["step_time"]["bit_identical_outputs"] is True
     assert [p["frames"] for p in results["reader"]["points"]] == sizes["reader_frames"]
     assert all(p["bit_identical"] for p in results["reader"]["points"])
-    assert [p["video_chunks"] for p in results["library_overhead"]["points"]] == sizes[
-        "overhead_chunks"
-    ]
+    overhead = results["library_overhead"]["points"]
+    assert [p["video_chunks"] for p in overhead] == sizes["overhead_chunks"]
+    for p in overhead:
+        assert p["overhead_us"] == p["managed_us"] - p["bespoke_us"]
     ring = results["ring_commit"]
     assert ring["chunk_shape"] == [1, 32, 1, 44, 80]
     assert ring["chunk_mib"] == pytest.approx(0.2148, abs=1e-4)
@@ -93,3 +96,51 @@ def test_markdown_has_the_targets_table(quick_run: tuple[dict, str]) -> None:
     assert "| target | measured | threshold | met |" in markdown
     for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
         assert heading in markdown
+
+
+def test_chart_draws_the_step_times_of_a_results_file(
+    quick_run: tuple[dict, str], tmp_path: Path
+) -> None:
+    results, _ = quick_run
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    out = tmp_path / "chart.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "chart.py"),
+            "--results",
+            str(path),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ab_harness_reports_a_video_latent_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The side-by-side harness compares video latents as well as actions: a managed path whose
+    # video latents drift (actions untouched) is reported as not bit-identical.
+    import attrs
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import common
+    import step_time
+
+    class Drifting(step_time.DreamZeroPipeline):
+        def forward(self, obs, session_id="default", *, begin=None):
+            out = super().forward(obs, session_id, begin=begin)
+            if not self.managed:
+                return out
+            return attrs.evolve(out, video_latents=out.video_latents + 1)
+
+    sizes = dataclasses.replace(common.QUICK, steps=4, step_checkpoints=(2, 4), step_window=2)
+    assert step_time.bench_step_time(sizes)["bit_identical_outputs"] is True
+    monkeypatch.setattr(step_time, "DreamZeroPipeline", Drifting)
+    assert step_time.bench_step_time(sizes)["bit_identical_outputs"] is False

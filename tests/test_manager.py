@@ -20,6 +20,7 @@ from sessionstate import (
     SessionStateLostError,
     SessionStateManager,
 )
+from sessionstate.testing import recount_nbytes_by_device
 
 
 def _state(nbytes: int = 16, **attrs: object) -> SessionState:
@@ -156,7 +157,7 @@ def test_a_failed_create_evicts_nothing() -> None:
 
 @pytest.mark.parametrize(
     ("session_id", "error"),
-    [(None, TypeError), (1, TypeError), (b"a", TypeError), (("a",), TypeError), ("", ValueError)],
+    [([1], TypeError), ({"a": 1}, TypeError), ({"a"}, TypeError), (bytearray(b"a"), TypeError)],
     ids=repr,
 )
 def test_invalid_session_ids(session_id: object, error: type[Exception]) -> None:
@@ -169,7 +170,7 @@ def test_invalid_session_ids(session_id: object, error: type[Exception]) -> None
         lambda: manager.drop(session_id),  # type: ignore[arg-type]
     ]
     for call in calls:
-        with pytest.raises(error, match="`session_id` must be a non-empty str"):
+        with pytest.raises(error, match="`session_id` must be hashable"):
             call()
     assert len(manager) == 0
     assert manager.stats()["misses"] == 0
@@ -470,7 +471,7 @@ def test_threaded_stress() -> None:
     stats = manager.stats()
     assert stats["sessions"] == len(held)
     assert stats["hits"] + stats["misses"] == sum(lookups) + len(held)
-    recount = ss.nbytes_by_device(list(held.values()))
+    recount = recount_nbytes_by_device(list(held.values()))
     assert stats["total_nbytes"] == sum(recount.values())
     assert {k: v for k, v in stats.items() if k.startswith("nbytes:")} == {
         f"nbytes:{device}": n for device, n in recount.items()

@@ -243,7 +243,7 @@ def test_concat_of_an_empty_buffer_raises() -> None:
     with pytest.raises(ValueError, match="is empty"):
         LatentBuffer(name="e").allocate().concat()
     buf, _ = _ring_of(None, 2)
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(ValueError, match="`last=0` selects no chunks"):
         buf.concat(last=0)
 
 

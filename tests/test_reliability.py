@@ -70,9 +70,10 @@ def episode(steps: int, sessions: int = 1, seed: int = 5) -> list[tuple[str, Obs
 
 
 def stored(manager: SessionStateManager | None, sid: str) -> SessionState:
-    # Read the stored record without touching LRU order, the counters or the guard.
+    # Read the stored record without touching LRU order, the counters or the guard (`peek`
+    # checks the guard), straight from the manager's table.
     assert manager is not None
-    state = manager.peek(sid)
+    state = manager._table.get(sid)
     assert state is not None
     return state
 
@@ -139,7 +140,7 @@ ACCESSES: list[Any] = [
     pytest.param(lambda m: m.get("s"), id="get"),
     pytest.param(lambda m: m.require("s"), id="require"),
     pytest.param(lambda m: m.get_or_create("s", SessionState), id="get_or_create"),
-    pytest.param(lambda m: m.put("s", SessionState()), id="put"),
+    pytest.param(lambda m: m.peek("s"), id="peek"),
 ]
 
 
@@ -152,7 +153,7 @@ def test_guard_catches_an_in_place_write_on_the_next_access(
     write(g)
     with pytest.raises(ImmutabilityViolationError, match=_exact(_violation("s", key))):
         access(g.manager)
-    # Nothing was replaced (not even by `put`), and it keeps raising until the session is dropped.
+    # Nothing was replaced, and it keeps raising until the session is dropped (or replaced).
     assert stored(g.manager, "s") is g.state
     with pytest.raises(ImmutabilityViolationError, match=_exact(_violation("s", key))):
         g.manager.get("s")
@@ -515,42 +516,68 @@ BAD_CHUNKS: list[Any] = [
 
 @pytest.mark.parametrize(("chunk", "error", "msg"), BAD_CHUNKS)
 def test_bad_commit_changes_nothing(chunk: Any, error: type[Exception], msg: str) -> None:
-    manager = SessionStateManager(check_immutable=True)
+    # The manager is full, so a new session would evict "s"; the bad commit runs inside the
+    # manager, in the factory of `get_or_create`, and must cost nothing.
+    manager = SessionStateManager(1, check_immutable=True)
     ring = LatentBuffer(name="frames", dim=0).allocate(maxlen=4).commit(torch.zeros(1, 2, 3))
     state = SessionState(objects={"frames": ring})
     manager.put("s", state)
     clone = clone_tree(state)
+    before = manager.stats()
+
+    def fork() -> SessionState:
+        return state.update_object("frames", lambda b: b.commit(chunk))
+
     with pytest.raises(error, match=_exact(msg)):
-        manager.put("s", state.update_object("frames", lambda b: b.commit(chunk)))
-    assert manager.get("s") is state
+        manager.get_or_create("t", fork)
+    assert manager.session_ids() == ["s"]
+    assert manager.peek("s") is state
     assert tree_equal(state, clone)
     assert len(ring) == 1
+    assert manager.stats() == {**before, "misses": before["misses"] + 1}
 
 
-def test_bad_commit_into_a_dreamzero_record_names_the_buffer() -> None:
-    pipe = DreamZeroPipeline(CFG, environ=MANAGED)
-    (sid, obs), *_ = episode(steps=1)
-    pipe.forward(obs, sid)
-    record = stored(pipe.manager, sid)
-    assert isinstance(record, DreamZeroSession)
-    clone = clone_tree(record)
-    good = record.vae_encoder_out.view()[-1]
+def test_bad_commit_into_a_dreamzero_record_names_the_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No window resets, so the only VAE encodes after the first step are the stream's body
+    # chunks, the first of them committed on step 5.
+    cfg = DreamZeroConfig.preset("tiny", local_attn_size=-1)
+    pipe = DreamZeroPipeline(cfg, environ={**MANAGED, ENV_CHECK_IMMUTABLE: "1"})
+    (sid, first), *rest = scripted_episode(cfg, steps=5, sessions=1, seed=5)
+    pipe.forward(first, sid)
+    good = stored(pipe.manager, sid).vae_encoder_out.view()[-1]
     msg = (
         "LatentBuffer `vae_encoder_out` holds chunks of dtype torch.float32 on cpu with shape "
         f"(1, {good.shape[1]}, T, {good.shape[3]}, {good.shape[4]}); got dtype torch.bfloat16 on "
         f"cpu with shape {tuple(good.shape)}. Convert the chunk (`.to(dtype=..., device=...)`) "
         "or `reset()` the buffer to change its layout."
     )
-    with pytest.raises(ValueError, match=_exact(msg)):
-        record.update_object("vae_encoder_out", lambda b: b.commit(good.bfloat16()))
+    # From now on the VAE encoder returns bfloat16: the pipeline's next body chunk is
+    # committed into the float32 ring inside `forward`, which must then change nothing.
+    encode_chunk = pipe.nets.encode_chunk
+
+    def encode_to_bfloat16(chunk: torch.Tensor, feat_map: Any) -> tuple[torch.Tensor, Any]:
+        out, feat_map = encode_chunk(chunk, feat_map)
+        return out.bfloat16(), feat_map
+
+    monkeypatch.setattr(pipe.nets, "encode_chunk", encode_to_bfloat16)
+    with pytest.raises(ValueError, match=_exact(msg)):  # noqa: PT012 (steps until the commit)
+        for _, obs in rest:
+            record = stored(pipe.manager, sid)
+            clone = clone_tree(record)
+            pipe.forward(obs, sid)
+    assert isinstance(record, DreamZeroSession)
     assert stored(pipe.manager, sid) is record
     assert tree_equal(record, clone)
+    assert pipe.session_ids() == [sid]
 
 
 def _bad_id(value: object) -> str:
     return (
-        f"`session_id` must be a non-empty str, got {value!r} ({type(value).__name__}); pass the "
-        "session's id as a string."
+        "`session_id` must be hashable (any value a dict accepts as a key: a str, an int, a "
+        f"tuple, ...), got {value!r} ({type(value).__name__}); pass an immutable id such as a "
+        "str or a tuple."
     )
 
 
@@ -567,7 +594,7 @@ MANAGER_METHODS: list[Any] = [
 @pytest.mark.parametrize("method", MANAGER_METHODS)
 @pytest.mark.parametrize(
     ("session_id", "error"),
-    [("", ValueError), (3, TypeError), (None, TypeError), (b"s", TypeError), (("s",), TypeError)],
+    [([], TypeError), ({"s": 1}, TypeError), ({"s"}, TypeError), (("s", []), TypeError)],
 )
 def test_bad_session_id_on_every_manager_method(
     method: Callable[[SessionStateManager, object], object],
@@ -590,7 +617,8 @@ def test_bad_session_id_through_the_dreamzero_pipeline() -> None:
     assert pipe.manager is not None
     before = pipe.manager.stats()
     (_, obs), *_ = episode(steps=1)
-    for bad, error in (("", ValueError), (7, TypeError)):
+    bad_ids: tuple[tuple[object, type[Exception]], ...] = (([7], TypeError), ({}, TypeError))
+    for bad, error in bad_ids:
         with pytest.raises(error, match=_exact(_bad_id(bad))):
             pipe.forward(obs, bad)  # type: ignore[arg-type]
         with pytest.raises(error, match=_exact(_bad_id(bad))):
@@ -612,7 +640,8 @@ def test_yaml_unknown_key(tmp_path: Path) -> None:
     msg = (
         f"Deploy config {str(path)!r}: Unknown deploy config key 'enable_session_state_manger' "
         "(value True); known keys: ['enable_session_state_manager', 'model', "
-        "'session_state_max_bytes', 'session_state_park_tier', 'session_state_spool_dir']."
+        "'session_state_max_bytes', 'session_state_on_full', 'session_state_park_tier', "
+        "'session_state_spool_dir']."
     )
     with pytest.raises(MissingKeyError, match=_exact(msg)) as info:
         OmniDiffusionConfig.from_yaml(path)
@@ -664,9 +693,8 @@ def _known_model_keys() -> str:
         pytest.param(
             "{preset: tiny, camera_hieght: 40}",
             MissingKeyError,
-            "Unknown DreamZero model setting 'camera_hieght' (value 40); known: "
-            + _known_model_keys()
-            + ".",
+            "Unknown DreamZero model setting 'camera_hieght' (value 40); did you mean "
+            "'camera_height'? Known: " + _known_model_keys() + ".",
             id="unknown-key",
         ),
         pytest.param(
@@ -712,9 +740,10 @@ def test_yaml_bad_model_section(
 ) -> None:
     path = _yaml(tmp_path, f"enable_session_state_manager: true\nmodel: {model}\n")
     config = OmniDiffusionConfig.from_yaml(path)
-    with pytest.raises(error, match=_exact(msg)) as info:
+    full = f"Deploy config {str(path)!r}, `model` section: {msg}"
+    with pytest.raises(error, match=_exact(full)) as info:
         DreamZeroPipeline(config, environ={})
-    assert str(info.value) == msg
+    assert str(info.value) == full
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,6 @@ from sessionstate import (
     SessionState,
     SessionStateLostError,
     SessionStateManager,
-    nbytes_by_device,
     tree_equal,
 )
 from sessionstate.models.dreamzero import (
@@ -48,6 +47,7 @@ from sessionstate.models.dreamzero import (
     stitch_views,
 )
 from sessionstate.models.dreamzero.episode import PROMPTS, scripted_episode
+from sessionstate.testing import recount_nbytes_by_device
 from support import clone_tree, same_output, torch_threads
 
 CFG = DreamZeroConfig.preset("tiny")
@@ -243,7 +243,7 @@ class FaultFuzzMachine(RuleBasedStateMachine):
         assert {k: got[k] for k in counters} == {k: expected[k] for k in counters}
         assert self.pipe.manager.nbytes_by_session() == self.shadow.manager.nbytes_by_session()
         records = [peek(self.pipe.manager, sid) for sid in self.pipe.manager.session_ids()]
-        recount = nbytes_by_device(records)
+        recount = recount_nbytes_by_device(records)
         assert got["total_nbytes"] == sum(recount.values())
         assert {k[len("nbytes:") :]: v for k, v in got.items() if k.startswith("nbytes:")} == (
             recount
@@ -262,10 +262,16 @@ class FaultFuzzMachine(RuleBasedStateMachine):
             assert tree_equal(peek(self.pipe.manager, sid), peek(self.shadow.manager, sid))
 
 
+def fault_fuzz_settings(profile: settings) -> settings:
+    """The loaded profile's budget, scaled down: each example drives a whole pipeline."""
+    return settings(
+        profile,
+        max_examples=max(1, profile.max_examples // 4),
+        stateful_step_count=max(1, profile.stateful_step_count // 2),
+        deadline=None,
+        suppress_health_check=[*profile.suppress_health_check, HealthCheck.too_slow],
+    )
+
+
 TestFaultFuzz = FaultFuzzMachine.TestCase
-TestFaultFuzz.settings = settings(
-    max_examples=10,
-    stateful_step_count=15,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestFaultFuzz.settings = fault_fuzz_settings(settings.default)

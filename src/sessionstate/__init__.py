@@ -18,6 +18,7 @@ from sessionstate._config import (
     ENV_ENABLE,
     ENV_MAX_BYTES,
     ENV_MAX_SESSIONS,
+    ENV_ON_FULL,
     OmniDiffusionConfig,
     SessionStateSettings,
     parse_env_flag,
@@ -26,6 +27,8 @@ from sessionstate._config import (
 from sessionstate._errors import (
     ImmutabilityViolationError,
     ImmutableRecordError,
+    IncompleteStateError,
+    KVPoolExhaustedError,
     MissingKeyError,
     NotAllocatedError,
     ParkedError,
@@ -33,12 +36,17 @@ from sessionstate._errors import (
     SessionAdmissionError,
     SessionStateLostError,
     SnapshotError,
+    StaleKVHandleError,
     UnsupportedTensorError,
 )
+from sessionstate._kv import EncodeOnceKV, KVPair
+from sessionstate._kvpool import KVHandle, KVPool
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
+from sessionstate._movers import to_device
 from sessionstate._objects import LatentBuffer, ParkedObject, StateObject, TensorCache
 from sessionstate._session import SessionAttr, SessionState
 from sessionstate._snapshot import dumps_state, load_state, loads_state, save_state
+from sessionstate._staging import StagedStateObject
 from sessionstate._tree import (
     NAMESPACE,
     PyTree,
@@ -62,9 +70,16 @@ __all__ = [
     "ENV_ENABLE",
     "ENV_MAX_BYTES",
     "ENV_MAX_SESSIONS",
+    "ENV_ON_FULL",
     "NAMESPACE",
+    "EncodeOnceKV",
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "IncompleteStateError",
+    "KVHandle",
+    "KVPair",
+    "KVPool",
+    "KVPoolExhaustedError",
     "LatentBuffer",
     "MissingKeyError",
     "NotAllocatedError",
@@ -80,6 +95,8 @@ __all__ = [
     "SessionStateManager",
     "SessionStateSettings",
     "SnapshotError",
+    "StagedStateObject",
+    "StaleKVHandleError",
     "StateObject",
     "TensorCache",
     "UnsupportedTensorError",
@@ -96,6 +113,7 @@ __all__ = [
     "resolve_session_state_config",
     "save_state",
     "static_field",
+    "to_device",
     "tree_equal",
     "tree_flatten",
     "tree_flatten_with_keys",

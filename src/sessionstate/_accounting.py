@@ -8,15 +8,22 @@ Storages with memory are counted as address ranges per device, and a device's to
 size of the union of its ranges: two storage objects over the same memory (a NumPy array and
 `torch.from_numpy` of it, a storage re-wrapped with `Tensor.set_`) count once, whichever is
 seen first. Storages without memory (every storage on the ``meta`` device, where each data
-pointer is 0) are identified by their storage object, the C++ ``StorageImpl``.
+pointer is 0) are identified by their storage object, the C++ ``StorageImpl``, and given a
+private address range of their own above every real address, so part of such a storage (an
+engine pool's block) and the whole of it still count once.
+
+A leaf may report its own storages: a class defining ``__sessionstate_storage_entries__``
+returns `StorageEntry` tuples whose identity is an `EngineBlock`. That is how memory owned by
+an engine (a paged KV pool's blocks, reached through an immutable handle) enters the same
+accounting, deduplicated per (pool, block) and against any tensor view of the pool.
 """
 
 from __future__ import annotations
 
 import bisect
 import sys
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -26,8 +33,10 @@ from sessionstate._tree import PyTree, tree_flatten_with_keys, tree_leaves
 
 __all__ = [
     "ByteCounter",
+    "EngineBlock",
     "StorageEntry",
     "count_entries",
+    "engine_entries",
     "nbytes_by_device",
     "nbytes_by_key",
     "storage_entries",
@@ -36,8 +45,36 @@ __all__ = [
 _HOST = "cpu"
 
 
-StorageEntry = tuple[str, int, int, int, Any]
-"""``(device, identity, data pointer, nbytes, keepalive)`` of one dense storage."""
+StorageEntry = tuple[str, Hashable, int, int, Any]
+"""``(device, identity, data pointer, nbytes, keepalive)`` of one dense storage (or block)."""
+
+
+class EngineBlock(NamedTuple):
+    """The identity of one block of an engine-owned pool in a `StorageEntry`.
+
+    ``pool`` identifies the pool's storage, ``block`` the block. Entries with this identity
+    are engine bytes: counted like any storage, reported apart, never moved by the library.
+
+    >>> EngineBlock(pool=7, block=2)
+    EngineBlock(pool=7, block=2)
+    """
+
+    pool: int
+    block: int
+
+
+def virtual_address(storage: torch.UntypedStorage) -> int:
+    """The address a storage is counted at: its data pointer, or a private range if it has none.
+
+    Storages without memory (``meta``) get ``id << 64``: above every real address and
+    disjoint from every other storage's range, so sub-ranges of one storage dedup against it.
+
+    >>> import torch
+    >>> s = torch.zeros(2, device="meta").untyped_storage()
+    >>> virtual_address(s) == s._cdata << 64
+    True
+    """
+    return storage.data_ptr() or (storage._cdata << 64)
 
 
 class _RangeUnion:
@@ -85,13 +122,22 @@ class ByteCounter:
     """
 
     def __init__(self) -> None:
-        self._seen: dict[int, object] = {}
+        self._seen: dict[Hashable, object] = {}
         self._ranges: dict[str, _RangeUnion] = {}
         self.totals: dict[str, int] = {}
 
-    def add(self, leaf: Any, /) -> dict[str, int]:
-        """Count ``leaf``'s storages not seen before; return the bytes newly counted, by device."""
-        return self.add_entries(_storages(leaf))
+    def add(self, leaf: Any, /, *, path: str = "<root>") -> dict[str, int]:
+        """Count ``leaf``'s storages not seen before; return the bytes newly counted, by device.
+
+        Raises:
+            UnsupportedTensorError: as `nbytes_by_device`, naming ``path`` (the leaf's key
+                path) when given.
+        """
+        try:
+            entries = list(_storages(leaf))
+        except _RefusedError as refused:
+            raise _refuse(path, refused) from None
+        return self.add_entries(entries)
 
     def add_entries(self, entries: Iterable[StorageEntry], /) -> dict[str, int]:
         """Like `add`, for entries computed earlier by `storage_entries`.
@@ -132,7 +178,7 @@ def count_entries(entries: Iterable[StorageEntry], /) -> dict[str, int]:
     >>> count_entries(storage_entries([x, x[2:], torch.zeros(2, device="meta")]))
     {'cpu': 32, 'meta': 8}
     """
-    seen: set[int] = set()
+    seen: set[Hashable] = set()
     totals: dict[str, int] = {}  # devices in order of first appearance, as `ByteCounter`
     ranges: dict[str, list[tuple[int, int]]] = {}
     for device, identity, pointer, nbytes, _ in entries:
@@ -156,17 +202,39 @@ def count_entries(entries: Iterable[StorageEntry], /) -> dict[str, int]:
     return totals
 
 
+def engine_entries(entries: Iterable[StorageEntry], /) -> list[StorageEntry]:
+    """The entries among ``entries`` that are engine-owned blocks (identity an `EngineBlock`).
+
+    >>> import torch
+    >>> engine_entries(storage_entries([torch.zeros(2)]))
+    []
+    """
+    return [entry for entry in entries if isinstance(entry[1], EngineBlock)]
+
+
 def storage_entries(tree: PyTree, /) -> list[StorageEntry]:
     """The dense storages ``tree`` reaches, one entry per (leaf, storage), for `ByteCounter`.
 
     A record's entries never change (records are immutable and entries hold the storages),
     so a caller that counts the same records repeatedly can compute them once.
 
+    Raises:
+        UnsupportedTensorError: as `nbytes_by_device`.
+
     >>> import torch
     >>> len(storage_entries({"a": torch.zeros(2), "n": 1}))
     1
     """
-    return [entry for leaf in tree_leaves(tree) for entry in _storages(leaf)]
+    leaves = tree_leaves(tree)
+    out: list[StorageEntry] = []
+    for index, leaf in enumerate(leaves):
+        try:
+            out.extend(_storages(leaf))
+        except _RefusedError as refused:
+            # Key paths are costly to render; render the one at fault.
+            keys, _, _ = tree_flatten_with_keys(tree)
+            raise _refuse(keys[index], refused) from None
+    return out
 
 
 def nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
@@ -179,7 +247,8 @@ def nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
 
     Raises:
         UnsupportedTensorError: for a tensor whose storages cannot be attributed (an opaque
-            tensor subclass), naming its type and what is supported.
+            tensor subclass, a vmap batched tensor, an uninitialized parameter, a fake
+            tensor), naming its key path, its type and what to store instead.
 
     >>> import torch
     >>> x = torch.zeros(64)  # 256 bytes
@@ -205,13 +274,31 @@ def nbytes_by_key(tree: PyTree, /) -> dict[str, dict[str, int]]:
     """
     counter = ByteCounter()
     keys, leaves, _ = tree_flatten_with_keys(tree)
-    return {key: counter.add(leaf) for key, leaf in zip(keys, leaves, strict=True)}
+    return {key: counter.add(leaf, path=key) for key, leaf in zip(keys, leaves, strict=True)}
+
+
+class _RefusedError(Exception):
+    """An unsupported tensor, before its key path is known: ``detail`` follows "the tensor"."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _refuse(path: str, refused: _RefusedError) -> UnsupportedTensorError:
+    where = "" if path == "<root>" else f" at `{path}`"
+    msg = f"Cannot count the bytes of the tensor{where}{refused.detail}"
+    return UnsupportedTensorError(msg)
 
 
 def _storages(leaf: Any) -> Iterator[StorageEntry]:
     """Yield ``(device, identity, data pointer, nbytes, keepalive)`` per dense storage."""
     if isinstance(leaf, torch.Tensor):
         yield from _tensor_storages(leaf)
+        return
+    report = getattr(type(leaf), "__sessionstate_storage_entries__", None)
+    if report is not None:
+        yield from report(leaf)
         return
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(leaf, numpy.ndarray):
@@ -231,20 +318,84 @@ def _array_storages(array: Any, numpy: Any) -> Iterator[StorageEntry]:
 
 _DEVICE_NAMES: dict[torch.device, str] = {}
 
+# What torch raises when a tensor has no storage it can report (wrapper subclasses, vmap's
+# batched tensors, lazy modules' uninitialized parameters, ...).
+_TORCH_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError)
+
+# Lazy modules' placeholders (the mixin is not in torch's typed public surface).
+_UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+
+_PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_affine_float_qparams)
+
+_STORE_INSTEAD = (
+    "Store plain dense tensors, sparse tensors, or traceable wrapper subclasses (those "
+    "defining `__tensor_flatten__`)."
+)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f", of type `{type(t).__qualname__}`"
+
 
 def _tensor_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
     if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_nested:
         # The common case, first: a plain dense tensor.
-        storage = t.untyped_storage()
-        device = _DEVICE_NAMES.get(t.device)
-        if device is None:
-            device = _DEVICE_NAMES[t.device] = str(t.device)
-        yield device, storage._cdata, storage.data_ptr(), storage.nbytes(), storage
-        return
+        try:
+            storage = t.untyped_storage()
+            entry = (storage._cdata, virtual_address(storage), storage.nbytes(), storage)
+        except _TORCH_ERRORS as exc:
+            raise _no_storage(t, exc) from None
+        if not t.is_quantized:
+            device = _DEVICE_NAMES.get(t.device)
+            if device is None:
+                device = _DEVICE_NAMES[t.device] = str(t.device)
+            yield (device, *entry)
+            return
+    yield from _other_storages(t)
+
+
+def _no_storage(t: torch.Tensor, exc: BaseException) -> _RefusedError:
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None and functorch.is_batchedtensor(t):
+        msg = (
+            f"{_describe(t)}: it is a `torch.vmap` batched tensor, which exists only inside "
+            "the vmapped function and has no storage of its own. Count the unbatched tensor "
+            "outside `torch.vmap`."
+        )
+        return _RefusedError(msg)
+    msg = (
+        f"{_describe(t)} (layout={t.layout}, device={t.device}): it has no storage torch can "
+        f"report ({exc}). {_STORE_INSTEAD}"
+    )
+    return _RefusedError(msg)
+
+
+def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
+    if isinstance(t, _UNINITIALIZED):
+        msg = (
+            f"{_describe(t)}: an uninitialized (lazy) parameter or buffer has no storage yet. "
+            "Run the lazy module once to materialize it, then store the materialized tensor."
+        )
+        raise _RefusedError(msg)
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    if fake is not None and isinstance(t, fake.FakeTensor):
+        msg = (
+            f"{_describe(t)} (device={t.device}): a fake tensor describes a tensor without "
+            "holding its memory, so counting it as real bytes would be wrong. Build the tree "
+            "on the `meta` device to size it without allocating."
+        )
+        raise _RefusedError(msg)
     if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        for name in attrs:
-            yield from _tensor_storages(getattr(t, name))
+        try:
+            names, _ = t.__tensor_flatten__()
+        except _TORCH_ERRORS as exc:
+            raise _no_storage(t, exc) from None
+        if names:
+            for name in names:
+                yield from _tensor_storages(getattr(t, name))
+            return
+        # A subclass that names no inner tensors: count the storage it owns, if any.
+        yield from _own_storage(t)
         return
     if t.layout == torch.sparse_coo:
         yield from _tensor_storages(t._indices())
@@ -263,19 +414,22 @@ def _tensor_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
     if t.is_nested:
         # Jagged nested tensors are wrapper subclasses (handled above); strided ones are opaque.
         msg = (
-            f"Cannot count the bytes of a strided nested tensor ({type(t).__name__}, "
-            f"layout={t.layout}): its storage is private to torch. Store the component tensors "
-            "(`t.unbind()`) or a jagged nested tensor (`layout=torch.jagged`) instead."
+            f"{_describe(t)}: a strided nested tensor (layout={t.layout}) keeps its storage "
+            "private to torch. Store the component tensors (`t.unbind()`) or a jagged nested "
+            "tensor (`layout=torch.jagged`) instead."
         )
-        raise UnsupportedTensorError(msg)
+        raise _RefusedError(msg)
+    yield from _own_storage(t)
+    if t.is_quantized and t.qscheme() in _PER_CHANNEL:
+        # Per-channel scales and zero points are tensors the quantized tensor keeps alive.
+        yield from _tensor_storages(t.q_per_channel_scales())
+        yield from _tensor_storages(t.q_per_channel_zero_points())
+
+
+def _own_storage(t: torch.Tensor) -> Iterator[StorageEntry]:
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
-        msg = (
-            f"Cannot count the bytes of a tensor of type `{type(t).__qualname__}` "
-            f"(layout={t.layout}, device={t.device}): it has no storage torch can report "
-            f"({exc}). Store plain dense tensors, sparse tensors, or traceable wrapper "
-            "subclasses (those defining `__tensor_flatten__`)."
-        )
-        raise UnsupportedTensorError(msg) from None
-    yield str(t.device), storage._cdata, storage.data_ptr(), int(storage.nbytes()), storage
+        entry = (storage._cdata, virtual_address(storage), int(storage.nbytes()), storage)
+    except _TORCH_ERRORS as exc:
+        raise _no_storage(t, exc) from None
+    yield (str(t.device), *entry)

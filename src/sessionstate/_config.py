@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import yaml
 
 from sessionstate._errors import MissingKeyError
 from sessionstate._ledger import parse_nbytes
-from sessionstate._manager import DEFAULT_MAX_SESSIONS
+from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull
 from sessionstate._park import Tier, check_tier
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "ENV_ENABLE",
     "ENV_MAX_BYTES",
     "ENV_MAX_SESSIONS",
+    "ENV_ON_FULL",
     "OmniDiffusionConfig",
     "SessionStateSettings",
     "parse_env_flag",
@@ -32,6 +33,9 @@ ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
 ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
 ENV_CHECK_IMMUTABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE"
 ENV_MAX_BYTES = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES"
+ENV_ON_FULL = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL"
+
+_ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
 
 MaxBytes = int | Mapping[str, int]
 """A byte budget: one count (for the model's device) or a count per device string."""
@@ -40,6 +44,32 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 logger = logging.getLogger("sessionstate")
+
+_T = TypeVar("_T")
+
+
+class _DuplicateKeyError(Exception):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML says keys are
+    unique; PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, Hashable) and key in lines:
+                msg = (
+                    f"key {key!r} appears twice in one mapping (lines {lines[key]} and {line}); "
+                    "keep one."
+                )
+                raise _DuplicateKeyError(msg)
+            if isinstance(key, Hashable):
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -107,6 +137,21 @@ def parse_max_bytes(text: str, /) -> MaxBytes | None:
         return None
 
 
+def _check_on_full(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        msg = (
+            f"`{attribute.name}` must be 'evict' or 'refuse', got {value!r} "
+            f"({type(value).__name__})."
+        )
+        raise TypeError(msg)
+    if value not in _ON_FULL:
+        msg = (
+            f"`{attribute.name}` must be 'evict' or 'refuse', got {value!r} (str): 'evict' "
+            "drops the least recently used session at the cap, 'refuse' refuses the new one."
+        )
+        raise ValueError(msg)
+
+
 def _read_only(value: Any) -> Any:
     # A frozen config whose `model` section could be mutated in place would not be frozen.
     return MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
@@ -122,6 +167,10 @@ class OmniDiffusionConfig:
             environment variable ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` overrides it.
         model: The model's own settings (for DreamZero: ``preset`` and geometry overrides),
             validated by the model.
+        session_state_on_full: What a new session does when the session table (the
+            manager's, or a model's bespoke one) is at its cap: ``"evict"`` (default) drops
+            the least recently used session, ``"refuse"`` refuses the new one. The
+            environment variable ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL`` overrides it.
         session_state_max_bytes: The manager's byte budget: one count for the model's device,
             or a mapping from device string to count; ints or strings such as ``"24GiB"``.
             None (default) enforces no budget. The environment variable
@@ -139,11 +188,41 @@ class OmniDiffusionConfig:
     model: Mapping[str, Any] = attrs.field(
         factory=dict, validator=_check_mapping, converter=_read_only
     )
+    session_state_on_full: OnFull = attrs.field(default="evict", validator=_check_on_full)
     session_state_max_bytes: MaxBytes | None = attrs.field(
         default=None, converter=_to_max_bytes, kw_only=True
     )
     session_state_park_tier: Tier = attrs.field(default="host", converter=_to_tier, kw_only=True)
     session_state_spool_dir: str | None = attrs.field(default=None, kw_only=True)
+    source: str | None = attrs.field(default=None, kw_only=True, repr=False, eq=False)
+    """The file this config was loaded from (set by `from_yaml`), named in its errors."""
+
+    def parse_model(self, parse: Callable[[Mapping[str, Any]], _T], /) -> _T:
+        """Return ``parse(self.model)``; an error it raises names the file the config came from.
+
+        Models validate their own ``model`` section; this keeps the file name in their errors.
+
+        Raises:
+            KeyError, TypeError, ValueError: as ``parse``, prefixed with
+                ``Deploy config '<path>', `model` section:`` for a config loaded from a file.
+
+        >>> OmniDiffusionConfig(model={"width": 8}).parse_model(lambda m: m["width"] * 2)
+        16
+        """
+        try:
+            return parse(self.model)
+        except (KeyError, TypeError, ValueError) as exc:
+            if self.source is None:
+                raise
+            msg = f"Deploy config {self.source!r}, `model` section: {exc}"
+            kind = (
+                MissingKeyError
+                if isinstance(exc, KeyError)
+                else TypeError
+                if isinstance(exc, TypeError)
+                else ValueError
+            )
+            raise kind(msg) from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> OmniDiffusionConfig:
@@ -156,13 +235,13 @@ class OmniDiffusionConfig:
         >>> OmniDiffusionConfig.from_dict({"enable_session_state_manager": True})
         ... # doctest: +NORMALIZE_WHITESPACE
         OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}),
-            session_state_max_bytes=None, session_state_park_tier='host',
-            session_state_spool_dir=None)
+            session_state_on_full='evict', session_state_max_bytes=None,
+            session_state_park_tier='host', session_state_spool_dir=None)
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
             raise TypeError(msg)
-        known = {a.name for a in attrs.fields(cls)}
+        known = {a.name for a in attrs.fields(cls)} - {"source"}
         for key in data:
             if key not in known:
                 msg = (
@@ -176,10 +255,14 @@ class OmniDiffusionConfig:
     def from_yaml(cls, path: str | os.PathLike[str], /) -> OmniDiffusionConfig:
         """Load a deploy YAML file.
 
+        The loader is strict: a key given twice in one mapping is an error (naming the key and
+        both lines), as is a file that is not UTF-8 text. Every error names the file.
+
         Raises:
             FileNotFoundError: if there is no such file.
-            ValueError: if the file is not valid YAML (the parser's message included).
-            KeyError, TypeError: as `from_dict`.
+            ValueError: if the file is not UTF-8 or not valid YAML (the parser's message
+                included), or repeats a key.
+            KeyError, TypeError, ValueError: as `from_dict`.
 
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "deploy.yaml"
@@ -187,18 +270,31 @@ class OmniDiffusionConfig:
         >>> OmniDiffusionConfig.from_yaml(p).enable_session_state_manager
         True
         """
-        text = Path(path).read_text(encoding="utf-8")
         try:
-            data = yaml.safe_load(text)
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            msg = (
+                f"Deploy config {str(path)!r}: the file is not UTF-8 text ({exc}); "
+                "save it as UTF-8."
+            )
+            raise ValueError(msg) from None
+        try:
+            data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
         except yaml.YAMLError as exc:
             msg = f"Deploy config {str(path)!r} is not valid YAML: {exc}"
             raise ValueError(msg) from None
+        except _DuplicateKeyError as exc:
+            msg = f"Deploy config {str(path)!r}: {exc}"
+            raise ValueError(msg) from None
         try:
-            return cls.from_dict({} if data is None else data)
+            config = cls.from_dict({} if data is None else data)
+            return attrs.evolve(config, source=str(path))
         except MissingKeyError as exc:
             raise MissingKeyError(f"Deploy config {str(path)!r}: {exc}") from None
         except TypeError as exc:
             raise TypeError(f"Deploy config {str(path)!r}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"Deploy config {str(path)!r}: {exc}") from None
 
 
 @attrs.frozen
@@ -212,6 +308,7 @@ class SessionStateSettings:
     enabled: bool
     max_sessions: int = DEFAULT_MAX_SESSIONS
     check_immutable: bool = False
+    on_full: OnFull = "evict"
     max_bytes: MaxBytes | None = None
     park_tier: Tier = "host"
     spool_dir: str | None = None
@@ -260,6 +357,9 @@ def resolve_session_state_config(
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES`` overrides the config's byte budget (a
     count such as ``24GiB``, or ``cuda:0=24GiB,cpu=8GiB``); an unparsable value logs a warning
     naming the variable and the value and is ignored.
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL`` (``evict`` or ``refuse``, any case)
+    overrides the config's ``session_state_on_full``; unset or empty falls back to the config,
+    and any other value logs a warning naming the variable and the value and is ignored.
 
     Args:
         config: The deploy config (None reads as the defaults).
@@ -269,7 +369,7 @@ def resolve_session_state_config(
     >>> resolve_session_state_config(cfg, {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "off"})
     ... # doctest: +NORMALIZE_WHITESPACE
     SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False,
-        max_bytes=None, park_tier='host', spool_dir=None)
+        on_full='evict', max_bytes=None, park_tier='host', spool_dir=None)
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -333,11 +433,32 @@ def resolve_session_state_config(
             max_bytes = parsed_bytes
     if isinstance(max_bytes, Mapping):
         max_bytes = dict(max_bytes)
+    on_full = _resolve_on_full(config, env)
     return SessionStateSettings(
         enabled=enabled,
         max_sessions=max_sessions,
         check_immutable=check_immutable,
+        on_full=on_full,
         max_bytes=max_bytes,
         park_tier=config.session_state_park_tier if config is not None else "host",
         spool_dir=config.session_state_spool_dir if config is not None else None,
     )
+
+
+def _resolve_on_full(config: OmniDiffusionConfig | None, env: Mapping[str, str]) -> OnFull:
+    on_full: OnFull = config.session_state_on_full if config is not None else "evict"
+    raw = env.get(ENV_ON_FULL)
+    if raw is None or not raw.strip():
+        return on_full
+    token = raw.strip().lower()
+    for choice in _ON_FULL:
+        if token == choice:
+            return choice
+    logger.warning(
+        "Ignoring %s=%r: expected 'evict' or 'refuse'; using the config value "
+        "session_state_on_full=%r.",
+        ENV_ON_FULL,
+        raw,
+        on_full,
+    )
+    return on_full

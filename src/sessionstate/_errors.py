@@ -11,6 +11,8 @@ import attrs
 __all__ = [
     "ImmutabilityViolationError",
     "ImmutableRecordError",
+    "IncompleteStateError",
+    "KVPoolExhaustedError",
     "MissingKeyError",
     "NotAllocatedError",
     "ParkedError",
@@ -18,6 +20,7 @@ __all__ = [
     "SessionAdmissionError",
     "SessionStateLostError",
     "SnapshotError",
+    "StaleKVHandleError",
     "UnsupportedTensorError",
 ]
 
@@ -39,7 +42,12 @@ class MissingKeyError(KeyError):
 
 
 class SessionStateLostError(MissingKeyError):
-    """A continuation asked for a session the manager does not hold (never created, or evicted)."""
+    """A session's state was asked for but is not held (never started, dropped or evicted).
+
+    Raised by a continuation (`SessionStateManager.require`, a model's ``forward(...,
+    begin=False)``) and by a model's readers. It is a `MissingKeyError`, hence a `KeyError`,
+    so code written against the earlier `KeyError` keeps working.
+    """
 
 
 class SessionAdmissionError(RuntimeError):
@@ -69,3 +77,15 @@ class ParkedError(NotAllocatedError):
 
 class ParkingError(RuntimeError):
     """Parking or unparking a session failed; the session is left as it was, named here."""
+
+
+class IncompleteStateError(ValueError):
+    """A state object read or committed while partially initialised (some layers missing)."""
+
+
+class KVPoolExhaustedError(RuntimeError):
+    """A `KVPool` had no free block for an append."""
+
+
+class StaleKVHandleError(RuntimeError):
+    """A `KVHandle` made by a step that was rolled back was used."""

@@ -11,9 +11,9 @@ changed rather than a walk of every session.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
-from sessionstate._accounting import StorageEntry
+from sessionstate._accounting import EngineBlock, StorageEntry
 
 __all__ = ["Ledger", "parse_nbytes"]
 
@@ -124,7 +124,8 @@ class Ledger:
     """
 
     def __init__(self) -> None:
-        self._refs: dict[int, list[object]] = {}  # identity -> [count, entry]
+        self._refs: dict[Hashable, list[object]] = {}  # identity -> [count, entry]
+        self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
         self._ranges: dict[str, _Ranges] = {}
         self._unmapped: dict[str, int] = {}  # bytes of storages without memory (meta)
 
@@ -154,9 +155,11 @@ class Ledger:
             self._count(entry, -1)
 
     def _count(self, entry: StorageEntry, sign: int) -> None:
-        device, _, pointer, nbytes, _ = entry
+        device, identity, pointer, nbytes, _ = entry
         if nbytes == 0:
             return
+        if isinstance(identity, EngineBlock):
+            self._engine[device] = self._engine.get(device, 0) + sign * nbytes
         if not pointer:
             self._unmapped[device] = self._unmapped.get(device, 0) + sign * nbytes
             return
@@ -172,6 +175,10 @@ class Ledger:
         """Resident bytes on ``device``."""
         ranges = self._ranges.get(device)
         return (ranges.total if ranges is not None else 0) + self._unmapped.get(device, 0)
+
+    def engine_totals(self) -> dict[str, int]:
+        """Bytes of engine-owned blocks per device (each block once), for devices holding any."""
+        return {d: n for d, n in sorted(self._engine.items()) if n}
 
     def totals(self) -> dict[str, int]:
         """Resident bytes per device, for devices holding any."""

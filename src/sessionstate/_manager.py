@@ -9,13 +9,17 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Literal, TypeVar
 
 import attrs
 import torch
 
-from sessionstate._accounting import StorageEntry, count_entries, storage_entries
+from sessionstate._accounting import (
+    StorageEntry,
+    count_entries,
+    storage_entries,
+)
 from sessionstate._errors import (
     ImmutabilityViolationError,
     ParkingError,
@@ -90,13 +94,26 @@ def _check_max_bytes(max_bytes: object) -> dict[str, int] | None:
     return out
 
 
-def _check_session_id(session_id: object) -> str:
-    if not isinstance(session_id, str) or not session_id:
+def check_session_id(session_id: object) -> Hashable:
+    """Return ``session_id`` if it is a valid session id: any hashable value, as a dict key.
+
+    The manager and the models' bespoke paths apply the same rule with the same message.
+
+    Raises:
+        TypeError: for an unhashable value, naming it, its type and the rule.
+
+    >>> check_session_id(42), check_session_id(("user", 7))
+    (42, ('user', 7))
+    """
+    try:
+        hash(session_id)
+    except TypeError:
         msg = (
-            f"`session_id` must be a non-empty str, got {session_id!r} "
-            f"({type(session_id).__name__}); pass the session's id as a string."
+            f"`session_id` must be hashable (any value a dict accepts as a key: a str, an int, "
+            f"a tuple, ...), got {session_id!r} ({type(session_id).__name__}); pass an "
+            "immutable id such as a str or a tuple."
         )
-        raise (TypeError if not isinstance(session_id, str) else ValueError)(msg)
+        raise TypeError(msg) from None
     return session_id
 
 
@@ -110,6 +127,9 @@ class SessionStateManager:
     `get`, `get_or_create`, `require` and `put` mark a session most recently used; ``in`` and
     ``len`` do not. All methods are safe to call from several threads.
 
+    The first eviction logs a warning on the ``sessionstate`` logger naming the evicted session
+    and how to end sessions explicitly; later ones are only counted (``stats()["evictions"]``).
+
     Args:
         max_sessions: The cap on retained sessions (default 64).
         on_full: What a new session does at the cap: ``"evict"`` (default) drops the least
@@ -118,7 +138,8 @@ class SessionStateManager:
         check_immutable: Record every stored tensor's version counter and verify it on the
             session's next access, raising `ImmutabilityViolationError` that names the session
             and the leaf's key path if an in-place op wrote into it (through the tensor or any
-            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``)
+            view of it). Writes that bypass the counter (``tensor.numpy()``, ``tensor.data``,
+            ``tensor.untyped_storage().fill_()``)
             and inference-mode tensors (which have no counter; a warning says so once) are
             not seen. Off by default, and then free; `resolve_session_state_config` reads it
             from ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE``.
@@ -144,6 +165,12 @@ class SessionStateManager:
         park_tier: Tier = "host",
         spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if not isinstance(check_immutable, bool):
+            msg = (
+                f"`check_immutable` must be a bool (True or False), got {check_immutable!r} "
+                f"({type(check_immutable).__name__})."
+            )
+            raise TypeError(msg)
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
             msg = (
                 f"`max_sessions` must be a positive int, got {max_sessions!r} "
@@ -162,15 +189,16 @@ class SessionStateManager:
         self._park_tier: Tier = check_tier(park_tier)
         self._spool_root = None if spool_dir is None else os.fspath(spool_dir)
         self._spool_dir: str | None = None
-        self._table: OrderedDict[str, SessionState] = OrderedDict()
-        self._check_immutable = bool(check_immutable)
-        self._versions: dict[str, list[tuple[int, torch.Tensor, int]]] = {}
+        self._table: OrderedDict[Hashable, SessionState] = OrderedDict()
+        self._check_immutable = check_immutable
+        self._versions: dict[Hashable, list[tuple[int, torch.Tensor, int]]] = {}
         self._warned_unversioned = False
+        self._warned_eviction = False
         # The byte ledger, and per session the storages each stored value reaches (so a put
         # walks only the values that changed).
         self._ledger = Ledger()
-        self._values: dict[str, _Values] = {}
-        self._parked: dict[str, dict[str, ParkedObject]] = {}
+        self._values: dict[Hashable, _Values] = {}
+        self._parked: dict[Hashable, dict[str, ParkedObject]] = {}
         self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
         self._parks = 0
         self._unparks = 0
@@ -187,6 +215,38 @@ class SessionStateManager:
         3
         """
         return self._max_sessions
+
+    def raise_max_sessions(self, n: int, /) -> bool:
+        """Raise the cap to ``n`` at runtime; returns whether the cap went up.
+
+        A serving runner publishes its capacity once it knows its device. The cap never goes
+        down at runtime: an ``n`` not above the current cap changes nothing and returns False.
+
+        Raises:
+            TypeError: if ``n`` is not an int.
+            ValueError: if ``n`` is not positive.
+
+        >>> m = SessionStateManager(2)
+        >>> m.raise_max_sessions(8), m.raise_max_sessions(4), m.max_sessions
+        (True, False, 8)
+        """
+        if isinstance(n, bool) or not isinstance(n, int):
+            msg = (
+                f"`max_sessions` must be a positive int, got {n!r} ({type(n).__name__}); "
+                "pass the new cap as an int."
+            )
+            raise TypeError(msg)
+        if n <= 0:
+            msg = (
+                f"`max_sessions` must be a positive int, got {n!r} ({type(n).__name__}); "
+                "pass a cap above the current one (the cap never goes down at runtime)."
+            )
+            raise ValueError(msg)
+        with self._lock:
+            if n <= self._max_sessions:
+                return False
+            self._max_sessions = n
+            return True
 
     @property
     def check_immutable(self) -> bool:
@@ -238,7 +298,7 @@ class SessionStateManager:
             f"on_full={self._on_full!r})"
         )
 
-    def session_ids(self) -> list[str]:
+    def session_ids(self) -> list[Hashable]:
         """Ids of the retained sessions, least recently used first.
 
         >>> from sessionstate import SessionState
@@ -250,13 +310,13 @@ class SessionStateManager:
         with self._lock:
             return list(self._table)
 
-    def get(self, session_id: str, /) -> SessionState | None:
+    def get(self, session_id: Hashable, /) -> SessionState | None:
         """The latest record of ``session_id``, or None (counted as a miss).
 
         >>> SessionStateManager().get("nobody") is None
         True
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         with self._lock:
             state = self._table.get(session_id)
             if state is None:
@@ -268,11 +328,12 @@ class SessionStateManager:
             self._table.move_to_end(session_id)
             return state
 
-    def peek(self, session_id: str, /) -> SessionState | None:
+    def peek(self, session_id: Hashable, /) -> SessionState | None:
         """The latest record of ``session_id``, or None, for inspection only.
 
         Unlike `get`, it leaves the LRU order and the hit/miss counters alone, so looking at
-        a session (for a size table, a dashboard) does not keep it resident.
+        a session (for a size table, a dashboard) does not keep it resident. With
+        ``check_immutable``, it raises for a corrupted record, as `get` does.
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -280,11 +341,14 @@ class SessionStateManager:
         >>> m.peek("a") is not None, m.session_ids(), m.stats()["hits"]
         (True, ['a', 'b'], 0)
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         with self._lock:
-            return self._table.get(session_id)
+            state = self._table.get(session_id)
+            if state is not None:
+                self._verify(session_id)
+            return state
 
-    def require(self, session_id: str, /) -> SessionState:
+    def require(self, session_id: Hashable, /) -> SessionState:
         """The latest record of ``session_id``; never creates one.
 
         Use it for a continuation: a session that was evicted or never began raises instead
@@ -309,15 +373,19 @@ class SessionStateManager:
             raise SessionStateLostError(msg)
         return state
 
-    def get_or_create(self, session_id: str, factory: Callable[[], _St], /) -> SessionState:
+    def get_or_create(self, session_id: Hashable, factory: Callable[[], _St], /) -> SessionState:
         """The latest record of ``session_id``, or ``factory()`` stored as a new session.
 
         The factory runs under the manager's lock, so concurrent callers create a session
         once. It must not block on other threads that use this manager.
 
         Raises:
+            TypeError: if ``factory`` is not callable (checked first: nothing is counted), or
+                returns something that is not a `SessionState`.
             SessionAdmissionError: if the session is new, the manager is full and
                 ``on_full="refuse"``.
+            UnsupportedTensorError: if the new record holds a tensor whose bytes cannot be
+                counted; nothing is stored.
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -325,7 +393,14 @@ class SessionStateManager:
         >>> m.get_or_create("a", SessionState) is first
         True
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
+        if not callable(factory):
+            msg = (
+                f"Session {session_id!r}: `factory` must be a callable that returns a new "
+                f"SessionState, got {factory!r} ({type(factory).__name__}); pass the class "
+                "itself (e.g. `SessionState`) or a function."
+            )
+            raise TypeError(msg)
         with self._lock:
             state = self._table.get(session_id)
             if state is not None:
@@ -344,12 +419,17 @@ class SessionStateManager:
             self._put_locked(session_id, created, touch=False)
             return created
 
-    def put(self, session_id: str, state: SessionState, /) -> None:
+    def put(self, session_id: Hashable, state: SessionState, /) -> None:
         """Store ``state`` as the latest record of ``session_id`` (replacing any earlier one).
+
+        Replacing a record is how a session recovers from an immutability violation: ``put``
+        does not check the record it replaces.
 
         Raises:
             TypeError: if ``state`` is not a `SessionState`.
             SessionAdmissionError: as `get_or_create`.
+            UnsupportedTensorError: if ``state`` holds a tensor whose bytes cannot be counted
+                (nothing stored changes).
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -357,12 +437,12 @@ class SessionStateManager:
         >>> m.get("a").attrs["step"]
         1
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         _check_state(state, session_id)
         with self._lock:
             self._put_locked(session_id, state, touch=True)
 
-    def drop(self, session_id: str, /) -> bool:
+    def drop(self, session_id: Hashable, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
 
         >>> from sessionstate import SessionState
@@ -371,7 +451,7 @@ class SessionStateManager:
         >>> m.drop("a"), m.drop("a")
         (True, False)
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         with self._lock:
             return self._forget(session_id)
 
@@ -400,6 +480,9 @@ class SessionStateManager:
         ``parked_sessions`` (sessions with a parked object), ``parks`` and ``unparks`` (times
         a session's objects were parked, and brought back), and ``nbytes_parked:host`` and
         ``nbytes_parked:disk`` (bytes the tiers hold).
+        Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
+        per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
+        block once; they are never parked.
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
@@ -417,6 +500,8 @@ class SessionStateManager:
             out["total_nbytes"] = sum(totals.values())
             for device, nbytes in totals.items():
                 out[f"nbytes:{device}"] = nbytes
+            for device, nbytes in self._ledger.engine_totals().items():
+                out[f"engine_nbytes:{device}"] = nbytes
             if self._max_bytes is None:
                 return out
             for device in sorted(self._max_bytes):
@@ -432,7 +517,7 @@ class SessionStateManager:
             out["nbytes_parked:disk"] = parked["disk"]
             return out
 
-    def nbytes_by_session(self) -> dict[str, dict[str, int]]:
+    def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
 
         >>> import torch
@@ -448,7 +533,7 @@ class SessionStateManager:
 
     def snapshot(
         self,
-        session_id: str,
+        session_id: Hashable,
         path: str | os.PathLike[str],
         /,
         *,
@@ -480,11 +565,13 @@ class SessionStateManager:
                 "`session_ids()` lists them."
             )
             raise SessionStateLostError(msg)
-        save_state(state.unpark(), path, metadata={**(metadata or {}), "session_id": session_id})
+        # Metadata values are strings: a non-str id is stored as its repr.
+        sid = session_id if isinstance(session_id, str) else repr(session_id)
+        save_state(state.unpark(), path, metadata={**(metadata or {}), "session_id": sid})
 
     def restore(
         self,
-        session_id: str,
+        session_id: Hashable,
         path: str | os.PathLike[str],
         /,
         *,
@@ -512,12 +599,12 @@ class SessionStateManager:
         >>> other.restore("a", path).attrs["x"]
         tensor([1., 1.])
         """
-        _check_session_id(session_id)
+        check_session_id(session_id)
         state = load_state(path, device=device, expect=SessionState)
         self.put(session_id, state)
         return state
 
-    def _admit(self, session_id: str) -> None:
+    def _admit(self, session_id: Hashable) -> None:
         # Caller holds the lock and has checked that `session_id` is new.
         if len(self._table) < self._max_sessions:
             return
@@ -528,10 +615,26 @@ class SessionStateManager:
                 "finished session first, or raise `max_sessions`."
             )
             raise SessionAdmissionError(msg)
-        self._forget(next(iter(self._table)))
+        evicted = next(iter(self._table))
+        self._forget(evicted)
         self._evictions += 1
+        self._warn_evicted(evicted, f"the session cap (max_sessions={self._max_sessions})")
 
-    def _put_locked(self, session_id: str, state: SessionState, *, touch: bool) -> None:
+    def _warn_evicted(self, evicted: Hashable, by: str) -> None:
+        # Caller holds the lock. One warning per manager; `stats()` counts every eviction.
+        if self._warned_eviction:
+            return
+        self._warned_eviction = True
+        logger.warning(
+            "Session %r was evicted by %s although nobody ended it; its state is lost. End "
+            "finished sessions explicitly with `drop(session_id)` (`drop_session(session_id)` "
+            "on a model pipeline), or raise the cap. Warned once per manager; "
+            "`stats()['evictions']` counts every eviction.",
+            evicted,
+            by,
+        )
+
+    def _put_locked(self, session_id: Hashable, state: SessionState, *, touch: bool) -> None:
         # Caller holds the lock. Nothing changes unless the whole put succeeds, except that
         # other sessions may have been parked (losslessly) or evicted to make room.
         values = self._values_for(session_id, state)
@@ -539,7 +642,6 @@ class SessionStateManager:
             self._check_fits(session_id, values)
         if session_id in self._table:
             if touch:
-                self._verify(session_id)
                 self._table.move_to_end(session_id)
         else:
             self._admit(session_id)
@@ -552,7 +654,7 @@ class SessionStateManager:
                 raise
         self._store(session_id, state)
 
-    def _store(self, session_id: str, state: SessionState) -> None:
+    def _store(self, session_id: Hashable, state: SessionState) -> None:
         # Caller holds the lock and has accounted the record's values (`_set_values`).
         self._table[session_id] = state
         parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
@@ -564,7 +666,7 @@ class SessionStateManager:
             self._parked[session_id] = parked
         self._record_versions(session_id, state)
 
-    def _forget(self, session_id: str) -> bool:
+    def _forget(self, session_id: Hashable) -> bool:
         # Caller holds the lock.
         state = self._table.pop(session_id, None)
         self._versions.pop(session_id, None)
@@ -575,7 +677,7 @@ class SessionStateManager:
 
     # -- the ledger ------------------------------------------------------------------------------
 
-    def _values_for(self, session_id: str, state: SessionState) -> _Values:
+    def _values_for(self, session_id: Hashable, state: SessionState) -> _Values:
         # Values the stored record shares with `state` keep their storages: only the values
         # that changed are walked.
         held = self._values.get(session_id, {})
@@ -589,7 +691,7 @@ class SessionStateManager:
             )
         return out
 
-    def _set_values(self, session_id: str, values: _Values) -> _Values:
+    def _set_values(self, session_id: Hashable, values: _Values) -> _Values:
         # Caller holds the lock. Adds before it removes, so a storage both records reach never
         # drops out of the ledger in between.
         previous = self._values.get(session_id, {})
@@ -607,7 +709,7 @@ class SessionStateManager:
 
     # -- the budget ------------------------------------------------------------------------------
 
-    def _check_fits(self, session_id: str, values: _Values) -> None:
+    def _check_fits(self, session_id: Hashable, values: _Values) -> None:
         assert self._max_bytes is not None
         alone = count_entries(entry for _, entries in values.values() for entry in entries)
         for device, budget in self._max_bytes.items():
@@ -628,7 +730,7 @@ class SessionStateManager:
             if self._ledger.total(device) + extra.get(device, 0) > budget
         ]
 
-    def _make_room(self, session_id: str, extra: Mapping[str, int]) -> None:
+    def _make_room(self, session_id: Hashable, extra: Mapping[str, int]) -> None:
         # Caller holds the lock. Park the least recently used sessions' parkable objects,
         # oldest first and never `session_id`'s; then apply `on_full`.
         if self._max_bytes is None:
@@ -651,6 +753,7 @@ class SessionStateManager:
                     continue
                 self._forget(other)
                 self._evictions += 1
+                self._warn_evicted(other, "the byte budget (`max_bytes`)")
                 over = self._over(extra)
                 if not over:
                     return
@@ -666,7 +769,7 @@ class SessionStateManager:
         )
         raise SessionAdmissionError(msg)
 
-    def _parkable(self, session_id: str, devices: list[str]) -> list[str]:
+    def _parkable(self, session_id: Hashable, devices: list[str]) -> list[str]:
         # The parkable objects holding bytes on `devices`, except any sharing a storage with
         # a value that stays resident (an attribute): parking it would free nothing, and
         # unparking would split the alias into two copies.
@@ -691,7 +794,7 @@ class SessionStateManager:
             and not any(entry[1] in staying for entry in values[("o", name)][1])
         ]
 
-    def _holds_on(self, session_id: str, devices: list[str]) -> bool:
+    def _holds_on(self, session_id: Hashable, devices: list[str]) -> bool:
         return any(
             entry[0] in devices and entry[3]
             for _, entries in self._values.get(session_id, {}).values()
@@ -708,7 +811,7 @@ class SessionStateManager:
             weakref.finalize(self, shutil.rmtree, self._spool_dir, ignore_errors=True)
         return self._spool_dir
 
-    def _park_session(self, session_id: str, names: list[str]) -> None:
+    def _park_session(self, session_id: Hashable, names: list[str]) -> None:
         # Caller holds the lock. The objects are parked (a pure transition) before anything is
         # stored, so a failure half-way leaves the session resident and intact.
         state = self._table[session_id]
@@ -730,7 +833,7 @@ class SessionStateManager:
         self._parks += 1
         self._record_versions(session_id, new)
 
-    def _resident(self, session_id: str, state: SessionState) -> SessionState:
+    def _resident(self, session_id: Hashable, state: SessionState) -> SessionState:
         # Caller holds the lock. Unpark the session's parked objects, making room first; a
         # failure leaves the session parked (and a retry can succeed).
         parked = self._parked.get(session_id)
@@ -766,7 +869,7 @@ class SessionStateManager:
         if self._handles.pop(id(handle), None) is handle:
             handle.release()
 
-    def _record_versions(self, session_id: str, state: SessionState) -> None:
+    def _record_versions(self, session_id: Hashable, state: SessionState) -> None:
         if not self._check_immutable:
             return
         # Key paths are costly to render; keep leaf positions and render one on violation.
@@ -787,7 +890,7 @@ class SessionStateManager:
                 )
         self._versions[session_id] = versions
 
-    def _verify(self, session_id: str) -> None:
+    def _verify(self, session_id: Hashable) -> None:
         # Caller holds the lock. Views share their base's version counter, so an in-place op
         # through any view of a stored tensor is seen here. Writes that bypass autograd's
         # counter (through `tensor.numpy()` or `tensor.data`) are not.
@@ -823,7 +926,7 @@ def _version_of(leaf: object) -> int | None:
         return None
 
 
-def _check_state(state: object, session_id: str) -> None:
+def _check_state(state: object, session_id: Hashable) -> None:
     if not isinstance(state, SessionState):
         msg = (
             f"Session {session_id!r}: the manager stores SessionState records, got "

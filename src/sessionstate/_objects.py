@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Iterable
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -25,7 +26,8 @@ class StateObject(abc.ABC):
     Every method except the queries (`view`, `nbytes_by_device`, `is_allocated`) is a pure
     transition: it returns a new object and leaves ``self`` valid and unchanged. Implementations
     are `record` classes, so a session moves between devices with
-    ``tree_map(lambda t: t.to(device), state)`` and keeps its configuration.
+    `sessionstate.to_device` and keeps its configuration. A subclass must be a record too
+    (decorate it with `record`): `SessionState` refuses one that is not.
 
     Lifecycle: ``allocate(**sizing)`` makes an object usable; ``commit(payload)`` adds to it;
     ``view(...)`` reads it; ``reset()`` empties it and keeps its configuration; ``evict()``
@@ -149,6 +151,18 @@ def _check_maxlen(maxlen: object) -> int | None:
     return maxlen
 
 
+def _as_chunks(value: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        # `tuple(tensor)` would split it into rows silently.
+        msg = (
+            f"LatentBuffer `chunks` must be a sequence of tensors, got one tensor of shape "
+            f"{tuple(value.shape)}; pass `chunks=(t,)`, or build the buffer with "
+            "`.allocate(...)` and `.commit(t)`."
+        )
+        raise TypeError(msg)
+    return tuple(value)  # type: ignore[arg-type]
+
+
 @register_record
 @attrs.frozen(eq=False)
 class LatentBuffer(StateObject):
@@ -179,13 +193,15 @@ class LatentBuffer(StateObject):
     (tensor([[2., 2.]]),)
     """
 
-    chunks: tuple[torch.Tensor, ...] = field(default=(), converter=tuple)
+    chunks: tuple[torch.Tensor, ...] = field(default=(), converter=_as_chunks)
     name: str = static_field(default="buffer", kw_only=True)
     dim: int = static_field(default=2, kw_only=True, validator=_check_dim)
     maxlen: int | None = static_field(default=None, kw_only=True, converter=_check_maxlen)
     allocated: bool = static_field(default=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
+        for i, chunk in enumerate(self.chunks):
+            _check_chunk(self.name, self.dim, chunk, self.chunks[i - 1] if i else None)
         if self.chunks and not self.allocated:
             msg = (
                 f"LatentBuffer `{self.name}` holds {len(self.chunks)} chunks but is not "
@@ -245,11 +261,51 @@ class LatentBuffer(StateObject):
         (0, 1)
         """
         self._require_allocated("commit to")
-        self._check_chunk(chunk)
+        _check_chunk(self.name, self.dim, chunk, self.chunks[-1] if self.chunks else None)
         chunks = (*self.chunks, chunk)
         if self.maxlen is not None and len(chunks) > self.maxlen:
             chunks = chunks[len(chunks) - self.maxlen :]
         return self._with_chunks(chunks)
+
+    def extend(self, chunks: Iterable[torch.Tensor], /) -> LatentBuffer:
+        """Return a buffer that also holds ``chunks``, in order, built in one transition.
+
+        The result equals committing the chunks one by one (a ring keeps the newest
+        ``maxlen``), but only one new tuple is built. Each chunk is checked as `commit` checks
+        it, against the chunks before it; if any fails, nothing is built.
+
+        Raises:
+            NotAllocatedError: if the buffer is not allocated.
+            TypeError: if ``chunks`` is a single tensor or not iterable, or holds a non-tensor.
+            ValueError: as `commit`, for the first chunk that disagrees.
+
+        >>> import torch
+        >>> ring = LatentBuffer(dim=0).allocate(maxlen=2)
+        >>> ring = ring.extend([torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)])
+        >>> len(ring), ring.concat()
+        (2, tensor([1., 2.]))
+        """
+        self._require_allocated("extend")
+        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Iterable):
+            hint = (
+                "use `commit(chunk)` for one chunk"
+                if isinstance(chunks, torch.Tensor)
+                else "pass a list or tuple of tensors"
+            )
+            msg = (
+                f"LatentBuffer `{self.name}`: `extend` takes an iterable of tensors, got "
+                f"{type(chunks).__name__}; {hint}."
+            )
+            raise TypeError(msg)
+        new = tuple(chunks)
+        ref = self.chunks[-1] if self.chunks else None
+        for chunk in new:
+            _check_chunk(self.name, self.dim, chunk, ref)
+            ref = chunk
+        joined = (*self.chunks, *new)
+        if self.maxlen is not None and len(joined) > self.maxlen:
+            joined = joined[len(joined) - self.maxlen :]
+        return self._with_chunks(joined)
 
     def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
         """The retained chunks, oldest to newest; with ``last=n``, the newest ``min(n, len)``.
@@ -295,6 +351,13 @@ class LatentBuffer(StateObject):
         tensor([1., 0., 0.])
         """
         chunks = self.view(last=last)
+        if not chunks and self.chunks:  # `last=0` on a buffer that holds chunks
+            msg = (
+                f"`last=0` selects no chunks of LatentBuffer `{self.name}` (it holds "
+                f"{len(self.chunks)}), and there is nothing to join; pass `last` >= 1, or "
+                "`last=None` for every chunk."
+            )
+            raise ValueError(msg)
         if not chunks:
             msg = f"LatentBuffer `{self.name}` is empty; check `len(buffer)` before `concat()`."
             raise ValueError(msg)
@@ -341,38 +404,49 @@ class LatentBuffer(StateObject):
             )
             raise NotAllocatedError(msg)
 
-    def _check_chunk(self, chunk: object) -> None:
-        if not isinstance(chunk, torch.Tensor):
-            msg = (
-                f"LatentBuffer `{self.name}` holds tensors, got {type(chunk).__name__}; "
-                "commit a torch.Tensor."
-            )
-            raise TypeError(msg)
-        if chunk.dim() <= self.dim:
-            msg = (
-                f"LatentBuffer `{self.name}` concatenates along dim {self.dim}, so a chunk needs "
-                f"at least {self.dim + 1} dims; got shape {tuple(chunk.shape)}. Commit chunks "
-                "with the time axis at `dim`, or build the buffer with a matching `dim=`."
-            )
-            raise ValueError(msg)
-        if not self.chunks:
-            return
-        ref = self.chunks[-1]
-        dim = self.dim
-        if (
-            chunk.dtype != ref.dtype
-            or chunk.device != ref.device
-            or chunk.dim() != ref.dim()
-            or chunk.shape[:dim] != ref.shape[:dim]
-            or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
-        ):
-            msg = (
-                f"LatentBuffer `{self.name}` holds chunks of dtype {ref.dtype} on {ref.device} "
-                f"with shape {_shape_pattern(ref.shape, self.dim)}; got dtype {chunk.dtype} on "
-                f"{chunk.device} with shape {tuple(chunk.shape)}. Convert the chunk "
-                "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
-            )
-            raise ValueError(msg)
+
+def _check_chunk(name: str, dim: int, chunk: object, ref: torch.Tensor | None) -> None:
+    """Check that ``chunk`` may follow ``ref`` (the newest held chunk) in a buffer."""
+    if not isinstance(chunk, torch.Tensor):
+        msg = (
+            f"LatentBuffer `{name}` holds tensors, got {type(chunk).__name__}; "
+            "commit a torch.Tensor."
+        )
+        raise TypeError(msg)
+    if chunk.dim() <= dim:
+        msg = (
+            f"LatentBuffer `{name}` concatenates along dim {dim}, so a chunk needs "
+            f"at least {dim + 1} dims; got shape {tuple(chunk.shape)}. Commit chunks "
+            "with the time axis at `dim`, or build the buffer with a matching `dim=`."
+        )
+        raise ValueError(msg)
+    if ref is None:
+        return
+    if chunk.layout != ref.layout or chunk.is_nested != ref.is_nested:
+        msg = (
+            f"LatentBuffer `{name}` holds chunks of layout {_layout(ref)}; got layout "
+            f"{_layout(chunk)}, which `torch.cat` cannot join with them. Convert the chunk "
+            "(`.to_dense()`, `.to_sparse()`) or `reset()` the buffer to change its layout."
+        )
+        raise ValueError(msg)
+    if (
+        chunk.dtype != ref.dtype
+        or chunk.device != ref.device
+        or chunk.dim() != ref.dim()
+        or chunk.shape[:dim] != ref.shape[:dim]
+        or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
+    ):
+        msg = (
+            f"LatentBuffer `{name}` holds chunks of dtype {ref.dtype} on {ref.device} "
+            f"with shape {_shape_pattern(ref.shape, dim)}; got dtype {chunk.dtype} on "
+            f"{chunk.device} with shape {tuple(chunk.shape)}. Convert the chunk "
+            "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
+        )
+        raise ValueError(msg)
+
+
+def _layout(t: torch.Tensor) -> str:
+    return f"{t.layout} (nested)" if t.is_nested else str(t.layout)
 
 
 def _shape_pattern(shape: torch.Size, dim: int) -> str:

@@ -11,9 +11,15 @@ import attrs
 
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._errors import MissingKeyError
+from sessionstate._frozen import freeze
 from sessionstate._objects import ParkedObject, StateObject
 from sessionstate._park import Tier, park_tree
-from sessionstate._tree import field, register_record, tree_leaves
+from sessionstate._tree import (
+    field,
+    is_record,
+    register_record,
+    tree_flatten_with_keys,
+)
 
 __all__ = ["SessionAttr", "SessionState"]
 
@@ -83,16 +89,35 @@ class SessionAttr(Generic[_V]):
     def convert(self, value: Any) -> Any:
         """Apply ``coerce`` to ``value`` (None passes through unchanged).
 
+        Raises:
+            ValueError, TypeError: if ``coerce`` refuses the value (the same class as the
+                coercion raised, or ValueError), naming the attribute, the value and the
+                coercion.
+
         >>> SessionAttr(0, coerce=int).convert("7")
         7
         """
         if value is None or self.coerce is None:
             return value
-        return self.coerce(value)
+        try:
+            return self.coerce(value)
+        except Exception as exc:
+            coerce = getattr(self.coerce, "__qualname__", repr(self.coerce))
+            msg = (
+                f"Session attribute `{self.name}` coerces its values with `{coerce}`, which "
+                f"refused {value!r} ({type(value).__name__}): {type(exc).__name__}: {exc}. "
+                f"Pass a value `{coerce}` accepts."
+            )
+            raise (TypeError if isinstance(exc, TypeError) else ValueError)(msg) from exc
 
 
 def _as_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value) if value is not None else {}
+
+
+def _as_frozen_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    # Attributes are deeply immutable: lists become tuples, dicts read-only mappings.
+    return {k: freeze(v, k) for k, v in value.items()} if value is not None else {}
 
 
 @register_record
@@ -119,7 +144,7 @@ class SessionState:
     """
 
     _objects: dict[str, StateObject] = field(factory=dict, converter=_as_dict)
-    _attrs: dict[str, Any] = field(factory=dict, converter=_as_dict)
+    _attrs: dict[str, Any] = field(factory=dict, converter=_as_frozen_dict)
 
     def __attrs_post_init__(self) -> None:
         for name, obj in self._objects.items():
@@ -128,11 +153,15 @@ class SessionState:
             _declared_attr(type(self), name)
         _check_disjoint(self._objects, self._attrs)
 
-    @classmethod
-    def __assignment_fix__(cls, name: str) -> str:
+    def __assignment_fix__(self, name: str) -> str:
         if name in ("objects", "_objects"):
             return "state = state.with_object(name, obj)"
-        declared = cls.__session_attrs__
+        if name in self._objects:
+            return (
+                f"state = state.with_object({name!r}, obj)` or "
+                f"`state = state.update_object({name!r}, fn)"
+            )
+        declared = type(self).__session_attrs__
         if declared and name not in declared:
             return f"state = state.with_attrs(...) with one of {sorted(declared)}"
         return f"state = state.with_attrs({name}=...)"
@@ -229,7 +258,7 @@ class SessionState:
         new = dict(self._attrs)
         for name, value in values.items():
             declared = _declared_attr(type(self), name)
-            new[name] = value if declared is None else declared.convert(value)
+            new[name] = freeze(value if declared is None else declared.convert(value), name)
         _check_disjoint(self._objects, new)
         return self._replace(self._objects, new)
 
@@ -364,7 +393,8 @@ class SessionState:
         """Bytes per named value (objects first, then attrs), each storage counted once.
 
         A storage reachable from two values is attributed to the first in that order, so the
-        per-value figures sum to `nbytes_by_device`.
+        per-value figures sum to `nbytes_by_device`. Fields that a subclass adds are listed
+        last, under their field names.
 
         >>> import torch
         >>> x = torch.zeros(4)
@@ -373,11 +403,19 @@ class SessionState:
         """
         counter = ByteCounter()
         out: dict[str, dict[str, int]] = {}
-        for bucket in (self._objects, self._attrs):
+        # Fields a subclass adds come last, under their own names.
+        extra = {
+            a.name: getattr(self, a.name)
+            for a in attrs.fields(type(self))
+            if a.name not in ("_objects", "_attrs")
+        }
+        for bucket in (self._objects, self._attrs, extra):
             for name, value in bucket.items():
                 by_device = out.setdefault(name, {})
-                for leaf in tree_leaves(value):
-                    for device, nbytes in counter.add(leaf).items():
+                keys, leaves, _ = tree_flatten_with_keys(value)
+                for key, leaf in zip(keys, leaves, strict=True):
+                    path = name if key == "<root>" else f"{name}{_sub(key)}"
+                    for device, nbytes in counter.add(leaf, path=path).items():
                         by_device[device] = by_device.get(device, 0) + nbytes
         return out
 
@@ -392,11 +430,23 @@ def _check_disjoint(objects: Mapping[str, Any], attributes: Mapping[str, Any]) -
         raise ValueError(msg)
 
 
+def _sub(key: str) -> str:
+    return key if key.startswith("[") else f".{key}"
+
+
 def _check_object(name: str, obj: object, carried_fix: str) -> None:
     if not isinstance(obj, StateObject):
         msg = (
             f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
             f"{type(obj).__name__}; carried values go in `{carried_fix}`."
+        )
+        raise TypeError(msg)
+    if not is_record(type(obj)):
+        msg = (
+            f"State object `{name}` is a `{type(obj).__qualname__}`, a StateObject that is not "
+            "a record, so its tensors would be invisible to byte accounting, the immutability "
+            f"guard and `tree_map`. Decorate `{type(obj).__qualname__}` with "
+            "`@sessionstate.record`."
         )
         raise TypeError(msg)
 

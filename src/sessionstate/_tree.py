@@ -6,6 +6,7 @@ is never forgotten and records flatten the same way everywhere.
 
 from __future__ import annotations
 
+import struct
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ __all__ = [
     "PyTreeSpec",
     "field",
     "format_accessor",
+    "is_record",
     "record",
     "register_record",
     "static_field",
@@ -81,6 +83,20 @@ def _is_registered_with_optree(cls: type) -> bool:
     # Ask the registry itself: attrs copies a class's `__dict__` (optree's marker included)
     # when it rebuilds a slotted subclass, so the marker alone would vouch for a new class.
     return optree.register_pytree_node.get(cls, namespace=NAMESPACE) is not None
+
+
+def is_record(cls: type, /) -> bool:
+    """Whether ``cls`` is registered as a pytree node in the library's namespace.
+
+    Builtin containers (dict, tuple, ...) count as registered: they are pytree nodes too.
+
+    >>> @record
+    ... class Box:
+    ...     value: object = field()
+    >>> is_record(Box), is_record(int)
+    (True, False)
+    """
+    return _is_registered_with_optree(cls)
 
 
 def register_record(cls: _C) -> _C:
@@ -185,8 +201,8 @@ def record(cls: _C | None = None, /) -> _C | Callable[[_C], _C]:
 
 
 def _assignment_fix(record: object, name: str) -> str:
-    # A record class may define `__assignment_fix__(name)` naming its own transition method.
-    hook = getattr(type(record), "__assignment_fix__", None)
+    # A record may define `__assignment_fix__(name)` naming its own transition method.
+    hook = getattr(record, "__assignment_fix__", None)
     if hook is not None:
         return str(hook(name))
     return f"obj = attrs.evolve(obj, {name}=...)"
@@ -297,8 +313,9 @@ def tree_equal(a: PyTree, b: PyTree, /) -> bool:
 
     Tensors are equal when dtype, shape, device and every element's bits match: stricter
     than `torch.equal`, since ``-0.0`` differs from ``0.0`` and a NaN equals only the same
-    NaN. Meta tensors are equal when dtype and shape match. NumPy arrays compare by dtype,
-    shape and bytes; other leaves by type and ``==``.
+    NaN. Meta tensors are equal when dtype and shape match. Python floats and complex numbers
+    follow the same bitwise rule, so a record equals its own pickle round trip. NumPy arrays
+    compare by dtype, shape and bytes; other leaves by type and ``==``.
 
     >>> import torch
     >>> x = torch.tensor([1.0, float("nan")])
@@ -321,6 +338,7 @@ _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     # Reinterpret floats as same-width ints, so -0.0 != 0.0 and NaN payloads are compared.
+    t = t.resolve_neg()  # a lazy negation (e.g. `z.conj().imag`) cannot be reinterpreted
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if t.dtype.is_floating_point:
@@ -352,6 +370,10 @@ def _leaf_equal(x: Any, y: Any) -> bool:
         return _tensor_equal(x, y)
     if x is y:
         return True
+    if type(x) is float:  # bitwise, as tensors: NaN equals the same NaN, -0.0 != 0.0
+        return struct.pack("<d", x) == struct.pack("<d", y)
+    if type(x) is complex:
+        return struct.pack("<dd", x.real, x.imag) == struct.pack("<dd", y.real, y.imag)
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(x, numpy.ndarray):
         return bool(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes())

@@ -1,11 +1,14 @@
 """The ``sessionstate`` command line: A/B validation, size tables, and a demo.
 
-Subcommands: ``ab``, ``sizes``, ``demo`` (each with ``--help``).
+Subcommands: ``ab``, ``sizes``, ``demo``, ``inspect``, ``cluster`` (each with ``--help``).
 
 ``sessionstate ab`` runs the same scripted DreamZero episode twice, each in its own process,
 the two differing only in ``OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1``, and compares every
 output with `torch.equal`. ``sessionstate sizes`` runs one session on the meta device and
-prints what every value holds on each path.
+prints what every value holds on each path. ``sessionstate inspect FILE`` describes a snapshot
+written by `sessionstate.save_state` from its header alone. ``ab`` and ``sizes`` take
+``--model`` (``dreamzero``, the default, or ``cosmos3``); each model describes itself to them
+with a `sessionstate.models._registry.ModelSpec`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_model
 
 __all__ = ["main"]
 
@@ -70,19 +75,20 @@ def _with_budget(deploy: Any, args: argparse.Namespace) -> Any:
     )
 
 
-def _load_model_config(config: str | None, preset: str | None) -> tuple[Any, Any]:
-    """The deploy config (its ``model`` section completed) and the DreamZero config."""
+def _load_model_config(
+    config: str | None, preset: str | None, model_name: str = DEFAULT_MODEL
+) -> tuple[Any, Any]:
+    """The deploy config (its ``model`` section completed) and the model's config."""
     import attrs
 
     from sessionstate import OmniDiffusionConfig
-    from sessionstate.models.dreamzero import DreamZeroConfig
 
     deploy = OmniDiffusionConfig.from_yaml(config) if config else OmniDiffusionConfig()
     model = dict(deploy.model)
     if preset is not None:
         model["preset"] = preset
     model.setdefault("preset", "tiny")
-    return attrs.evolve(deploy, model=model), DreamZeroConfig.from_dict(model)
+    return attrs.evolve(deploy, model=model), get_model(model_name).config_from_dict(model)
 
 
 # -- ab -----------------------------------------------------------------------------------------
@@ -92,34 +98,33 @@ def _run_episode(args: argparse.Namespace) -> int:
     """Child process: run the episode on whichever path the environment selects."""
     import torch
 
-    from sessionstate.models.dreamzero import DreamZeroPipeline
-    from sessionstate.models.dreamzero.episode import scripted_episode
+    from sessionstate import SessionAdmissionError
 
-    deploy, cfg = _load_model_config(args.config, args.preset)
+    spec = get_model(args.model)
+    deploy, cfg = _load_model_config(args.config, args.preset, spec.name)
     deploy = _with_budget(deploy, args)
-    pipe = DreamZeroPipeline(deploy, device=args.device, max_bespoke_sessions=args.max_sessions)
+    pipe = spec.pipeline(deploy, device=args.device, max_bespoke_sessions=args.max_sessions)
     total = args.steps * args.sessions
     records: list[dict[str, Any]] = []
     times: list[float] = []
     for i, (sid, obs) in enumerate(
-        scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
+        spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
     ):
         start = time.perf_counter()
-        out = pipe.forward(obs, sid)
-        times.append(time.perf_counter() - start)
-        records.append(
-            {"session": sid, "actions": out.actions, "video": out.video_latents, "reset": out.reset}
-        )
+        try:
+            out = pipe.forward(obs, sid)
+        except SessionAdmissionError:  # `on_full="refuse"` at the cap: a result to compare
+            records.append({"session": sid, "refused": True})
+        else:
+            times.append(time.perf_counter() - start)
+            records.append({"session": sid, **spec.outputs(out)})
         print(f"PROGRESS {i + 1} {total}", file=sys.stderr, flush=True)
-    decoded = {sid: pipe.decode_video(sid) for sid in pipe.session_ids()}
-    latents = {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}
     torch.save(
         {
             "managed": pipe.managed,
             "records": records,
-            "decoded": decoded,
-            "latents": latents,
-            "median_step_s": statistics.median(times),
+            **spec.finals(pipe),
+            "median_step_s": statistics.median(times) if times else 0.0,
             "stats": pipe.stats(),
         },
         args.out,
@@ -131,7 +136,7 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     cmd = [
         sys.executable, "-m", "sessionstate.cli", "_episode",
         "--steps", str(args.steps), "--sessions", str(args.sessions), "--seed", str(args.seed),
-        "--out", str(out),
+        "--out", str(out), "--model", args.model,
     ]  # fmt: skip
     if args.config:
         cmd += ["--config", args.config]
@@ -146,11 +151,13 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
             cmd += ["--park-tier", args.park_tier]
     # Both sides get the same cap: the managed side reads it from the environment, the
     # bespoke side (whose cap is a constant upstream) from `--max-sessions`.
-    env = dict(
-        os.environ,
-        OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag,
-        OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS=str(args.max_sessions),
-    )
+    from sessionstate._config import ENV_ENABLE, ENV_MAX_SESSIONS, ENV_ON_FULL
+
+    env = dict(os.environ)
+    env[ENV_ENABLE] = flag
+    env[ENV_MAX_SESSIONS] = str(args.max_sessions)
+    if args.on_full is not None:
+        env[ENV_ON_FULL] = args.on_full
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     tail: list[str] = []
@@ -165,22 +172,31 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
         raise RuntimeError(msg)
 
 
-def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str | None]:
+def _compare(
+    bespoke: dict[str, Any], managed: dict[str, Any], spec: ModelSpec | None = None
+) -> tuple[int, str | None]:
     import torch
+
+    spec = spec or get_model(DEFAULT_MODEL)
 
     compared = 0
     a_recs, b_recs = bespoke["records"], managed["records"]
     if len(a_recs) != len(b_recs):
         return compared, f"step count differs: {len(a_recs)} vs {len(b_recs)}"
     for i, (a, b) in enumerate(zip(a_recs, b_recs, strict=True)):
-        for key in ("actions", "video"):
+        if a.get("refused") or b.get("refused"):
+            if not (a.get("refused") and b.get("refused")):
+                path = "bespoke" if a.get("refused") else "managed"
+                return compared, f"step {i} ({a['session']}): refused on the {path} path only"
+            continue
+        for key in spec.tensor_outputs:
             compared += 1
             if not torch.equal(a[key], b[key]):
                 return compared, f"step {i} ({a['session']}): {key}"
         compared += 1
         if a["reset"] != b["reset"]:
             return compared, f"step {i} ({a['session']}): reset {a['reset']} vs {b['reset']}"
-    for key in ("latents", "decoded"):
+    for key in spec.final_outputs:
         if sorted(bespoke[key]) != sorted(managed[key]):
             return compared, f"{key}: sessions differ"
         for sid in sorted(bespoke[key]):
@@ -194,7 +210,8 @@ def _compare(bespoke: dict[str, Any], managed: dict[str, Any]) -> tuple[int, str
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
-    _, cfg = _load_model_config(args.config, args.preset)  # fail here, not in both children
+    spec = get_model(args.model)
+    deploy, cfg = _load_model_config(args.config, args.preset, spec.name)  # fail here, not in both
     total = args.steps * args.sessions
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,8 +231,13 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     if results["bespoke"]["managed"] or not results["managed"]["managed"]:
         msg = "the flag did not select the intended paths (check the deploy config)"
         raise RuntimeError(msg)
-    compared, mismatch = _compare(results["bespoke"], results["managed"])
-    report = {
+    compared, mismatch = _compare(results["bespoke"], results["managed"], spec)
+    refusals = {
+        name: sum(bool(r.get("refused")) for r in res["records"]) for name, res in results.items()
+    }
+    # Reported when asked for or when any step was refused; the default report is unchanged.
+    show_refusals = args.on_full is not None or any(refusals.values())
+    report: dict[str, Any] = {
         "identical": mismatch is None,
         "outputs_compared": compared,
         "first_mismatch": mismatch,
@@ -241,10 +263,17 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                     if args.max_bytes is not None
                     else {}
                 ),
+                **({"refusals": refusals[name]} if show_refusals else {}),
             }
             for name, res in results.items()
         },
     }
+    if spec.name != DEFAULT_MODEL:  # the default model's report is unchanged
+        report = {"model": spec.name, **report}
+    if show_refusals:
+        from sessionstate import resolve_session_state_config
+
+        report["on_full"] = args.on_full or resolve_session_state_config(deploy).on_full
     if args.max_bytes is not None:
         report["max_bytes"] = args.max_bytes
         report["device"] = args.device
@@ -261,75 +290,46 @@ def _print_ab(report: dict[str, Any]) -> None:
 
     console = Console()
     verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
+    model = f"{report['model']} " if "model" in report else ""
     console.print(
-        f"A/B {verdict}: {report['outputs_compared']} outputs compared with torch.equal "
+        f"A/B {model}{verdict}: {report['outputs_compared']} outputs compared with torch.equal "
         f"({report['sessions']} sessions x {report['steps']} steps, seed {report['seed']}, "
-        f"preset {report['preset']})"
+        f"preset {report['preset']}"
+        + (f", on_full {report['on_full']})" if "on_full" in report else ")")
     )
     if report["first_mismatch"]:
         console.print(f"first mismatch: {report['first_mismatch']}")
     table = Table("path", "median step (ms)", "bytes held at end", "sessions")
+    if "on_full" in report:
+        table.add_column("refused steps")
     for name, path in report["paths"].items():
         held = ", ".join(f"{d}: {n / _MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
-        table.add_row(name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"]))
+        row = [name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"])]
+        if "refusals" in path:
+            row.append(str(path["refusals"]))
+        table.add_row(*row)
     console.print(table)
 
 
 # -- sizes --------------------------------------------------------------------------------------
 
 
-def size_table(preset: str, steps: int) -> dict[str, Any]:
-    """Per-value bytes of one session on both paths after ``steps`` steps, on the meta device.
+def size_table(preset: str, steps: int, *, model: str = DEFAULT_MODEL) -> dict[str, Any]:
+    """Per-value bytes of one session of ``model`` on both paths after ``steps`` steps (meta).
 
     >>> table = size_table("tiny", 2)
     >>> table["values"]["vae_encoder_out"]["bucket"]
     'object'
+    >>> size_table("tiny", 2, model="cosmos3")["values"]["text_kv"]["bucket"]
+    'object'
     """
-    from sessionstate import nbytes_by_device
-    from sessionstate.models.dreamzero import BUCKETS, DreamZeroConfig, DreamZeroPipeline
-    from sessionstate.models.dreamzero.episode import scripted_episode
-
-    cfg = DreamZeroConfig.preset(preset)
-    held: dict[str, dict[str, int]] = {}
-    session_totals: dict[str, int] = {}
-    feat_tensors = 0
-    for flag, name in (("0", "bespoke"), ("1", "managed")):
-        pipe = DreamZeroPipeline(
-            cfg,
-            device="meta",
-            host_device="meta",
-            environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": flag},
-        )
-        episode = scripted_episode(
-            cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
-        )
-        for sid, obs in episode:
-            pipe.forward(obs, sid)
-        values = pipe.session_values("session-0")
-        held[name] = {k: sum(nbytes_by_device(v).values()) for k, v in values.items()}
-        session_totals[name] = sum(nbytes_by_device(list(values.values())).values())
-        feat = values["vae_enc_feat_map"]
-        feat_tensors = sum(t is not None for t in feat) if isinstance(feat, tuple) else 0
-    return {
-        "preset": preset,
-        "steps": steps,
-        "values": {
-            k: {
-                "bucket": BUCKETS[k],
-                "managed_nbytes": held["managed"][k],
-                "bespoke_nbytes": held["bespoke"][k],
-            }
-            for k in BUCKETS
-        },
-        "vae_enc_feat_map_tensors": feat_tensors,
-        "session_nbytes": session_totals,
-        "sessions_64_nbytes": {k: 64 * v for k, v in session_totals.items()},
-        "vae_enc_feat_map_64_sessions_nbytes": 64 * held["managed"]["vae_enc_feat_map"],
-    }
+    return get_model(model).size_table(preset, steps)
 
 
 def _cmd_sizes(args: argparse.Namespace) -> int:
-    table = size_table(args.preset, args.steps)
+    spec = get_model(args.model)
+    steps = spec.size_steps if args.steps is None else args.steps
+    table = size_table(args.preset, steps, model=spec.name)
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
@@ -339,7 +339,7 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
     console = Console()
     out = Table(
         "value", "bucket", "managed", "bespoke",
-        title=f"One DreamZero session, preset {args.preset}, after {args.steps} steps (meta)",
+        title=f"One {spec.title} session, preset {args.preset}, after {steps} steps (meta)",
     )  # fmt: skip
     for name, row in table["values"].items():
         out.add_row(
@@ -355,10 +355,12 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
         "[bold]64 sessions", "",
         f"{many['managed'] / 1024**3:.2f} GiB", f"{many['bespoke'] / 1024**3:.2f} GiB",
     )  # fmt: skip
-    feat64 = table["vae_enc_feat_map_64_sessions_nbytes"] / 1024**3
-    out.add_row("[bold]64 feature caches", "object", f"{feat64:.2f} GiB", f"{feat64:.2f} GiB")
+    rows, lines = spec.size_footer(table)
+    for row in rows:
+        out.add_row(*row)
     console.print(out)
-    console.print(f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors")
+    for line in lines:
+        console.print(line)
     return 0
 
 
@@ -415,6 +417,92 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from sessionstate._snapshot import inspect_snapshot
+
+    report = inspect_snapshot(args.file)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    about = Table("field", "value", title=f"Snapshot {report['file']}")
+    about.add_row("root", report["root"])
+    about.add_row("format_version", str(report["format_version"]))
+    about.add_row("library_version", str(report["library_version"]))
+    about.add_row("torch_version", str(report["torch_version"]))
+    about.add_row("file size", _fmt_bytes(report["file_nbytes"]))
+    about.add_row("storages", str(len(report["storages"])))
+    for device, nbytes in sorted(report["nbytes"].items()):
+        about.add_row(f"nbytes:{device}", _fmt_bytes(nbytes))
+    for key, value in report["metadata"].items():
+        about.add_row(f"metadata:{key}", value)
+    console.print(about)
+    values = Table("value", "bucket", "structure", "tensors", "bytes", title="Values")
+    for row in report["values"]:
+        held = ", ".join(f"{_fmt_bytes(n)} ({d})" for d, n in sorted(row["nbytes"].items()))
+        values.add_row(
+            row["name"], row["bucket"], row["structure"], str(row["tensors"]), held or "-"
+        )
+    console.print(values)
+    return 0
+
+
+# -- cluster --------------------------------------------------------------------------------------
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    import ray
+
+    from sessionstate.distributed import cluster_episode, init_local_ray
+
+    started = bool(init_local_ray(num_cpus=args.num_cpus))
+    try:
+        report = cluster_episode(
+            workers=args.workers,
+            preset=args.preset,
+            sessions=args.sessions,
+            steps=args.steps,
+            seed=args.seed,
+            migrate_every=args.migrate_every,
+        )
+    finally:
+        if started:
+            ray.shutdown()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_cluster(report)
+    return 0 if report["identical"] else 1
+
+
+def _print_cluster(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
+    console.print(
+        f"cluster vs one process {verdict}: {report['outputs_compared']} outputs compared with "
+        f"torch.equal, {report['migrations']} migrations (median "
+        f"{report['median_migration_ms']} ms), {report['sessions']} sessions x "
+        f"{report['steps']} steps, preset {report['preset']}"
+    )
+    if report["first_mismatch"]:
+        console.print(f"first mismatch: {report['first_mismatch']}")
+    table = Table("worker", "sessions", "resident bytes", "steps served")
+    for name, row in report["workers"].items():
+        table.add_row(
+            name, ", ".join(row["sessions"]) or "-", _fmt_bytes(row["nbytes"]), str(row["steps"])
+        )
+    console.print(table)
+
+
 # -- entry point ----------------------------------------------------------------------------------
 
 
@@ -443,7 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = _ArgumentParser(prog="sessionstate", description=__doc__)
     sub = parser.add_subparsers(
-        dest="command", required=True, parser_class=_ArgumentParser, metavar="{ab,sizes,demo}"
+        dest="command",
+        required=True,
+        parser_class=_ArgumentParser,
+        metavar="{ab,sizes,demo,inspect,cluster}",
     )
 
     ab = sub.add_parser(
@@ -452,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one scripted episode twice, in two processes that differ only in "
         "OMNI_DIFFUSION_SESSION_STATE_MANAGER=0/1, and compare every output with torch.equal. "
         "Exits 0 iff identical.",
+    )
+    ab.add_argument(
+        "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
     )
     ab.add_argument("--config", help="deploy YAML (its `model` section picks the preset)")
     ab.add_argument("--preset", choices=["tiny", "deploy"], help="model preset (default tiny)")
@@ -465,6 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="session cap of both paths (default 64, the bespoke constant); lower it to "
         "compare LRU eviction",
     )
+    ab.add_argument(
+        "--on-full",
+        choices=["evict", "refuse"],
+        help="what a new session does at the cap, on both paths (sets "
+        "OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL; default: the deploy config's "
+        "session_state_on_full); refused steps are counted per path and must agree",
+    )
     _add_budget_arguments(ab)
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
@@ -475,8 +576,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one session on the meta device (nothing is allocated) and print the "
         "bytes each value holds on the managed and the bespoke path.",
     )
+    sizes.add_argument(
+        "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
+    )
     sizes.add_argument("--preset", choices=["tiny", "deploy"], default="deploy")
-    sizes.add_argument("--steps", type=_positive_int, default=400, help="steps to run")
+    sizes.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="steps to run (default: 400 for dreamzero, 8 for cosmos3)",
+    )
     sizes.add_argument("--json", action="store_true", help="print one JSON object")
     sizes.set_defaults(func=_cmd_sizes)
 
@@ -494,6 +603,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
 
+    inspect = sub.add_parser(
+        "inspect",
+        help="describe a session snapshot file: structure, bytes per value, metadata",
+        description="Print the structure, the bytes each value holds and the metadata of a "
+        "snapshot written by `sessionstate.save_state`, read from its header alone.",
+    )
+    inspect.add_argument("file", help="the snapshot (.safetensors) file")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(func=_cmd_inspect)
+
+    cluster = sub.add_parser(
+        "cluster",
+        help="run the DreamZero episode across local Ray workers, migrating sessions",
+        description="Run one scripted episode through session-affine Ray workers, migrating "
+        "the session just stepped after every --migrate-every calls, and compare every "
+        "output with a single-process run (torch.equal). Exits 0 iff identical. Needs the "
+        "`ray` extra; starts a local, offline Ray cluster unless one is running.",
+    )
+    cluster.add_argument("--workers", type=_positive_int, default=2, help="worker actors")
+    cluster.add_argument("--preset", choices=["tiny", "deploy"], default="tiny")
+    cluster.add_argument("--sessions", type=_positive_int, default=6, help="sessions")
+    cluster.add_argument("--steps", type=_positive_int, default=24, help="steps per session")
+    cluster.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
+    cluster.add_argument(
+        "--migrate-every", type=_positive_int, default=5, help="calls between migrations"
+    )
+    cluster.add_argument(
+        "--num-cpus", type=_positive_int, default=2, help="CPUs of the local Ray cluster"
+    )
+    cluster.add_argument("--json", action="store_true", help="print one JSON object")
+    cluster.set_defaults(func=_cmd_cluster)
+
     episode = sub.add_parser("_episode")  # internal: one side of `ab`, unlisted
     episode.add_argument("--config")
     episode.add_argument("--preset")
@@ -505,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     episode.add_argument("--device", default="cpu")
     episode.add_argument("--max-bytes", type=int)
     episode.add_argument("--park-tier", choices=["host", "disk"])
+    episode.add_argument("--model", default=DEFAULT_MODEL)
     episode.set_defaults(func=_run_episode)
     return parser
 

@@ -13,6 +13,8 @@ library tests itself:
   against an ``OrderedDict`` LRU. Both keep every record they produced and check after every
   step that none of them changed. `ring_contract_machine` and `manager_contract_machine`
   configure them in one line; assign the result's ``.TestCase`` in a test module.
+- An independent byte count, `recount_nbytes_by_device`, to check `nbytes_by_device` and
+  `SessionStateManager.stats` against.
 
 hypothesis is an optional dependency: install ``sessionstate[testing]``.
 
@@ -59,6 +61,7 @@ __all__ = [
     "TensorPool",
     "chunks",
     "manager_contract_machine",
+    "recount_nbytes_by_device",
     "ring_contract_machine",
     "session_states",
     "tensor_pools",
@@ -720,6 +723,77 @@ class _Version:
     label: str
 
 
+def _dense_parts(leaf: torch.Tensor) -> list[torch.Tensor]:
+    if leaf.layout == torch.sparse_coo:
+        return [leaf._indices(), leaf._values()]
+    if leaf.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [leaf.crow_indices(), leaf.col_indices(), leaf.values()]
+    if leaf.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [leaf.ccol_indices(), leaf.row_indices(), leaf.values()]
+    if leaf.layout != torch.strided or leaf.is_nested or type(leaf) is not torch.Tensor:
+        kind = "a nested tensor" if leaf.is_nested else f"a `{type(leaf).__qualname__}`"
+        msg = (
+            f"`recount_nbytes_by_device` recounts plain dense and sparse tensors, got {kind} "
+            f"(layout={leaf.layout}); check such leaves with `nbytes_by_device` against a "
+            "count you know."
+        )
+        raise TypeError(msg)
+    return [leaf]
+
+
+def recount_nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
+    """Bytes per device that ``tree`` keeps alive, recounted without the library's accounting.
+
+    An independent check for `nbytes_by_device` and `SessionStateManager.stats`, so a test
+    that compares them with it can catch a counting bug: for each device, the size of the
+    union of the address ranges ``[data_ptr, data_ptr + nbytes)`` of every storage that a
+    tensor leaf's ``untyped_storage()`` reports (sparse tensors through their component
+    tensors). Storages without memory (every ``meta`` storage has data pointer 0) count
+    once per storage object. Non-tensor leaves count 0; devices holding nothing are absent.
+
+    Raises:
+        TypeError: for a tensor subclass, a nested tensor, or another layout it cannot read.
+
+    >>> import torch
+    >>> x = torch.zeros(8)
+    >>> meta = torch.empty(3, device="meta")
+    >>> recount_nbytes_by_device({"a": x[2:], "b": x.view(2, 4), "m": meta})
+    {'cpu': 32, 'meta': 12}
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    unaddressed: dict[str, dict[int, int]] = {}
+    keepalive: list[torch.UntypedStorage] = []  # no address is freed and reused mid-count
+    for leaf in tree_leaves(tree):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        for part in _dense_parts(leaf):
+            storage = part.untyped_storage()
+            keepalive.append(storage)
+            device, start, size = str(part.device), storage.data_ptr(), storage.nbytes()
+            if start:
+                spans.setdefault(device, []).append((start, start + size))
+            else:
+                unaddressed.setdefault(device, {})[storage._cdata] = size
+    out: dict[str, int] = {}
+    for device, ranges in spans.items():
+        covered, reach = 0, 0
+        for start, end in sorted(ranges):
+            covered += max(0, end - max(start, reach))
+            reach = max(reach, end)
+        out[device] = covered
+    for device, sizes in unaddressed.items():
+        out[device] = out.get(device, 0) + sum(sizes.values())
+    return {device: n for device, n in out.items() if n}
+
+
+def _stats_bytes(recount: dict[str, int]) -> dict[str, int]:
+    """The byte keys that `SessionStateManager.stats` reports for a recount."""
+    return {
+        "total_nbytes": sum(recount.values()),
+        **{f"nbytes:{device}": n for device, n in sorted(recount.items())},
+    }
+
+
 def _nbytes_of(record: Any) -> dict[str, int]:
     if isinstance(record, StateObject):
         return record.nbytes_by_device()
@@ -1094,7 +1168,8 @@ class ManagerContractMachine(RuleBasedStateMachine):
     - ``session_ids()`` is the model's order, least recently used first (so ``in``, ``len``
       and ``stats`` did not touch it), and ``len`` agrees;
     - the hits, misses and evictions counters match the model's, and ``stats()``'s byte keys
-      equal a recount of the records the model holds (each storage once across sessions);
+      equal `recount_nbytes_by_device` of the records the model holds (each storage once
+      across sessions, counted without the library's accounting);
     - at the cap, a new session evicts the least recently used one (``on_full="evict"``), or
       raises `SessionAdmissionError` and changes nothing (``on_full="refuse"``); a refused
       ``get_or_create`` still counts its lookup as a miss;
@@ -1343,15 +1418,14 @@ class ManagerContractMachine(RuleBasedStateMachine):
                 f"`session_ids()` is {ids}; the LRU model (least recently used first) is "
                 f"{list(self.model)}."
             )
-        recount = nbytes_by_device(list(self.model.values()))
+        recount = recount_nbytes_by_device(list(self.model.values()))
         expected = {
             "sessions": len(self.model),
             "max_sessions": self.manager.max_sessions,
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
-            "total_nbytes": sum(recount.values()),
-            **{f"nbytes:{device}": n for device, n in recount.items()},
+            **_stats_bytes(recount),
         }
         stats = self.manager.stats()
         if stats != expected:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from sessionstate import SessionState, nbytes_by_device, tree_equal
+from sessionstate import SessionState, tree_equal
 from sessionstate.models.dreamzero import (
     FRAMES_PER_CHUNK,
     DreamZeroConfig,
@@ -25,6 +25,7 @@ from sessionstate.models.dreamzero import (
     Observation,
 )
 from sessionstate.models.dreamzero.episode import scripted_episode
+from sessionstate.testing import recount_nbytes_by_device
 from support import same_output, torch_threads
 
 CFG = DreamZeroConfig.preset("tiny")
@@ -77,7 +78,7 @@ def _check_whole(state: SessionState) -> None:
 def _recount(pipe: DreamZeroPipeline) -> dict[str, int]:
     assert pipe.manager is not None
     records = [pipe.manager.peek(sid) for sid in pipe.manager.session_ids()]
-    totals = nbytes_by_device(records)
+    totals = recount_nbytes_by_device(records)
     return {
         "sessions": len(records),
         "total_nbytes": sum(totals.values()),

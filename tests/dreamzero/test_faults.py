@@ -308,7 +308,14 @@ def bespoke_run(pipe: DreamZeroPipeline, sid: str, start: int, stop: int) -> lis
     return [pipe.forward(OBS[sid][i], sid) for i in range(start, stop)]
 
 
-WINDOW_RESET = {"stitched_buffer", "call_count", "current_start_frame", "clip_feas", "ys"}
+WINDOW_RESET = {
+    "stitched_buffer",
+    "call_count",
+    "current_start_frame",
+    "clip_feas",
+    "ys",
+    "kv_cache",
+}
 """What the bespoke window reset (done in place at the start of the step) plus the frame push
 change."""
 

@@ -504,6 +504,10 @@ def test_window_reset_clears_exactly_the_window_fields() -> None:
         if name == "stitched_buffer":
             assert len(new_b) == len(new_m) == 0
             assert new_b.maxlen == new_m.maxlen == FRAMES_PER_CHUNK
+        elif name == "kv_cache":  # the window's KV starts again empty (`_kv_create`)
+            assert new_b == []
+            assert bespoke.kv_tokens == 0
+            assert new_m is None
         elif name in _WINDOW_CLEARED:
             assert new_b is None or new_b == 0, name
             assert new_m is None or new_m == 0, name
@@ -616,8 +620,9 @@ def test_diffuse_is_a_pure_function_of_its_inputs() -> None:
     )
     clip_feas, ys, cond = nets.encode_image(frame)
     embeds = nets.encode_prompt(nets.tokenize("pick"))
-    first = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds)
-    nets.diffuse(cond * 0.5, ys[:, :, 1:3], clip_feas, embeds)  # an unrelated call in between
-    again = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds)
+    kv = nets.prefill_kv(cond)
+    first = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds, kv)
+    nets.diffuse(cond * 0.5, ys[:, :, 1:3], clip_feas, embeds, kv)  # an unrelated call between
+    again = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds, kv)
     assert torch.equal(first[0], again[0])
     assert torch.equal(first[1], again[1])

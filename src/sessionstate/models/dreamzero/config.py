@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,9 @@ FRAMES_PER_CHUNK = 4
 
 MAX_DREAMZERO_SESSIONS = 64
 """The bespoke path's fixed session cap (not configurable, as upstream)."""
+
+_MASK_CHANNELS = 4
+"""Channels of the conditioning mask joined to the latents (networks use the same count)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +67,11 @@ class DreamZeroConfig:
     released width (base_dim 96, z_dim 16); ``num_frame_per_block = 2``. The ``tiny`` preset
     keeps the structure at small widths, in float32, for CPU tests.
 
+    The KV cache geometry of the ``deploy`` preset is the Wan 2.1 14B transformer's (40
+    layers, 40 heads of 128), one latent frame (``frame_seqlen`` = 880 tokens) per block, and
+    an attention window of ``kv_window_frames`` latent frames; the stand-in denoiser writes
+    and reads KV of exactly that shape, so byte counts on ``meta`` are the deploy ones.
+
     >>> cfg = DreamZeroConfig.preset("deploy")
     >>> (cfg.canvas_height, cfg.canvas_width), (cfg.latent_height, cfg.latent_width)
     ((352, 640), (44, 80))
@@ -88,7 +97,38 @@ class DreamZeroConfig:
     action_horizon: int = attrs.field(default=24, validator=_positive)
     action_dim: int = attrs.field(default=8, validator=_positive)
     num_inference_steps: int = attrs.field(default=4, validator=_positive)
+    kv_layers: int = attrs.field(default=40, validator=_positive)
+    kv_heads: int = attrs.field(default=40, validator=_positive)
+    kv_head_dim: int = attrs.field(default=128, validator=_positive)
+    kv_block_tokens: int = attrs.field(default=880, validator=_positive)
+    kv_window_frames: int = attrs.field(default=9, validator=_positive)
     seed: int = attrs.field(default=0, validator=_check_int)
+
+    def __attrs_post_init__(self) -> None:
+        # Relations between fields, so a bad geometry fails here and not at step 0 in torch.
+        if (self.num_frames - 1) % 4:
+            valid = 1 + 4 * ((self.num_frames - 1) // 4)
+            msg = (
+                f"`num_frames` must be 1 more than a multiple of 4 (the Wan VAE encodes one "
+                f"frame, then 4 at a time), got {self.num_frames}; use {valid} or {valid + 4}."
+            )
+            raise ValueError(msg)
+        if self.num_frame_per_block > self.num_latent_frames:
+            msg = (
+                f"`num_frame_per_block` ({self.num_frame_per_block}) cannot exceed the latent "
+                f"frames of a `num_frames` clip ({self.num_frames} frames -> "
+                f"{self.num_latent_frames} latent frames); use `num_frame_per_block` <= "
+                f"{self.num_latent_frames}, or `num_frames` >= "
+                f"{1 + 4 * (self.num_frame_per_block - 1)}."
+            )
+            raise ValueError(msg)
+        if self.vae_z_dim < _MASK_CHANNELS:
+            msg = (
+                f"`vae_z_dim` must be at least {_MASK_CHANNELS} (the conditioning mask has "
+                f"{_MASK_CHANNELS} channels), got {self.vae_z_dim}; use {_MASK_CHANNELS} or "
+                "more (16 at deploy)."
+            )
+            raise ValueError(msg)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -114,6 +154,16 @@ class DreamZeroConfig:
     def latent_width(self) -> int:
         """Latent width (the Wan VAE compresses space by 8)."""
         return self.canvas_width // 8
+
+    @property
+    def frame_seqlen(self) -> int:
+        """Tokens per latent frame (2x2 patches of the latent grid), 880 at deploy."""
+        return (self.latent_height // 2) * (self.latent_width // 2)
+
+    @property
+    def kv_token_shape(self) -> tuple[int, int, int, int]:
+        """The shape of one token's KV: ``(layers, 2, heads, head_dim)`` (keys and values)."""
+        return (self.kv_layers, 2, self.kv_heads, self.kv_head_dim)
 
     @property
     def num_latent_frames(self) -> int:
@@ -150,8 +200,10 @@ class DreamZeroConfig:
         known = {a.name for a in attrs.fields(cls)} - {"name"}
         for key in data:
             if key not in known:
+                close = difflib.get_close_matches(str(key), ["preset", *known], n=1)
+                hint = f"did you mean {close[0]!r}? Known" if close else "known"
                 msg = (
-                    f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); known: "
+                    f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); {hint}: "
                     f"{['preset', *sorted(known)]}."
                 )
                 raise MissingKeyError(msg)
@@ -177,5 +229,10 @@ PRESETS: dict[str, DreamZeroConfig] = {
         hidden_dim=16,
         action_horizon=4,
         num_inference_steps=2,
+        kv_layers=1,
+        kv_heads=2,
+        kv_head_dim=8,
+        kv_block_tokens=16,
+        kv_window_frames=4,
     ),
 }

@@ -17,7 +17,7 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
-from sessionstate.models.dreamzero.config import DreamZeroConfig
+from sessionstate.models.dreamzero.config import _MASK_CHANNELS, DreamZeroConfig
 
 __all__ = [
     "DreamZeroNetworks",
@@ -27,8 +27,6 @@ __all__ = [
 
 FeatMap = tuple[torch.Tensor | None, ...]
 """The Wan encoder's causal-conv cache: one slot per causal conv (24 of 26 in use)."""
-
-_MASK_CHANNELS = 4
 
 
 @contextmanager
@@ -74,7 +72,10 @@ class Denoiser(nn.Module):
     """Stand-in for the AR diffusion transformer: predicts video and action flow velocities.
 
     Conditioned on the reference latents (the window's start frame or the newest observed
-    latent frames), the ``ys`` slice, CLIP features, prompt embeddings and the timestep.
+    latent frames), the ``ys`` slice, CLIP features, prompt embeddings and the timestep, and
+    attending over the window's KV cache: ``kv_layers`` attention layers whose queries are
+    2x2 patches of the noisy latents and whose keys and values were prefilled from the
+    window's clean reference latents, the current block's included (causal over blocks).
     """
 
     def __init__(self, cfg: DreamZeroConfig) -> None:
@@ -87,6 +88,33 @@ class Denoiser(nn.Module):
         self.out = nn.Conv3d(h, z, kernel_size=1)
         self.action_in = nn.Linear(cfg.action_dim, h)
         self.action_out = nn.Linear(h, cfg.action_dim)
+        self.kv_token_shape = cfg.kv_token_shape
+        heads_dim = cfg.kv_heads * cfg.kv_head_dim
+        self.kv_proj = nn.Linear(z, cfg.kv_layers * 2 * heads_dim)
+        self.q_proj = nn.Linear(h, heads_dim)
+        self.o_proj = nn.Linear(heads_dim, h)
+
+    def prefill(self, ref: torch.Tensor) -> torch.Tensor:
+        """KV of clean latents (1, z, T, lh, lw): ``(T * frame_seqlen, layers, 2, heads, dim)``."""
+        tokens = _patch_tokens(ref)
+        kv: torch.Tensor = self.kv_proj(tokens)
+        return kv.view(tokens.shape[0], *self.kv_token_shape)
+
+    def attend(self, hidden: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Hidden (1, h, T, lh, lw) plus what its patches read from ``kv``, layer by layer."""
+        layers, _, heads, dim = self.kv_token_shape
+        x = _patch_tokens(hidden)
+        start = x
+        for layer in range(layers):
+            q = self.q_proj(x).view(-1, heads, dim).transpose(0, 1)
+            k = kv[:, layer, 0].transpose(0, 1)
+            v = kv[:, layer, 1].transpose(0, 1)
+            read = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            x = x + self.o_proj(read.transpose(0, 1).reshape(x.shape[0], heads * dim))
+        _, h, t, lh, lw = hidden.shape
+        delta = (x - start).transpose(0, 1).reshape(1, h, t, lh // 2, lw // 2)
+        up = delta.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
+        return hidden + up
 
     def forward(
         self,
@@ -97,6 +125,7 @@ class Denoiser(nn.Module):
         ys: torch.Tensor,
         clip_feas: torch.Tensor,
         prompt_embeds: torch.Tensor,
+        kv: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ref_b = ref.mean(dim=2, keepdim=True).expand_as(latents)
         x = self.inp(torch.cat([latents, ref_b, ys], dim=1))
@@ -106,6 +135,7 @@ class Denoiser(nn.Module):
             + self.time(t.reshape(1, 1).to(latents.dtype) / 1000)
         )
         hidden = torch.nn.functional.silu(x + cond[:, :, None, None, None])
+        hidden = self.attend(hidden, kv)
         video = self.out(hidden)
         pooled = hidden.mean(dim=(2, 3, 4))
         act = self.action_out(torch.nn.functional.silu(self.action_in(actions) + pooled[:, None]))
@@ -237,14 +267,26 @@ class DreamZeroNetworks:
     # -- denoising ---------------------------------------------------------------------------
 
     @torch.no_grad()
+    def prefill_kv(self, ref: torch.Tensor) -> torch.Tensor:
+        """The KV tokens of clean reference latents, to append to the window's cache.
+
+        Returns ``(T * frame_seqlen, layers, 2, heads, head_dim)`` for ``ref`` (1, z, T, h, w).
+        """
+        return self.denoiser.prefill(ref)
+
+    @torch.no_grad()
     def diffuse(
         self,
         ref: torch.Tensor,
         ys: torch.Tensor,
         clip_feas: torch.Tensor,
         prompt_embeds: torch.Tensor,
+        kv: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Denoise the next block from fixed-seed noise: (video latents, raw actions)."""
+        """Denoise the next block from fixed-seed noise: (video latents, raw actions).
+
+        ``kv`` is the window's KV cache as read for this step, ``(tokens, *kv_token_shape)``.
+        """
         cfg = self.cfg
         shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
         generator = torch.Generator().manual_seed(cfg.seed)
@@ -260,7 +302,7 @@ class DreamZeroNetworks:
             warnings.simplefilter("ignore", FutureWarning)
             for t in video_sched.timesteps:
                 v_video, v_action = self.denoiser(
-                    latents, actions, t.to(self.device), ref, ys, clip_feas, prompt_embeds
+                    latents, actions, t.to(self.device), ref, ys, clip_feas, prompt_embeds, kv
                 )
                 latents = video_sched.step(v_video, t, latents).prev_sample
                 actions = action_sched.step(v_action, t, actions).prev_sample
@@ -290,6 +332,12 @@ class DreamZeroNetworks:
             for i in range(x.shape[2])
         ]
         return torch.cat(outs, dim=2).clamp(-1.0, 1.0)
+
+
+def _patch_tokens(x: torch.Tensor) -> torch.Tensor:
+    # (1, C, T, h, w) -> (T * h/2 * w/2, C): 2x2 patches, averaged, one token per patch.
+    pooled = torch.nn.functional.avg_pool3d(x, kernel_size=(1, 2, 2))
+    return pooled.flatten(2)[0].transpose(0, 1).contiguous()
 
 
 def _chunk_bounds(num_frames: int) -> list[tuple[int, int]]:

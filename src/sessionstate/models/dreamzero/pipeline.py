@@ -15,21 +15,26 @@ is written so that does not matter; see `DreamZeroNetworks.normalize_latents`).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import attrs
 import torch
 
 from sessionstate import (
+    KVPool,
     LatentBuffer,
-    MissingKeyError,
     OmniDiffusionConfig,
+    SessionAdmissionError,
+    SessionStateLostError,
     SessionStateManager,
     SessionStateSettings,
     TensorCache,
     resolve_session_state_config,
 )
+from sessionstate._manager import check_session_id  # the manager's session-id rule
+from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero.config import MAX_DREAMZERO_SESSIONS, DreamZeroConfig
 from sessionstate.models.dreamzero.networks import DreamZeroNetworks, FeatMap, build_networks
 from sessionstate.models.dreamzero.state import (
@@ -46,6 +51,8 @@ __all__ = ["DreamZeroOutput", "DreamZeroPipeline"]
 
 _BODY_FRAMES = 4
 
+logger = logging.getLogger("sessionstate")
+
 
 @attrs.frozen(eq=False)
 class DreamZeroOutput:
@@ -56,10 +63,18 @@ class DreamZeroOutput:
     reset: str | None
 
 
-def _unknown_session(session_id: str) -> str:
+def _unknown_session(session_id: Hashable) -> str:
     return (
         f"DreamZero session {session_id!r} is not held (never started, dropped or evicted); "
         "call `forward(obs, session_id)` to start it."
+    )
+
+
+def _lost_continuation(session_id: Hashable) -> str:
+    return (
+        f"Cannot continue DreamZero session {session_id!r}: it is not held (never started, "
+        "dropped or evicted), so its state is lost. Start it again with "
+        f"`forward(obs, {session_id!r}, begin=True)`, or raise the session cap."
     )
 
 
@@ -103,6 +118,11 @@ class DreamZeroPipeline:
         max_bespoke_sessions: The bespoke path's cap. Upstream it is the fixed constant
             `MAX_DREAMZERO_SESSIONS`; tests lower it to exercise eviction on both paths.
 
+    What a new session does at the cap (``on_full``: evict the least recently used session,
+    or refuse the new one with `SessionAdmissionError`) comes from the deploy config's
+    ``session_state_on_full`` and ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL``, and is the
+    same on both paths. The first eviction logs a warning naming the evicted session.
+
     >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
     >>> from sessionstate.models.dreamzero.episode import scripted_episode
     >>> cfg = DreamZeroConfig.preset("tiny")
@@ -136,81 +156,131 @@ class DreamZeroPipeline:
             self.cfg = config
             self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
         else:
-            self.cfg = DreamZeroConfig.from_dict(config.model)
+            self.cfg = config.parse_model(DreamZeroConfig.from_dict)
             self.settings = resolve_session_state_config(config, environ)
         self.device = torch.device(device)
         self.host_device = torch.device(host_device)
         self.nets: DreamZeroNetworks = build_networks(self.cfg, self.device)
         self.manager: SessionStateManager | None = None
-        self._states: OrderedDict[str, DreamZeroState] | None = None
+        self._states: OrderedDict[Hashable, DreamZeroState] | None = None
+        self.kv_pool: KVPool | None = None
         if self.settings.enabled:
             budget = self.settings.max_bytes
             self.manager = SessionStateManager(
                 self.settings.max_sessions,
+                on_full=self.settings.on_full,
                 check_immutable=self.settings.check_immutable,
                 max_bytes={_device_key(self.device): budget} if isinstance(budget, int) else budget,
                 park_tier=self.settings.park_tier,
                 spool_dir=self.settings.spool_dir,
             )
+            # Engine-owned: the pipeline owns the pool, records hold handles to its blocks.
+            self.kv_pool = kv_cache.build_kv_pool(self.cfg, self.device, self.settings.max_sessions)
         else:
             self._states = OrderedDict()
             self._max_bespoke_sessions = max_bespoke_sessions
             self._bespoke_counts = {"hits": 0, "misses": 0, "evictions": 0}
+            self._warned_eviction = False
 
     @property
     def managed(self) -> bool:
         """Whether this pipeline runs the manager-backed path."""
         return self.manager is not None
 
+    @property
+    def on_full(self) -> str:
+        """What a new session does at the cap, on either path: ``"evict"`` or ``"refuse"``.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL": "refuse"}
+        >>> DreamZeroPipeline(DreamZeroConfig.preset("tiny"), environ=env).on_full
+        'refuse'
+        """
+        return self.settings.on_full
+
     # -- entry point ---------------------------------------------------------------------------
 
-    def forward(self, obs: Observation, session_id: str = "default") -> DreamZeroOutput:
-        """Run one streaming step of ``session_id`` on ``obs``."""
+    def forward(
+        self, obs: Observation, session_id: Hashable = "default", *, begin: bool | None = None
+    ) -> DreamZeroOutput:
+        """Run one streaming step of ``session_id`` on ``obs``.
+
+        Args:
+            obs: The observation of this step.
+            session_id: The session to step: any hashable value, as a dict key.
+            begin: ``True`` starts the session, or restarts it from scratch if it is held;
+                ``False`` continues it and never starts one; ``None`` (default) continues a
+                held session and starts one that is not.
+
+        Raises:
+            SessionStateLostError: if ``begin=False`` and the session is not held (never
+                started, dropped or evicted); nothing is created.
+            SessionAdmissionError: if the session is new, the cap is reached and
+                ``on_full`` is ``"refuse"``; nothing is stored or evicted.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> from sessionstate.models.dreamzero.episode import scripted_episode
+        >>> cfg = DreamZeroConfig.preset("tiny")
+        >>> pipe = DreamZeroPipeline(cfg)
+        >>> (sid, first), (_, second) = scripted_episode(cfg, steps=2, sessions=1, seed=0)
+        >>> pipe.forward(first, sid, begin=True).reset
+        'session'
+        >>> pipe.forward(second, sid, begin=False).reset is None
+        True
+        """
+        check_session_id(session_id)
         if self.manager is not None:
-            state = self.manager.get(session_id)
+            state = None if begin else self.manager.get(session_id)
             if state is None:
+                if begin is False:
+                    raise SessionStateLostError(_lost_continuation(session_id))
                 state = self.new_session()
             assert isinstance(state, DreamZeroSession)
-            state, out = self.step(state, obs)
-            # Published only after the whole step succeeded: a failed step leaves the stored
-            # record (or the absence of one) exactly as it was.
-            self.manager.put(session_id, state)
+            assert self.kv_pool is not None
+            # A failed step returns the KV blocks it took, so the pool is as it was too.
+            with self.kv_pool.transaction():
+                state, out = self.step(state, obs)
+                # Published only after the whole step succeeded: a failed step leaves the
+                # stored record (or the absence of one) exactly as it was.
+                self.manager.put(session_id, state)
             return out
-        return self._bespoke_forward(self._bespoke_state(session_id), obs)
+        return self._bespoke_forward(self._bespoke_state(session_id, begin), obs)
 
     def new_session(self) -> DreamZeroSession:
         """An empty managed session for this pipeline's geometry."""
         return new_session(self.cfg)
 
-    def drop_session(self, session_id: str) -> bool:
+    def drop_session(self, session_id: Hashable) -> bool:
         """End a session on either path; returns whether it was held."""
+        check_session_id(session_id)
         if self.manager is not None:
             return self.manager.drop(session_id)
         assert self._states is not None
         return self._states.pop(session_id, None) is not None
 
-    def session_ids(self) -> list[str]:
+    def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
         if self.manager is not None:
             return self.manager.session_ids()
         assert self._states is not None
         return list(self._states)
 
-    def session_values(self, session_id: str) -> dict[str, object]:
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds, by name (without touching LRU order)."""
+        check_session_id(session_id)
         if self.manager is not None:
             state = self.manager.peek(session_id)
             if state is None:
-                raise MissingKeyError(_unknown_session(session_id))
+                raise SessionStateLostError(_unknown_session(session_id))
             assert isinstance(state, DreamZeroSession)
             # A parked session is read through a resident copy; the stored record stays parked.
             return state.unpark().values()
         assert self._states is not None
         if session_id not in self._states:
-            raise MissingKeyError(_unknown_session(session_id))
+            raise SessionStateLostError(_unknown_session(session_id))
         return self._states[session_id].values()
 
-    def video_latents(self, session_id: str) -> torch.Tensor | None:
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every latent chunk generated for the session, joined along time (None if none)."""
         values = self.session_values(session_id)
         latents = values["video_latents_across_time"]
@@ -219,7 +289,41 @@ class DreamZeroPipeline:
         assert self._states is not None
         return self._states[session_id].get_concatenated_video_latents()
 
-    def decode_video(self, session_id: str) -> torch.Tensor | None:
+    def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
+        """Empty the session's accumulated video latents, for a caller that exported them.
+
+        Keeps everything else: the VAE stream, the conditioning, the counters. The session is
+        marked most recently used, on either path.
+
+        Raises:
+            SessionStateLostError: if the session is not held; nothing is created.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> from sessionstate.models.dreamzero.episode import scripted_episode
+        >>> cfg = DreamZeroConfig.preset("tiny")
+        >>> pipe = DreamZeroPipeline(cfg)
+        >>> for sid, obs in scripted_episode(cfg, steps=2, sessions=1, seed=0):
+        ...     _ = pipe.forward(obs, sid)
+        >>> pipe.clear_accumulated_video_latents(sid)
+        >>> pipe.video_latents(sid) is None, pipe.session_values(sid)["call_count"]
+        (True, 2)
+        """
+        if self.manager is not None:
+            state = self.manager.peek(session_id)
+            if state is None:
+                raise SessionStateLostError(_unknown_session(session_id))
+            # A parked session is unparked to change it; `put` applies the budget again.
+            state = state.unpark().update_object("video_latents_across_time", lambda b: b.reset())
+            self.manager.put(session_id, state)
+            return
+        assert self._states is not None
+        bespoke = self._states.get(session_id)
+        if bespoke is None:
+            raise SessionStateLostError(_unknown_session(session_id))
+        bespoke.video_latents_across_time = []
+        self._states.move_to_end(session_id)
+
+    def decode_video(self, session_id: Hashable) -> torch.Tensor | None:
         """Decode the session's accumulated latents with the Wan decoder: (1, 3, T, H, W)."""
         latents = self.video_latents(session_id)
         if latents is None:
@@ -284,10 +388,16 @@ class DreamZeroPipeline:
             ref = nets.observation_latents(
                 state.vae_encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
             )
+        assert self.kv_pool is not None
+        previous = None if state.current_start_frame == 0 else state.kv_cache  # `_kv_create`
+        handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
+        state = state.with_attrs(kv_cache=handle)
         assert state.ys is not None
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
-        video, out = self._generate(ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs)
+        video, out = self._generate(
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read()
+        )
         state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(self.host_device, copy=True)
@@ -302,10 +412,11 @@ class DreamZeroPipeline:
         prompt_embeds: torch.Tensor,
         csf: int,
         obs: Observation,
+        kv: torch.Tensor,
     ) -> tuple[torch.Tensor, DreamZeroOutput]:
         """Denoise the next block and post-process the actions (both paths, no state)."""
         n = self.cfg.num_frame_per_block
-        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds)
+        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv)
         if csf == 1:  # the window's first block carries its conditioning latent in front
             video = torch.cat([ref, video], dim=2)
         out = DreamZeroOutput(
@@ -338,19 +449,44 @@ class DreamZeroPipeline:
 
     # -- bespoke path: mutable, in place -----------------------------------------------------------
 
-    def _bespoke_state(self, session_id: str) -> DreamZeroState:
+    def _bespoke_state(self, session_id: Hashable, begin: bool | None = None) -> DreamZeroState:
         assert self._states is not None
-        state = self._states.get(session_id)
-        if state is None:
-            self._bespoke_counts["misses"] += 1
-            state = DreamZeroState()
-            self._states[session_id] = state
-            if len(self._states) > self._max_bespoke_sessions:
-                self._states.popitem(last=False)
-                self._bespoke_counts["evictions"] += 1
-        else:
+        state = None if begin else self._states.get(session_id)
+        if state is not None:
             self._bespoke_counts["hits"] += 1
             self._states.move_to_end(session_id)
+            return state
+        state = DreamZeroState()
+        if begin and session_id in self._states:  # a restart replaces the held state
+            self._states[session_id] = state
+            self._states.move_to_end(session_id)
+            return state
+        if not begin:  # counted as the manager's `get` counts it
+            self._bespoke_counts["misses"] += 1
+        if begin is False:
+            raise SessionStateLostError(_lost_continuation(session_id))
+        if self.settings.on_full == "refuse" and len(self._states) >= self._max_bespoke_sessions:
+            msg = (
+                f"Cannot admit DreamZero session {session_id!r}: the bespoke session table "
+                f"holds {self._max_bespoke_sessions} sessions (its cap) and "
+                "`on_full='refuse'`. Drop a finished session first with `drop_session`, or "
+                "raise the cap."
+            )
+            raise SessionAdmissionError(msg)
+        self._states[session_id] = state
+        if len(self._states) > self._max_bespoke_sessions:
+            evicted, _ = self._states.popitem(last=False)
+            self._bespoke_counts["evictions"] += 1
+            if not self._warned_eviction:
+                self._warned_eviction = True
+                logger.warning(
+                    "DreamZero session %r was evicted by the bespoke session cap (%d) although "
+                    "nobody ended it; its state is lost. End finished sessions explicitly with "
+                    "`drop_session(session_id)`, or raise the cap. Warned once per pipeline; "
+                    "`stats()['evictions']` counts every eviction.",
+                    evicted,
+                    self._max_bespoke_sessions,
+                )
         return state
 
     def _bespoke_forward(self, state: DreamZeroState, obs: Observation) -> DreamZeroOutput:
@@ -367,7 +503,8 @@ class DreamZeroPipeline:
         if state.prompt_embeds is None:
             state.prompt_embeds = nets.encode_prompt(tokens)
 
-        if state.current_start_frame == 0:
+        window_start = state.current_start_frame == 0
+        if window_start:
             clip_feas, ys, cond_latent = nets.encode_image(_conditioning_frame(frames))
             if state.vae_stream_initialized:
                 self._bespoke_stream_append(state, frames[:, :, -1:])
@@ -390,7 +527,15 @@ class DreamZeroPipeline:
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
         csf = state.current_start_frame
-        video, out = self._generate(ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs)
+        if window_start:  # `_kv_create`: the window's cache starts empty
+            state.kv_cache, state.kv_tokens = [], 0
+        state.kv_tokens = kv_cache.append_blocks(
+            state.kv_cache, state.kv_tokens, nets.prefill_kv(ref), cfg
+        )
+        kv = kv_cache.read_blocks(state.kv_cache, state.kv_tokens)
+        video, out = self._generate(
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, kv
+        )
         state.current_start_frame += cfg.num_frame_per_block
         state.video_latents_across_time.append(video.detach().to(self.host_device, copy=True))
         return attrs.evolve(out, reset=reason)

@@ -17,7 +17,14 @@ from typing import Literal, TypeVar
 
 import torch
 
-from sessionstate import LatentBuffer, SessionAttr, SessionState, StateObject, TensorCache
+from sessionstate import (
+    KVHandle,
+    LatentBuffer,
+    SessionAttr,
+    SessionState,
+    StateObject,
+    TensorCache,
+)
 from sessionstate.models.dreamzero.config import FRAMES_PER_CHUNK, DreamZeroConfig
 from sessionstate.models.dreamzero.networks import FeatMap
 
@@ -36,7 +43,7 @@ __all__ = [
 ResetReason = Literal["session", "inference"]
 _O = TypeVar("_O", bound=StateObject)
 
-BUCKETS: dict[str, Literal["attrs", "object"]] = {
+BUCKETS: dict[str, Literal["attrs", "object", "engine"]] = {
     "vae_enc_feat_map": "object",
     "video_latents_across_time": "object",
     "stitched_buffer": "object",
@@ -49,8 +56,13 @@ BUCKETS: dict[str, Literal["attrs", "object"]] = {
     "call_count": "attrs",
     "current_start_frame": "attrs",
     "vae_stream_initialized": "attrs",
+    "kv_cache": "engine",
 }
-"""Every DreamZero session value and its bucket (the reference table)."""
+"""Every DreamZero session value and its bucket (the reference table).
+
+``engine`` marks the denoiser's KV cache: engine-owned memory (a `KVPool`'s blocks) that the
+managed record reaches through a `KVHandle` attribute, counted but never moved by the manager.
+"""
 
 
 def reset_reason(
@@ -151,6 +163,8 @@ class DreamZeroState:
         self.vae_enc_feat_map: FeatMap | None = None
         self.vae_encoder_out: torch.Tensor | None = None
         self.vae_pending_body_frames: torch.Tensor | None = None
+        self.kv_cache: list[torch.Tensor] = []  # blocks of the window's KV (`_kv_create`)
+        self.kv_tokens = 0
 
     def reset(self, *, clear_video_latents: bool = True) -> None:
         """Session reset (everything), or window reset (``clear_video_latents=False``)."""
@@ -162,6 +176,8 @@ class DreamZeroState:
         self.current_start_frame = 0
         self.clip_feas = None
         self.ys = None
+        self.kv_cache = []
+        self.kv_tokens = 0
 
     def accumulate_frames(self, frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Push a stitched frame; return the model's pixel input."""
@@ -208,6 +224,9 @@ class DreamZeroSession(SessionState):
     )
     vae_pending_body_frames = SessionAttr[torch.Tensor | None](
         None, doc="Pixel frames awaiting a 4-frame body chunk (fewer than 4)."
+    )
+    kv_cache = SessionAttr[KVHandle | None](
+        None, doc="The window's denoiser KV: a handle to blocks of the pipeline's `KVPool`."
     )
 
     @property
@@ -281,7 +300,8 @@ def window_reset(state: DreamZeroSession) -> DreamZeroSession:
     """The window ("inference") reset: a fresh frames ring, counters and window conditioning.
 
     Keeps the video latents, the prompt and its embeddings, and the whole VAE stream: the Wan
-    feature-cache history does not depend on the denoiser's attention window.
+    feature-cache history does not depend on the denoiser's attention window. Clears the KV
+    cache (its blocks return to the pool once no record holds them).
     """
     state = state.update_object("stitched_buffer", lambda b: b.reset())
-    return state.clear_attrs("call_count", "current_start_frame", "clip_feas", "ys")
+    return state.clear_attrs("call_count", "current_start_frame", "clip_feas", "ys", "kv_cache")

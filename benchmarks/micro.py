@@ -1,0 +1,402 @@
+"""Micro-benchmarks, timed by pyperf: the reader, the library's overhead per step, ring commit,
+and ``stats()`` scaling.
+
+A pyperf script: pyperf calibrates the loop counts, runs each benchmark in fresh worker
+processes, and writes every value to a JSON file that `summarize` turns into the results'
+sections. `run.py` runs it; by hand::
+
+    python benchmarks/micro.py --sizes quick --in-process --debug-single-value -o /tmp/micro.json
+    python benchmarks/micro.py -o /tmp/micro.json      # pyperf's defaults: about 20 processes
+
+Benchmarks, by name (``N`` is a session length or a count):
+
+- ``reader/{bespoke,ring}/N``: the observation reader (`DreamZeroNetworks.observation_latents`)
+  at the deploy latent geometry over N latent frames, as one whole history or a ring of 2.
+- ``overhead/{bespoke,managed,checked}/N``: one `DreamZeroPipeline.forward` of a session that
+  holds N video latent chunks, on each path (``checked``: managed with ``check_immutable``),
+  with the pipeline's networks replaced by `Replay` (no model compute). The managed path's
+  time minus the bespoke path's is what the library adds per step.
+- ``ring/...``: `LatentBuffer.commit` of one deploy-size bf16 latent frame into a ring of 2,
+  next to floors (a plain copy, an in-place preallocated ring, a list index assignment), and
+  commits into accumulating buffers of N chunks.
+- ``stats/.../N``: `SessionStateManager.stats` over N DreamZero-shaped sessions, and its parts.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyperf
+import torch
+from common import FULL, QUICK, Sizes, commit, path_environ, tiny_feat_map, tiny_session
+
+from sessionstate import ENV_CHECK_IMMUTABLE, LatentBuffer, SessionStateManager, tree_leaves
+from sessionstate._accounting import ByteCounter
+from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+from sessionstate.models.dreamzero.episode import scripted_episode
+from sessionstate.models.dreamzero.networks import build_networks
+
+TimeFunc = Callable[[int], float]
+PROMPT_GROUPS = 3
+RING_SHAPE = (1, 32, 1, 44, 80)  # one deploy-geometry latent frame of the encoder output
+
+
+def _loop(make: Callable[[], Callable[[], object]]) -> TimeFunc:
+    """A pyperf time function: ``loops`` calls of ``make()``, timed together.
+
+    ``make`` builds the function to time (untimed), so a worker process that runs another
+    benchmark never builds this one's inputs.
+    """
+
+    def time_func(loops: int) -> float:
+        fn = make()
+        start = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        return time.perf_counter() - start
+
+    return time_func
+
+
+# -- the reader --------------------------------------------------------------------------------
+
+
+@functools.cache
+def reader_inputs(frames: int) -> tuple[Any, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(networks, whole history, ring of the newest 2)`` over ``frames`` latent frames."""
+    cfg = DreamZeroConfig.preset("tiny", view_height=176, view_width=320)
+    nets = build_networks(cfg)
+    n, channels = cfg.num_frame_per_block, 2 * cfg.vae_z_dim
+    g = torch.Generator().manual_seed(0)
+    shape = (1, channels, frames, cfg.latent_height, cfg.latent_width)
+    whole = torch.randn(shape, generator=g, dtype=nets.dtype)
+    ring = tuple(whole[:, :, t : t + 1].contiguous() for t in range(max(0, frames - n), frames))
+    return nets, whole, ring
+
+
+def reader_benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
+    for k in sizes.reader_frames:
+
+        def read(kind: str, k: int = k) -> Callable[[], object]:
+            nets, whole, ring = reader_inputs(k)
+            held = [whole] if kind == "bespoke" else ring
+            return functools.partial(nets.observation_latents, held, len(ring))
+
+        yield f"reader/bespoke/{k}", _loop(functools.partial(read, "bespoke"))
+        yield f"reader/ring/{k}", _loop(functools.partial(read, "ring"))
+
+
+# -- the library's overhead per step ---------------------------------------------------------
+
+
+def _signature(value: object) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return tuple(_signature(v) for v in value)
+    return value if isinstance(value, Hashable) else type(value).__name__
+
+
+class Replay:
+    """A pipeline's networks that compute each answer once and then replay it.
+
+    Each method answers every later call with the same argument shapes with its first result,
+    so a step through `DreamZeroPipeline.forward` runs the pipeline's own session-state code
+    (both paths, unchanged) and no model compute.
+    """
+
+    def __init__(self, nets: Any) -> None:
+        self._nets = nets
+        self._memo: dict[Hashable, object] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._nets, name)
+        if not callable(attr):
+            return attr
+
+        def replay(*args: object) -> object:
+            key = (name, _signature(args))
+            if key not in self._memo:
+                self._memo[key] = attr(*args)
+            return self._memo[key]
+
+        return replay
+
+
+OVERHEAD_KINDS = {"bespoke": {}, "managed": {}, "checked": {ENV_CHECK_IMMUTABLE: "1"}}
+
+
+@functools.cache
+def overhead_pipeline(kind: str) -> tuple[DreamZeroPipeline, tuple[Any, ...]]:
+    """A tiny pipeline on ``kind``'s path with replayed networks, and observations to step."""
+    cfg = DreamZeroConfig.preset("tiny", local_attn_size=-1)
+    path = "bespoke" if kind == "bespoke" else "managed"
+    pipe = DreamZeroPipeline(cfg, environ=path_environ(path, **OVERHEAD_KINDS[kind]))
+    pipe.nets = Replay(pipe.nets)  # type: ignore[assignment]
+    episode = scripted_episode(cfg, steps=16, sessions=1, seed=0, prompt_change_every=10**9)
+    observations = tuple(obs for _, obs in episode)
+    for obs in observations:  # every answer a steady-state step needs, computed once here
+        pipe.forward(obs, "warmup")
+    pipe.drop_session("warmup")
+    return pipe, observations
+
+
+def overhead_time_func(kind: str, chunks: int) -> TimeFunc:
+    """Steps of a session that holds ``chunks`` video latent chunks when the loop starts."""
+
+    def time_func(loops: int) -> float:
+        pipe, observations = overhead_pipeline(kind)
+        pipe.drop_session("bench")
+        obs = itertools.cycle(observations)
+        for _ in range(chunks):  # untimed: grow the session to its length
+            pipe.forward(next(obs), "bench")
+        start = time.perf_counter()
+        for _ in range(loops):
+            pipe.forward(next(obs), "bench")
+        return time.perf_counter() - start
+
+    return time_func
+
+
+def overhead_benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
+    for chunks in sizes.overhead_chunks:
+        for kind in OVERHEAD_KINDS:
+            yield f"overhead/{kind}/{chunks}", overhead_time_func(kind, chunks)
+
+
+# -- ring commit -------------------------------------------------------------------------------
+
+
+def ring_benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
+    g = torch.Generator().manual_seed(0)
+    chunk = torch.randn(RING_SHAPE, generator=g).to(torch.bfloat16)
+    ring = LatentBuffer(name="vae_encoder_out", dim=2).allocate(maxlen=2)
+    ring = ring.commit(chunk.clone()).commit(chunk.clone())
+    dst = torch.empty_like(chunk)
+    prealloc = torch.empty((1, 32, 2, 44, 80), dtype=torch.bfloat16)
+    refs: list[torch.Tensor] = [chunk, chunk]
+    counter = itertools.count()
+
+    def inplace_copy_ring() -> None:
+        prealloc[:, :, next(counter) % 2].copy_(chunk[:, :, 0])
+
+    def inplace_ref_ring() -> None:
+        refs[next(counter) % 2] = chunk
+
+    yield "ring/commit", _loop(lambda: functools.partial(ring.commit, chunk))
+    yield "ring/memcpy", _loop(lambda: functools.partial(dst.copy_, chunk))
+    yield "ring/inplace_copy_ring", _loop(lambda: inplace_copy_ring)
+    yield "ring/inplace_ref_ring", _loop(lambda: inplace_ref_ring)
+    tiny = torch.zeros(1, 2, 1, 2, 2)
+    for length in sizes.accumulate_chunks:
+        held = LatentBuffer(name="video_latents_across_time", dim=2).allocate()
+        held = held.extend([tiny] * length)
+        make = functools.partial(functools.partial, held.commit, tiny)
+        yield f"ring/accumulate/{length}", _loop(make)
+
+
+# -- stats() scaling ---------------------------------------------------------------------------
+
+
+@functools.cache
+def stats_fixture(count: int, sizes: Sizes) -> dict[str, Any]:
+    """A manager holding ``count`` tiny DreamZero sessions, their records and leaves."""
+    cfg = DreamZeroConfig.preset("tiny")
+    # Sessions with the same prompt share its token ids and embeddings (one storage each).
+    shared = [
+        (torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, 2)) for _ in range(PROMPT_GROUPS)
+    ]
+    manager = SessionStateManager(max_sessions=max(sizes.stats_sessions))
+    for i in range(count):
+        record = tiny_session(
+            cfg, video_chunks=sizes.stats_video_chunks, shared=shared[i % PROMPT_GROUPS]
+        )
+        manager.put(f"session-{i}", record)
+    records = [manager.get(sid) for sid in manager.session_ids()]
+    # Every session stepped once (a new video chunk and a new feature cache), as in a serving
+    # loop: a cache keyed on record identity cannot hide the walk after a step.
+    stepped = [
+        record.update_object(
+            "video_latents_across_time", commit(torch.zeros(1, 2, 2, 2, 2))
+        ).with_attrs(vae_enc_feat_map=tiny_feat_map())
+        for record in records
+        if record is not None
+    ]
+    leaves = [leaf for record in records for leaf in tree_leaves(record)]
+    return {"manager": manager, "records": records, "stepped": stepped, "leaves": leaves}
+
+
+def stats_benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
+    for count in sizes.stats_sessions:
+        fixture = functools.partial(stats_fixture, count, sizes)
+
+        def call(fixture: Callable[[], dict[str, Any]] = fixture) -> Callable[[], object]:
+            return fixture()["manager"].stats
+
+        def after_step(loops: int, fixture: Callable[[], dict[str, Any]] = fixture) -> float:
+            f, elapsed = fixture(), 0.0
+            for i in range(loops):
+                for k, record in enumerate(f["stepped"] if i % 2 == 0 else f["records"]):
+                    f["manager"].put(f"session-{k}", record)  # untimed: step every session
+                start = time.perf_counter()
+                f["manager"].stats()
+                elapsed += time.perf_counter() - start
+            return elapsed
+
+        def flatten(records: list[Any]) -> None:
+            for record in records:
+                tree_leaves(record)
+
+        def count_bytes(leaves: list[Any]) -> None:
+            counter = ByteCounter()
+            for leaf in leaves:
+                counter.add(leaf)
+
+        def floor_walk(leaves: list[Any]) -> None:
+            # The least any per-call walk can do: one storage lookup per tensor, deduplicated.
+            seen: dict[int, int] = {}
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    storage = leaf.untyped_storage()
+                    seen.setdefault(storage.data_ptr(), storage.nbytes())
+
+        def over(fn: Callable[[list[Any]], None], key: str, fixture: Any = fixture) -> Any:
+            return _loop(lambda: functools.partial(fn, fixture()[key]))
+
+        yield f"stats/call/{count}", _loop(call)
+        yield f"stats/after_step/{count}", after_step
+        yield f"stats/flatten/{count}", over(flatten, "records")
+        yield f"stats/byte_counter/{count}", over(count_bytes, "leaves")
+        yield f"stats/floor_walk/{count}", over(floor_walk, "leaves")
+
+
+def benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
+    """Every micro-benchmark of this module, by name, in run order."""
+    yield from reader_benchmarks(sizes)
+    yield from overhead_benchmarks(sizes)
+    yield from ring_benchmarks(sizes)
+    yield from stats_benchmarks(sizes)
+
+
+def _add_cmdline_args(cmd: list[str], args: Any) -> None:
+    cmd.extend(["--sizes", args.sizes])  # pyperf's workers measure the same sizes
+
+
+def main() -> None:
+    runner = pyperf.Runner(add_cmdline_args=_add_cmdline_args)
+    runner.argparser.add_argument("--sizes", choices=("full", "quick"), default="full")
+    args = runner.parse_args()
+    torch.set_num_threads(1)  # tiny tensors: one thread is fastest, and steady under load
+    for name, time_func in benchmarks(QUICK if args.sizes == "quick" else FULL):
+        runner.bench_time_func(name, time_func)
+
+
+def summarize(medians: dict[str, float], sizes: Sizes) -> dict[str, Any]:
+    """The results' ``reader``, ``library_overhead``, ``ring_commit`` and ``stats_scaling``.
+
+    ``medians`` maps each benchmark's name to its median seconds per call (`load`).
+    """
+    us = {name: seconds * 1e6 for name, seconds in medians.items()}
+    reader = []
+    for k in sizes.reader_frames:
+        nets, whole, ring = reader_inputs(k)
+        same = torch.equal(
+            nets.observation_latents([whole], len(ring)), nets.observation_latents(ring, len(ring))
+        )
+        bespoke_us, ring_us = us[f"reader/bespoke/{k}"], us[f"reader/ring/{k}"]
+        reader.append(
+            {
+                "frames": k,
+                "bespoke_ms": bespoke_us / 1e3,
+                "ring_ms": ring_us / 1e3,
+                "bespoke_over_ring": bespoke_us / ring_us,
+                "bit_identical": same,
+            }
+        )
+    frame = reader_inputs(sizes.reader_frames[0])[1][:, :, :1]
+    overhead = []
+    for chunks in sizes.overhead_chunks:
+        b, m, c = (us[f"overhead/{kind}/{chunks}"] for kind in OVERHEAD_KINDS)
+        overhead.append(
+            {
+                "video_chunks": chunks,
+                "managed_us": m,
+                "checked_us": c,
+                "bespoke_us": b,
+                "overhead_us": m - b,
+            }
+        )
+    commit_us, copy_ring_us = us["ring/commit"], us["ring/inplace_copy_ring"]
+    chunk_bytes = torch.empty(RING_SHAPE, dtype=torch.bfloat16).nbytes
+    stats = []
+    for count in sizes.stats_sessions:
+        fixture = stats_fixture(count, sizes)
+        tensor_leaves = sum(isinstance(leaf, torch.Tensor) for leaf in fixture["leaves"])
+        call_us, after_us = us[f"stats/call/{count}"], us[f"stats/after_step/{count}"]
+        stats.append(
+            {
+                "sessions": count,
+                "leaves": len(fixture["leaves"]),
+                "tensor_leaves": tensor_leaves,
+                "distinct_storages_bytes": fixture["manager"].stats()["total_nbytes"],
+                "call_us": call_us,
+                "per_tensor_leaf_us": call_us / tensor_leaves,
+                "call_after_step_us": after_us,
+                "per_tensor_leaf_after_step_us": after_us / tensor_leaves,
+                "flatten_us": us[f"stats/flatten/{count}"],
+                "byte_counter_us": us[f"stats/byte_counter/{count}"],
+                "floor_walk_per_tensor_leaf_us": us[f"stats/floor_walk/{count}"] / tensor_leaves,
+            }
+        )
+    return {
+        "reader": {
+            "frame_shape": list(frame.shape),
+            "dtype": str(frame.dtype).removeprefix("torch."),
+            "frame_mib": frame.nbytes / 2**20,
+            "ring_frames": len(reader_inputs(sizes.reader_frames[0])[2]),
+            "points": reader,
+        },
+        "library_overhead": {
+            "networks": "replayed (no model compute)",
+            "points": overhead,
+            "worst_overhead_us": max(p["overhead_us"] for p in overhead),
+        },
+        "ring_commit": {
+            "chunk_shape": list(RING_SHAPE),
+            "dtype": "bfloat16",
+            "chunk_mib": chunk_bytes / 2**20,
+            "ring_maxlen": 2,
+            "commit_us": commit_us,
+            "memcpy_us": us["ring/memcpy"],
+            "inplace_copy_ring_us": copy_ring_us,
+            "inplace_ref_ring_us": us["ring/inplace_ref_ring"],
+            "commit_over_inplace_copy_ring": commit_us / copy_ring_us,
+            "commit_over_memcpy": commit_us / us["ring/memcpy"],
+            "commit_over_inplace_ref_ring": commit_us / us["ring/inplace_ref_ring"],
+            "memcpy_gib_per_s": chunk_bytes / medians["ring/memcpy"] / 2**30,
+            "accumulate_commit": [
+                {"chunks_held": n, "commit_us": us[f"ring/accumulate/{n}"]}
+                for n in sizes.accumulate_chunks
+            ],
+        },
+        "stats_scaling": {
+            "video_chunks_per_session": sizes.stats_video_chunks,
+            "prompt_groups_sharing_storages": PROMPT_GROUPS,
+            "points": stats,
+        },
+    }
+
+
+def load(path: Path) -> dict[str, float]:
+    """Median seconds per call of every benchmark in pyperf's JSON file ``path``."""
+    suite = pyperf.BenchmarkSuite.load(str(path))
+    return {bench.get_name(): bench.median() for bench in suite.get_benchmarks()}
+
+
+if __name__ == "__main__":
+    main()

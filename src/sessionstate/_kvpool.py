@@ -1,0 +1,429 @@
+"""An engine-owned paged KV pool, and the immutable handle a session record holds.
+
+A `KVPool` preallocates one tensor of fixed-size blocks on one device and hands blocks out
+from a free list. A session record never holds the pool's memory as tensors: it holds a
+`KVHandle`, an immutable leaf naming the pool, its block ids and the number of tokens
+written. Appending returns a new handle and leaves the old one valid:
+
+- **append-only**: a write only ever lands past every live handle's end in a block, so an
+  older handle still reads exactly its own prefix; a handle whose last block was written past
+  its end by another branch gets a copy of that block (copy on write);
+- **reference counted**: each live handle holds one reference on each of its blocks; a block
+  returns to the free list when its last handle is garbage-collected (CPython frees a record
+  as soon as nothing references it: the manager dropping or evicting it, or replacing it with
+  its successor). A caller that keeps an evicted session's record keeps its blocks until it
+  lets go of the record;
+- **transactional**: inside `KVPool.transaction`, a step that raises returns every block it
+  took and undoes every write, so the pool is as it was before the step. Handles made by the
+  failed step are dead: reading one raises `StaleKVHandleError`.
+
+The handle reports its blocks to the byte accounting through ``__sessionstate_storage_entries__``
+(one entry per block, identity `EngineBlock`), so a block reached from two handles counts once,
+a handle and a tensor view of the pool count once, and free blocks count for nobody.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
+from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
+from sessionstate._tree import tree_equal
+
+__all__ = ["KVHandle", "KVPool"]
+
+
+class _Lease:
+    """The handle's claim on its blocks: a finalizer that drops one reference per block."""
+
+    __slots__ = ("finalizer",)
+
+    def __init__(self) -> None:
+        self.finalizer: weakref.finalize[Any, Any] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.finalizer is not None and self.finalizer.alive
+
+
+@attrs.frozen(eq=False, repr=False)
+class KVHandle:
+    """An immutable reference to a prefix of KV tokens in a `KVPool`.
+
+    Build handles with `KVPool.empty` and `KVPool.append`, never directly. The handle is a
+    leaf of a session record: it holds no tensor, and its blocks' bytes are counted on the
+    pool's device (see the module docstring for when they return to the pool).
+
+    >>> import torch
+    >>> pool = KVPool(4, block_tokens=2, token_shape=(3,))
+    >>> h = pool.append(pool.empty(), torch.ones(3, 3))
+    >>> h.blocks, h.tokens, h.nbytes_by_device()
+    ((0, 1), 3, {'cpu': 48})
+    """
+
+    pool: KVPool
+    blocks: tuple[int, ...]
+    tokens: int
+    _lease: _Lease = attrs.field(alias="lease")
+
+    def __repr__(self) -> str:
+        return f"KVHandle(pool={self.pool.name!r}, blocks={self.blocks}, tokens={self.tokens})"
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when both read the same tokens, bitwise (`tree_equal` compares records so).
+
+        Handles of one pool over the same blocks are equal without reading; a dead handle
+        equals only itself.
+        """
+        if not isinstance(other, KVHandle):
+            return NotImplemented
+        if self is other:
+            return True
+        if not (self.alive and other.alive) or self.tokens != other.tokens:
+            return False
+        if self.pool is other.pool and self.blocks == other.blocks:
+            return True
+        return tree_equal(self.read(), other.read())
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and holds no hashable value
+
+    @property
+    def alive(self) -> bool:
+        """Whether the handle still holds its blocks (False once its step was rolled back)."""
+        return self._lease.alive
+
+    def read(self) -> torch.Tensor:
+        """The handle's tokens, gathered into a new tensor ``(tokens, *token_shape)``.
+
+        Raises:
+            StaleKVHandleError: if the handle was made by a step that was rolled back.
+
+        >>> import torch
+        >>> pool = KVPool(2, block_tokens=2, token_shape=())
+        >>> pool.append(pool.empty(), torch.arange(3.0)).read()
+        tensor([0., 1., 2.])
+        """
+        return self.pool.read(self)
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes of the handle's blocks on the pool's device (``{}`` when it holds none).
+
+        >>> KVPool(2, block_tokens=2, token_shape=()).empty().nbytes_by_device()
+        {}
+        """
+        out: dict[str, int] = {}
+        for device, _, _, nbytes, _ in self.__sessionstate_storage_entries__():
+            out[device] = out.get(device, 0) + nbytes
+        return out
+
+    def __sessionstate_storage_entries__(self) -> list[StorageEntry]:
+        """One storage entry per block held, keyed by (pool, block); none once dead."""
+        if not self._lease.alive:
+            return []
+        return self.pool._entries(self.blocks)
+
+
+class KVPool:
+    """A preallocated tensor of ``num_blocks`` KV blocks on one device, with a free list.
+
+    Every block holds ``block_tokens`` tokens of shape ``token_shape``. Blocks are handed out
+    lowest id first. The pool is safe to use from several threads.
+
+    Args:
+        num_blocks: Blocks in the pool.
+        block_tokens: Tokens per block.
+        token_shape: The shape of one token's KV (e.g. ``(layers, 2, heads, head_dim)``).
+        dtype: The KV dtype.
+        device: Where the pool lives; ``meta`` counts bytes without allocating.
+        name: A name for messages.
+
+    Raises:
+        ValueError: for a non-positive ``num_blocks`` or ``block_tokens``.
+
+    >>> import torch
+    >>> pool = KVPool(8, block_tokens=4, token_shape=(2,), name="kv")
+    >>> a = pool.append(pool.empty(), torch.zeros(6, 2))
+    >>> b = pool.append(a, torch.ones(1, 2))  # fills block 1 further: a still reads 6 tokens
+    >>> a.read().shape[0], b.read().shape[0], pool.free_blocks
+    (6, 7, 6)
+    >>> del a, b
+    >>> pool.free_blocks
+    8
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        block_tokens: int,
+        token_shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        name: str = "kv_pool",
+    ) -> None:
+        for arg, value in (("num_blocks", num_blocks), ("block_tokens", block_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                msg = f"`{arg}` must be a positive int, got {value!r} ({type(value).__name__})."
+                raise ValueError(msg)
+        self.name = name
+        self.block_tokens = block_tokens
+        self.token_shape = tuple(int(n) for n in token_shape)
+        self.storage = torch.zeros(
+            (num_blocks, block_tokens, *self.token_shape), dtype=dtype, device=device
+        )
+        untyped = self.storage.untyped_storage()
+        self._device = str(self.storage.device)
+        self._key = untyped._cdata
+        self._base = virtual_address(untyped)
+        self.block_nbytes = untyped.nbytes() // num_blocks
+        self._free = list(range(num_blocks))  # a heap: lowest id first
+        self._refs = [0] * num_blocks
+        self._filled = [0] * num_blocks  # tokens written into each block so far
+        self._lock = threading.RLock()
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool({self.name!r}, blocks={self.num_blocks}, free={self.free_blocks}, "
+            f"block_tokens={self.block_tokens}, token_shape={self.token_shape}, "
+            f"device={self._device!r})"
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool.
+
+        >>> KVPool(3, block_tokens=1, token_shape=()).num_blocks
+        3
+        """
+        return len(self._refs)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks on the free list (held by no live handle).
+
+        >>> KVPool(3, block_tokens=1, token_shape=()).free_blocks
+        3
+        """
+        with self._lock:
+            return len(self._free)
+
+    def empty(self) -> KVHandle:
+        """A handle with no tokens (a fresh cache, as a window or session starts).
+
+        >>> KVPool(1, block_tokens=1, token_shape=()).empty().tokens
+        0
+        """
+        return self._handle((), 0)
+
+    def append(
+        self, handle: KVHandle, kv: torch.Tensor, /, *, window: int | None = None
+    ) -> KVHandle:
+        """A new handle: ``handle``'s tokens followed by ``kv`` ``(n, *token_shape)``.
+
+        ``handle`` is left valid and unchanged. With ``window``, leading blocks that hold only
+        tokens older than the newest ``window`` are left out of the new handle (a sliding
+        window at block granularity).
+
+        Raises:
+            KVPoolExhaustedError: if the pool has no free block for the new tokens.
+            ValueError: for a handle of another pool or ``kv`` of the wrong shape.
+            StaleKVHandleError: for a handle whose step was rolled back.
+
+        >>> import torch
+        >>> pool = KVPool(4, block_tokens=2, token_shape=())
+        >>> h = pool.append(pool.empty(), torch.arange(5.0), window=2)
+        >>> h.blocks, h.tokens, h.read()
+        ((1, 2), 3, tensor([2., 3., 4.]))
+        """
+        self._check(handle, "append to")
+        if tuple(kv.shape[1:]) != self.token_shape:
+            msg = (
+                f"KV pool {self.name!r} stores tokens of shape {self.token_shape}, got a `kv` "
+                f"of shape {tuple(kv.shape)}; pass a tensor of shape (n, *{self.token_shape})."
+            )
+            raise ValueError(msg)
+        n, bt = int(kv.shape[0]), self.block_tokens
+        with self._lock:
+            blocks = list(handle.blocks)
+            tokens = handle.tokens
+            fresh: list[int] = []  # taken here, referenced by no handle yet
+            try:
+                written = 0
+                while written < n:
+                    offset = tokens % bt
+                    if offset == 0:
+                        blocks.append(self._allocate(fresh))
+                    elif self._filled[blocks[-1]] != offset:
+                        # Another branch wrote past this handle's end: copy the block's prefix.
+                        old = blocks[-1]
+                        blocks[-1] = self._allocate(fresh)
+                        self.storage[blocks[-1], :offset].copy_(self.storage[old, :offset])
+                        self._set_filled(blocks[-1], offset)
+                    take = min(bt - offset, n - written)
+                    end = offset + take
+                    self.storage[blocks[-1], offset:end].copy_(kv[written : written + take])
+                    self._set_filled(blocks[-1], end)
+                    written += take
+                    tokens += take
+                if window is not None:
+                    while blocks and tokens - bt >= window:
+                        blocks.pop(0)
+                        tokens -= bt
+                new = self._handle(tuple(blocks), tokens)
+            finally:
+                for block in fresh:  # taken but left out (or failed): back to the free list
+                    if self._refs[block] == 0:
+                        self._filled[block] = 0
+                        heapq.heappush(self._free, block)
+            return new
+
+    def adopt(self, handle: KVHandle, /) -> KVHandle:
+        """``handle`` if it is of this pool, else this pool's handle to a copy of its tokens.
+
+        A record made by another pipeline (another pool) continues here with the same KV.
+
+        >>> import torch
+        >>> a = KVPool(2, block_tokens=2, token_shape=())
+        >>> b = KVPool(2, block_tokens=2, token_shape=())
+        >>> h = a.append(a.empty(), torch.arange(3.0))
+        >>> copy = b.adopt(h)
+        >>> copy.pool is b, copy == h, b.adopt(copy) is copy
+        (True, True, True)
+        """
+        if isinstance(handle, KVHandle) and handle.pool is self:
+            return handle
+        if not isinstance(handle, KVHandle):
+            self._check(handle, "adopt")
+        return self.append(self.empty(), handle.read())
+
+    def read(self, handle: KVHandle, /) -> torch.Tensor:
+        """``handle``'s tokens gathered into a new tensor ``(tokens, *token_shape)``.
+
+        Raises:
+            StaleKVHandleError: for a handle whose step was rolled back.
+
+        >>> import torch
+        >>> pool = KVPool(1, block_tokens=2, token_shape=())
+        >>> pool.read(pool.empty()).shape
+        torch.Size([0])
+        """
+        self._check(handle, "read")
+        if not handle.blocks:
+            return self.storage.new_empty((0, *self.token_shape))
+        gathered = torch.cat([self.storage[b] for b in handle.blocks])
+        return gathered[: handle.tokens]
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo everything done inside the block on this thread if it raises.
+
+        Blocks taken are returned, writes past handles' ends are forgotten, and handles made
+        inside are dead (`KVHandle.alive` is False; reading one raises). Nested transactions
+        roll back with the outermost.
+
+        >>> import torch
+        >>> pool = KVPool(2, block_tokens=1, token_shape=())
+        >>> try:
+        ...     with pool.transaction():
+        ...         h = pool.append(pool.empty(), torch.zeros(2))
+        ...         raise RuntimeError("the step failed")
+        ... except RuntimeError:
+        ...     pass
+        >>> pool.free_blocks, h.alive
+        (2, False)
+        """
+        log = getattr(self._local, "log", None)
+        if log is not None:  # nested: the outermost transaction decides
+            yield
+            return
+        log = self._local.log = {"leases": [], "filled": {}}
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                for lease in reversed(log["leases"]):
+                    if lease.finalizer is not None:
+                        lease.finalizer()  # drops the handle's references, once
+                for block, filled in log["filled"].items():
+                    self._filled[block] = filled if self._refs[block] else 0
+            raise
+        finally:
+            self._local.log = None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check(self, handle: KVHandle, action: str) -> None:
+        if not isinstance(handle, KVHandle) or handle.pool is not self:
+            msg = (
+                f"Cannot {action} {handle!r} ({type(handle).__name__}) with KV pool "
+                f"{self.name!r}: it is not a handle of this pool. Use the handle stored in "
+                "this pipeline's session record."
+            )
+            raise ValueError(msg)
+        if not handle.alive:
+            msg = (
+                f"Cannot {action} {handle!r}: it was made by a step that failed and was rolled "
+                f"back, and its blocks went back to KV pool {self.name!r}. Use the handle of "
+                "the session's stored record."
+            )
+            raise StaleKVHandleError(msg)
+
+    def _allocate(self, fresh: list[int]) -> int:
+        # Caller holds the lock.
+        if not self._free:
+            msg = (
+                f"KV pool {self.name!r} has no free block: all {self.num_blocks} blocks of "
+                f"{self.block_tokens} tokens are held by live handles. Drop finished sessions "
+                "(or records you keep), or build the pool with more blocks."
+            )
+            raise KVPoolExhaustedError(msg)
+        block = heapq.heappop(self._free)
+        fresh.append(block)
+        self._set_filled(block, 0)
+        return block
+
+    def _set_filled(self, block: int, filled: int) -> None:
+        # Caller holds the lock.
+        log = getattr(self._local, "log", None)
+        if log is not None:
+            log["filled"].setdefault(block, self._filled[block])
+        self._filled[block] = filled
+
+    def _handle(self, blocks: tuple[int, ...], tokens: int) -> KVHandle:
+        lease = _Lease()
+        handle = KVHandle(self, blocks, tokens, lease=lease)
+        with self._lock:
+            for block in blocks:
+                self._refs[block] += 1
+        finalizer = weakref.finalize(handle, self._release, blocks)
+        finalizer.atexit = False
+        lease.finalizer = finalizer
+        log = getattr(self._local, "log", None)
+        if log is not None:
+            log["leases"].append(lease)
+        return handle
+
+    def _release(self, blocks: tuple[int, ...]) -> None:
+        with self._lock:
+            for block in blocks:
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    self._filled[block] = 0
+                    heapq.heappush(self._free, block)
+
+    def _entries(self, blocks: tuple[int, ...]) -> list[StorageEntry]:
+        size, base = self.block_nbytes, self._base
+        keepalive = self.storage
+        return [
+            (self._device, EngineBlock(self._key, b), base + b * size, size, keepalive)
+            for b in blocks
+        ]

@@ -1,0 +1,242 @@
+"""Plant known bugs in a copy of the package and check that the tests catch each one.
+
+Each mutant is an exact text substitution in a temporary copy of ``src/``. The tests that
+should catch it run against that copy (``PYTHONPATH`` points at it); a mutant is *killed*
+when they fail, and *survives* when they pass. An anchor text that is not found exactly once
+stops the run before any test runs, so a mutant cannot silently stop applying: update the
+anchor to the current code.
+
+    python tools/mutants.py                 # every mutant, each against its own tests
+    python tools/mutants.py lock-removed    # one mutant
+    python tools/mutants.py --full          # every mutant against all of tests/
+    python tools/mutants.py --list          # the mutants and their tests
+
+Exit status: 0 when every mutant was killed, 1 when one survived, 2 when a mutant could not
+be applied or its tests could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    description: str
+    path: str  # relative to src/
+    substitutions: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]  # relative to the repository root
+
+
+MUTANTS = (
+    Mutant(
+        "lock-removed",
+        "the manager's lock is a no-op",
+        "sessionstate/_manager.py",
+        (
+            (
+                "self._lock = threading.RLock()",
+                'self._lock = __import__("contextlib").nullcontext()',
+            ),
+        ),
+        ("tests/test_manager_threads.py",),
+    ),
+    Mutant(
+        "tree-equal-allclose",
+        "tree_equal compares floating tensors with allclose",
+        "sessionstate/_tree.py",
+        (
+            (
+                "    return torch.equal(_bits(x), _bits(y))",
+                "    if x.is_floating_point():\n"
+                "        return bool(torch.allclose(x, y, equal_nan=True))\n"
+                "    return torch.equal(_bits(x), _bits(y))",
+            ),
+        ),
+        ("tests/test_tree_bitwise.py",),
+    ),
+    Mutant(
+        "put-stores-before-validating",
+        "put stores the record before checking it",
+        "sessionstate/_manager.py",
+        (
+            (
+                "        _check_state(state, session_id)\n",
+                "        self._table[session_id] = state\n"
+                "        _check_state(state, session_id)\n",
+            ),
+        ),
+        ("tests/test_manager.py",),
+    ),
+    Mutant(
+        "ring-keeps-one-too-many",
+        "a ring of maxlen k keeps k + 1 chunks",
+        "sessionstate/_objects.py",
+        (
+            (
+                "if self.maxlen is not None and len(chunks) > self.maxlen:\n"
+                "            chunks = chunks[len(chunks) - self.maxlen :]",
+                "if self.maxlen is not None and len(chunks) > self.maxlen + 1:\n"
+                "            chunks = chunks[len(chunks) - self.maxlen - 1 :]",
+            ),
+            (
+                "if self.maxlen is not None and len(self.chunks) > self.maxlen:",
+                "if self.maxlen is not None and len(self.chunks) > self.maxlen + 1:",
+            ),
+        ),
+        ("tests/test_objects_stateful.py", "tests/test_objects.py"),
+    ),
+    Mutant(
+        "nbytes-by-numel",
+        "a tensor counts numel * element_size, not its storage",
+        "sessionstate/_accounting.py",
+        (
+            (
+                "yield device, storage._cdata, storage.data_ptr(), storage.nbytes(), storage",
+                "yield device, storage._cdata, storage.data_ptr(), "
+                "t.numel() * t.element_size(), storage",
+            ),
+        ),
+        ("tests/test_manager_stateful.py", "tests/test_manager_threads.py"),
+    ),
+    Mutant(
+        "dedup-by-data-pointer",
+        "storages are told apart by data pointer only",
+        "sessionstate/_accounting.py",
+        (
+            (
+                "yield device, storage._cdata, storage.data_ptr(), storage.nbytes(), storage",
+                "yield device, storage.data_ptr(), storage.data_ptr(), storage.nbytes(), storage",
+            ),
+        ),
+        ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
+    ),
+)
+
+
+class MutantError(Exception):
+    """A mutant cannot be applied, or its tests would not see it."""
+
+
+def _copy_source(dest: Path) -> Path:
+    src = dest / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return src
+
+
+def _apply(mutant: Mutant, src: Path) -> None:
+    target = src / mutant.path
+    text = target.read_text()
+    for old, new in mutant.substitutions:
+        count = text.count(old)
+        if count != 1:
+            found = "not found" if count == 0 else f"found {count} times"
+            msg = (
+                f"Mutant {mutant.name!r}: the anchor text is {found} in src/{mutant.path} "
+                f"(it must occur exactly once):\n{old}\nUpdate the anchor in tools/mutants.py "
+                "to the current code."
+            )
+            raise MutantError(msg)
+        text = text.replace(old, new)
+    target.write_text(text)
+
+
+def _pytest(src: Path, tests: tuple[str, ...], *, stop_early: bool) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import sessionstate; print(sessionstate.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(where).is_relative_to(src):
+        msg = f"The tests would import sessionstate from {where}, not from {src}."
+        raise MutantError(msg)
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *tests]
+    if stop_early:
+        args.insert(4, "-x")
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode, lines[-1] if lines else proc.stderr.strip()[-300:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--full", action="store_true", help="run all of tests/ for each mutant")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip checking that the tests pass on the unmutated copy first",
+    )
+    args = parser.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"unknown mutants {unknown}; known: {sorted(known)}")
+    chosen = [known[n] for n in args.names] if args.names else list(MUTANTS)
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.description} ({m.path}); caught by {', '.join(m.tests)}")
+        return 0
+
+    try:
+        return _run(chosen, full=args.full, baseline=not args.no_baseline)
+    except MutantError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _run(chosen: list[Mutant], *, full: bool, baseline: bool) -> int:
+    with tempfile.TemporaryDirectory(prefix="sessionstate-mutants-") as tmp:
+        # Every anchor is checked before any test runs.
+        for m in chosen:
+            _apply(m, _copy_source(Path(tmp) / f"check-{m.name}"))
+
+        def tests_of(m: Mutant) -> tuple[str, ...]:
+            return ("tests",) if full else m.tests
+
+        if baseline:
+            unmutated = tuple(dict.fromkeys(t for m in chosen for t in tests_of(m)))
+            src = _copy_source(Path(tmp) / "baseline")
+            code, summary = _pytest(src, unmutated, stop_early=True)
+            print(f"baseline (no mutant): {summary}", flush=True)
+            if code != 0:
+                print("The tests fail without a mutant; fix them first.")
+                return 2
+
+        results: dict[str, str] = {}
+        for m in chosen:
+            src = _copy_source(Path(tmp) / m.name)
+            _apply(m, src)
+            code, summary = _pytest(src, tests_of(m), stop_early=True)
+            verdict = {0: "SURVIVED", 1: "killed"}.get(code, f"ERROR (pytest exit {code})")
+            results[m.name] = verdict
+            print(f"{verdict:<9} {m.name}: {m.description} [{summary}]", flush=True)
+
+    survivors = [n for n, v in results.items() if v == "SURVIVED"]
+    errors = [n for n, v in results.items() if v not in ("killed", "SURVIVED")]
+    print(
+        f"{len(results) - len(survivors) - len(errors)} killed, {len(survivors)} survived"
+        + (f": {', '.join(survivors)}" if survivors else "")
+        + (f"; {len(errors)} could not run: {', '.join(errors)}" if errors else "")
+    )
+    if errors:
+        return 2
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
