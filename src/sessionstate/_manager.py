@@ -25,6 +25,7 @@ from sessionstate._errors import (
     ParkingError,
     SessionAdmissionError,
     SessionStateLostError,
+    UnsupportedTensorError,
 )
 from sessionstate._ledger import Ledger, parse_nbytes
 from sessionstate._objects import ParkedObject
@@ -682,13 +683,19 @@ class SessionStateManager:
         # that changed are walked.
         held = self._values.get(session_id, {})
         out: _Values = {}
-        for key, value in _value_items(state):
-            item = held.get(key)
-            out[key] = (
-                item
-                if item is not None and item[0] is value
-                else (value, _distinct_storages(value))
-            )
+        try:
+            for key, value in _value_items(state):
+                item = held.get(key)
+                out[key] = (
+                    item
+                    if item is not None and item[0] is value
+                    else (value, _distinct_storages(value))
+                )
+        except UnsupportedTensorError:
+            # Walked value by value, the error lacks the key path inside the session: walk the
+            # whole record once more so the error names it.
+            storage_entries(state)
+            raise
         return out
 
     def _set_values(self, session_id: Hashable, values: _Values) -> _Values:
