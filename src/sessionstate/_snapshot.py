@@ -385,11 +385,8 @@ def register_snapshot_leaf(cls: _T, /) -> _T:
     >>> loads_state(dumps_state({"o": Offset(torch.ones(2))}))["o"].t
     tensor([1., 1.])
     """
-    missing = [
-        name
-        for name in ("__sessionstate_snapshot__", "__sessionstate_restore__")
-        if not callable(getattr(cls, name, None))
-    ]
+    methods = ("__sessionstate_snapshot__", "__sessionstate_restore__")
+    missing = [m for m in methods if not isinstance(cls, type) or not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
         msg = (
             f"Cannot register {cls!r} ({type(cls).__name__}) as a snapshot leaf: it must be a "
