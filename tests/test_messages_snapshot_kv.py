@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sessionstate import (
+    KVHandle,
     KVPool,
     SessionState,
     SnapshotError,
@@ -43,16 +44,22 @@ def _snapshot() -> bytes:
 
 def test_a_rolled_back_handle_is_refused_at_save() -> None:
     pool = KVPool(2, block_tokens=2, token_shape=(), name="kv")
-    with pytest.raises(RuntimeError, match="step failed"), pool.transaction():
-        dead = pool.append(pool.empty(), torch.zeros(3))
-        raise RuntimeError("step failed")
+    dead: list[KVHandle] = []
+
+    def failing_step() -> None:
+        with pool.transaction():
+            dead.append(pool.append(pool.empty(), torch.zeros(3)))
+            raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        failing_step()
     msg = (
         "Cannot snapshot the leaf at `attrs['kv']`: KVHandle(pool='kv', blocks=(0, 1), "
         "tokens=3) was made by a step that failed and was rolled back, so its blocks went back "
         "to KV pool 'kv'. Snapshot the session's stored record instead."
     )
     with pytest.raises(StaleKVHandleError, match=re.escape(msg)):
-        dumps_state(SessionState(attrs={"kv": dead}))
+        dumps_state(SessionState(attrs={"kv": dead[0]}))
 
 
 def test_registering_a_class_without_the_methods() -> None:

@@ -131,7 +131,8 @@ def test_empty_and_windowed_handles_round_trip() -> None:
     state = {"empty": pool.empty(), "windowed": windowed, "none": None}
     loaded = loads_state(dumps_state(state))
     assert tree_equal(loaded, state)
-    assert loaded["empty"].tokens == 0 and loaded["empty"].nbytes_by_device() == {}
+    assert loaded["empty"].tokens == 0
+    assert loaded["empty"].nbytes_by_device() == {}
     assert loaded["windowed"].blocks == (0, 1)
     assert ss.nbytes_by_device(loaded) == ss.nbytes_by_device(state)
 
@@ -155,9 +156,9 @@ def test_a_pipeline_pool_adopts_a_loaded_handle() -> None:
     adopted = engine.adopt(loaded)
     assert adopted.pool is engine
     assert adopted == handle
-    assert torch.equal(engine.append(adopted, _tokens(2, 1)).read(), torch.cat(
-        [handle.read(), _tokens(2, 1)]
-    ))
+    assert torch.equal(
+        engine.append(adopted, _tokens(2, 1)).read(), torch.cat([handle.read(), _tokens(2, 1)])
+    )
 
 
 def test_inspect_counts_a_handles_blocks(tmp_path: Path) -> None:

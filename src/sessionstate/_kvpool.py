@@ -495,7 +495,10 @@ class KVPool:
         )
         if not ok:
             raise ValueError(f"pool {i} is not a valid saved KV pool: {saved!r:.120}")
-        assert isinstance(data, torch.Tensor) and isinstance(name, str) and isinstance(bt, int)
+        assert isinstance(data, torch.Tensor)
+        assert isinstance(shape, list)
+        assert isinstance(name, str)
+        assert isinstance(bt, int)
         n = int(data.shape[0])
         pool = cls(
             max(n, 1),

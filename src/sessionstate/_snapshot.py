@@ -386,7 +386,9 @@ def register_snapshot_leaf(cls: _T, /) -> _T:
     tensor([1., 1.])
     """
     methods = ("__sessionstate_snapshot__", "__sessionstate_restore__")
-    missing = [m for m in methods if not isinstance(cls, type) or not callable(getattr(cls, m, None))]
+    missing = [
+        m for m in methods if not isinstance(cls, type) or not callable(getattr(cls, m, None))
+    ]
     if not isinstance(cls, type) or missing:
         msg = (
             f"Cannot register {cls!r} ({type(cls).__name__}) as a snapshot leaf: it must be a "
@@ -443,7 +445,8 @@ class _Encoder:
         out: dict[str, Any] = {}
         for cls, leaves in self.leaves.items():
             name = record_name(cls)
-            payload = cls.__sessionstate_snapshot__(list(leaves))
+            encode: Any = cls.__sessionstate_snapshot__  # type: ignore[attr-defined]
+            payload = encode(list(leaves))
             out[name] = self.node(payload, f"<{name}>")
         return out
 
@@ -926,7 +929,8 @@ class _Decoder:
             )
         payload = self.node(self.payloads[name], f"<{name}>")
         try:
-            restored = list(cls.__sessionstate_restore__(payload))
+            decode: Any = cls.__sessionstate_restore__  # type: ignore[attr-defined]
+            restored = list(decode(payload))
         except (TypeError, ValueError) as exc:
             raise _fail(
                 self.source,
@@ -1158,7 +1162,7 @@ def _view_indices(node: Any, leaves: Mapping[str, Any] | None = None) -> list[in
     if kind == "record":
         return [i for child in node["fields"].values() for i in _view_indices(child, leaves)]
     if kind == "leaf" and leaves:  # every storage its class's payload holds
-        return _view_indices(leaves.get(node.get("class")), None)
+        return _view_indices(leaves.get(str(node.get("class"))), None)
     return []
 
 

@@ -20,11 +20,13 @@ def test_manager_restore_continues_bit_identically(tmp_path: Path) -> None:
     obs = observations(cfg, STEPS, seed=3)
     reference = DreamZeroPipeline(cfg, environ={ss.ENV_ENABLE: "1"})
     restored = DreamZeroPipeline(cfg, environ={ss.ENV_ENABLE: "1"})
-    assert reference.manager is not None and restored.manager is not None
+    assert reference.manager is not None
+    assert restored.manager is not None
     outputs = [reference.forward(o, "s") for o in obs[:AT]]
     saved = reference.manager.peek("s")
     assert isinstance(saved, DreamZeroSession)
-    assert isinstance(saved.kv_cache, KVHandle) and saved.kv_cache.tokens > 0
+    assert isinstance(saved.kv_cache, KVHandle)
+    assert saved.kv_cache.tokens > 0
 
     path = tmp_path / "s.safetensors"
     reference.manager.snapshot("s", path)
@@ -39,7 +41,9 @@ def test_manager_restore_continues_bit_identically(tmp_path: Path) -> None:
         outputs.append(reference.forward(o, "s"))
         assert_same_output(restored.forward(o, "s"), outputs[i], f"step {i + 1}")
         a, b = restored.manager.peek("s"), reference.manager.peek("s")
-        assert isinstance(a, DreamZeroSession) and isinstance(b, DreamZeroSession)
-        assert a.kv_cache is not None and a.kv_cache.pool is restored.kv_pool  # adopted
+        assert isinstance(a, DreamZeroSession)
+        assert isinstance(b, DreamZeroSession)
+        assert a.kv_cache is not None
+        assert a.kv_cache.pool is restored.kv_pool
         assert ss.tree_equal(a, b)
         assert torch.equal(a.kv_cache.read(), b.kv_cache.read())  # type: ignore[union-attr]
