@@ -582,6 +582,7 @@ def save_state(
     Raises:
         UnsupportedTensorError: for a meta, sparse, nested or subclass tensor.
         TypeError: for a leaf that is neither a tensor nor a JSON value, naming its key path.
+        StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
 
     >>> import os, tempfile, torch
     >>> from sessionstate import SessionState, load_state, tree_equal
