@@ -110,11 +110,11 @@ def test_plain_safetensors_file(tmp_path: Path) -> None:
 
 def test_newer_format_version() -> None:
     def newer(doc: dict[str, Any]) -> None:
-        doc["format_version"] = 2
+        doc["format_version"] = 3
         doc["library_version"] = "9.0"
 
     msg = (
-        "Snapshot (bytes) uses snapshot format version 2, newer than this library reads (1; it "
+        "Snapshot (bytes) uses snapshot format version 3, newer than this library reads (2; it "
         "was written by sessionstate 9.0); upgrade sessionstate to load it."
     )
     with pytest.raises(SnapshotError, match=re.escape(msg)):

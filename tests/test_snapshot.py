@@ -192,7 +192,7 @@ def test_file_opens_with_plain_safetensors(tmp_path: Path) -> None:
         assert sorted(f.keys()) == ["storage.0", "storage.1"]
         document = json.loads(f.metadata()["sessionstate"])
         stored = [f.get_tensor(f"storage.{i}") for i in range(2)]
-    assert document["format_version"] == ss._snapshot.FORMAT_VERSION
+    assert document["format_version"] == 1  # no leaf saved by its class: older readers read it
     assert document["library_version"] == ss.__version__
     assert document["torch_version"] == torch.__version__
     assert document["metadata"] == {"who": "test"}

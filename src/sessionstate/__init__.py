@@ -45,7 +45,13 @@ from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
 from sessionstate._movers import to_device
 from sessionstate._objects import LatentBuffer, ParkedObject, StateObject, TensorCache
 from sessionstate._session import SessionAttr, SessionState
-from sessionstate._snapshot import dumps_state, load_state, loads_state, save_state
+from sessionstate._snapshot import (
+    dumps_state,
+    load_state,
+    loads_state,
+    register_snapshot_leaf,
+    save_state,
+)
 from sessionstate._staging import StagedStateObject
 from sessionstate._tree import (
     NAMESPACE,
@@ -110,6 +116,7 @@ __all__ = [
     "parse_env_flag",
     "record",
     "register_record",
+    "register_snapshot_leaf",
     "resolve_session_state_config",
     "save_state",
     "static_field",

@@ -13,6 +13,12 @@ run), and only classes registered as records in this process are used. The one i
 loader may make is of a module under ``sessionstate.`` named in the file (the library's own
 models); any other record class must have been imported by the caller first.
 
+A leaf that is neither a tensor nor a JSON value (an engine's handle to memory it owns, such
+as a `KVHandle`) is saved by value when its class is registered with `register_snapshot_leaf`:
+the class turns all its leaves in one snapshot into one payload of tensors and JSON values,
+stored like the rest, and rebuilds them from it at load. Such a file is format version 2; a
+file without one stays version 1, which older libraries read.
+
 The storage walk (`collect_storages`) and the rebuild (`rebuild_views`) are the library's one
 way to move a record's bytes: whatever moves storages elsewhere and back uses them.
 """
@@ -50,13 +56,21 @@ __all__ = [
     "read_header",
     "rebuild_views",
     "record_name",
+    "register_snapshot_leaf",
+    "resolve_leaf_class",
     "resolve_record",
     "save_state",
     "storage_bytes",
 ]
 
-FORMAT_VERSION = 1
-"""The snapshot format this library writes; it reads this version and older ones."""
+FORMAT_VERSION = 2
+"""The newest snapshot format this library writes; it reads this version and older ones.
+
+Version 2 adds leaves saved by a registered class (`register_snapshot_leaf`); a snapshot
+without one is written as version 1.
+"""
+
+_PLAIN_FORMAT_VERSION = 1
 
 METADATA_KEY = "sessionstate"
 """The safetensors metadata key holding the snapshot's JSON document."""
@@ -329,6 +343,90 @@ def resolve_record(name: str, /) -> type | None:
     return _registered_records().get(name)
 
 
+# -- leaves saved by their class ------------------------------------------------------------------
+
+_LEAF_CLASSES: dict[str, type] = {}
+
+_T = TypeVar("_T", bound=type)
+
+
+def register_snapshot_leaf(cls: _T, /) -> _T:
+    """Let snapshots hold leaves of ``cls``, saved by value through two class methods.
+
+    A snapshot holds tensors, JSON values and records. A leaf of another class (an engine's
+    handle to memory it owns, such as a `KVHandle`) joins them when its class defines:
+
+    - ``__sessionstate_snapshot__(leaves)``: given every ``(key path, leaf)`` of the class in
+      one snapshot, in tree order, one *payload* of tensors, JSON values, tuples, lists and
+      dicts describing them all (leaves sharing memory can store it once). Its tensors are
+      stored like any other (one storage each, with a CRC-32);
+    - ``__sessionstate_restore__(payload)``: the leaves rebuilt from the payload as loaded,
+      in the same order; raise ``ValueError`` or ``TypeError`` for a payload it refuses.
+
+    A loader restores leaves only of classes registered in this process under their
+    ``module:qualname`` (it may import a module under ``sessionstate.`` named in the file, as
+    for records). Nothing is unpickled. Usable as a class decorator.
+
+    Raises:
+        TypeError: if ``cls`` is not a class defining both methods.
+
+    >>> import torch
+    >>> from sessionstate import dumps_state, loads_state
+    >>> @register_snapshot_leaf
+    ... class Offset:
+    ...     def __init__(self, t):
+    ...         self.t = t
+    ...     @classmethod
+    ...     def __sessionstate_snapshot__(cls, leaves):
+    ...         return [leaf.t for _, leaf in leaves]
+    ...     @classmethod
+    ...     def __sessionstate_restore__(cls, payload):
+    ...         return [cls(t) for t in payload]
+    >>> loads_state(dumps_state({"o": Offset(torch.ones(2))}))["o"].t
+    tensor([1., 1.])
+    """
+    methods = ("__sessionstate_snapshot__", "__sessionstate_restore__")
+    missing = [
+        m for m in methods if not isinstance(cls, type) or not callable(getattr(cls, m, None))
+    ]
+    if not isinstance(cls, type) or missing:
+        msg = (
+            f"Cannot register {cls!r} ({type(cls).__name__}) as a snapshot leaf: it must be a "
+            f"class defining the class methods {' and '.join(f'`{m}`' for m in missing)}; "
+            "define them (see `register_snapshot_leaf`) or keep its values out of snapshots."
+        )
+        raise TypeError(msg)
+    _LEAF_CLASSES[record_name(cls)] = cls
+    return cls
+
+
+def _is_snapshot_leaf(cls: type) -> bool:
+    return _LEAF_CLASSES.get(record_name(cls)) is cls
+
+
+def resolve_leaf_class(name: str, /) -> type | None:
+    """The class registered with `register_snapshot_leaf` under ``name``, or None.
+
+    As `resolve_record`: a module under ``sessionstate.`` may be imported once; no other is.
+
+    >>> resolve_leaf_class("sessionstate._kvpool:KVHandle").__name__
+    'KVHandle'
+    >>> resolve_leaf_class("os:system") is None
+    True
+    """
+    found = _LEAF_CLASSES.get(name)
+    if found is not None:
+        return found
+    module, _, _ = name.partition(":")
+    if not module.startswith(_IMPORTABLE_PREFIX):
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return None
+    return _LEAF_CLASSES.get(name)
+
+
 # -- encoding -------------------------------------------------------------------------------------
 
 
@@ -336,6 +434,21 @@ class _Encoder:
     def __init__(self) -> None:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._index: dict[int, int] = {}
+        # Leaves saved by their class: per class, (key path, leaf) in tree order.
+        self.leaves: dict[type, list[tuple[str, Any]]] = {}
+        self._leaf_index: dict[int, int] = {}
+        self.sealed = False
+
+    def payloads(self) -> dict[str, Any]:
+        """Each registered leaf class's payload, encoded (after the whole tree is walked)."""
+        self.sealed = True
+        out: dict[str, Any] = {}
+        for cls, leaves in self.leaves.items():
+            name = record_name(cls)
+            encode: Any = cls.__sessionstate_snapshot__  # type: ignore[attr-defined]
+            payload = encode(list(leaves))
+            out[name] = self.node(payload, f"<{name}>")
+        return out
 
     def node(self, value: Any, key: str, *, statics: bool = False) -> Any:
         if value is None:
@@ -367,6 +480,13 @@ class _Encoder:
             return {"type": "dict", "items": pairs}
         if _is_record(cls):
             return self.record(value, key)
+        if not statics and not self.sealed and _is_snapshot_leaf(cls):
+            i = self._leaf_index.get(id(value))
+            if i is None:
+                leaves = self.leaves.setdefault(cls, [])
+                i = self._leaf_index[id(value)] = len(leaves)
+                leaves.append((_root(key), value))
+            return {"type": "leaf", "class": record_name(cls), "index": i}
         what = "static field" if statics else "leaf"
         allowed = (
             "a JSON value (None, bool, int, float, str) or a tuple, list or dict of them"
@@ -415,6 +535,7 @@ def _encode(
                 raise TypeError(msg)
     encoder = _Encoder()
     tree = encoder.node(state, "")
+    leaves = encoder.payloads()
     storages, views = collect_storages(encoder.tensors)
     tensors: dict[str, torch.Tensor] = {}
     described = []
@@ -429,7 +550,7 @@ def _encode(
 
     document = {
         "format": "sessionstate.snapshot",
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if leaves else _PLAIN_FORMAT_VERSION,
         "library_version": sessionstate.__version__,
         "torch_version": torch.__version__,
         "metadata": dict(metadata or {}),
@@ -437,6 +558,8 @@ def _encode(
         "views": [v.to_json() for v in views],
         "tree": tree,
     }
+    if leaves:
+        document["leaves"] = leaves
     return tensors, {METADATA_KEY: json.dumps(document, separators=(",", ":"))}
 
 
@@ -459,6 +582,7 @@ def save_state(
     Raises:
         UnsupportedTensorError: for a meta, sparse, nested or subclass tensor.
         TypeError: for a leaf that is neither a tensor nor a JSON value, naming its key path.
+        StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
 
     >>> import os, tempfile, torch
     >>> from sessionstate import SessionState, load_state, tree_equal
@@ -672,7 +796,10 @@ def _load(
         storages.append(data.untyped_storage())
     views = [_view(source, i, v, storages) for i, v in enumerate(document.get("views", []))]
     tensors = rebuild_views(storages, views)
-    root = _Decoder(source, tensors).node(document.get("tree"), "")
+    leaves = document.get("leaves", {})
+    if not isinstance(leaves, dict):
+        raise _fail(source, f"has an invalid leaf section {leaves!r:.60}", "write it again")
+    root = _Decoder(source, tensors, leaves).node(document.get("tree"), "")
     if expect is not None and not isinstance(root, expect):
         raise _fail(
             source,
@@ -721,9 +848,13 @@ def _view(source: str, i: int, raw: Any, storages: Sequence[torch.UntypedStorage
 
 
 class _Decoder:
-    def __init__(self, source: str, tensors: list[torch.Tensor]) -> None:
+    def __init__(
+        self, source: str, tensors: list[torch.Tensor], leaves: Mapping[str, Any] | None = None
+    ) -> None:
         self.source = source
         self.tensors = tensors
+        self.payloads = dict(leaves or {})
+        self.restored: dict[str, list[Any]] = {}
 
     def bad(self, key: str, what: str) -> SnapshotError:
         return _fail(
@@ -771,7 +902,50 @@ class _Decoder:
             return out
         if kind == "record":
             return self.record(node, key)
+        if kind == "leaf":
+            return self.leaf(node, key)
         raise self.bad(key, f"unknown node type {kind!r}")
+
+    def leaf(self, node: dict[str, Any], key: str) -> Any:
+        name, i = node.get("class"), node.get("index")
+        if not isinstance(name, str) or name not in self.payloads:
+            raise self.bad(key, f"leaf of class {name!r:.60} without a payload")
+        restored = self.restored.get(name)
+        if restored is None:
+            restored = self.restored[name] = self.restore(name)
+        if type(i) is not int or not 0 <= i < len(restored):
+            raise self.bad(key, f"leaf index {i!r:.60} of class `{name}`")
+        return restored[i]
+
+    def restore(self, name: str) -> list[Any]:
+        cls = resolve_leaf_class(name)
+        if cls is None:
+            raise _fail(
+                self.source,
+                f"holds leaves of class `{name}`, which is not registered as a snapshot leaf in "
+                "this process",
+                "import the module that defines it before loading (only classes registered "
+                "with `register_snapshot_leaf` are rebuilt; a loader imports no module outside "
+                "`sessionstate`)",
+            )
+        payload = self.node(self.payloads[name], f"<{name}>")
+        try:
+            decode: Any = cls.__sessionstate_restore__  # type: ignore[attr-defined]
+            restored = list(decode(payload))
+        except (TypeError, ValueError) as exc:
+            raise _fail(
+                self.source,
+                f"holds `{cls.__qualname__}` leaves that their class refuses to restore "
+                f"({type(exc).__name__}: {exc})",
+                "load it with the library version that wrote it, or write it again",
+            ) from exc
+        if not all(isinstance(leaf, cls) for leaf in restored):
+            raise _fail(
+                self.source,
+                f"holds `{cls.__qualname__}` leaves that their class restored as other types",
+                "fix `__sessionstate_restore__` to return instances of its class",
+            )
+        return restored
 
     def record(self, node: dict[str, Any], key: str) -> Any:
         name = node.get("class")
@@ -924,11 +1098,12 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
     storages = document["storages"]
     views = document.get("views", [])
     tree = document.get("tree", {})
+    leaves = document.get("leaves", {})
     seen: set[int] = set()
 
     def row(name: str, bucket: str, node: Any) -> dict[str, Any]:
         nbytes: dict[str, int] = {}
-        indices = [views[i]["storage"] for i in _view_indices(node)]
+        indices = [views[i]["storage"] for i in _view_indices(node, leaves)]
         for s in indices:
             if s in seen:
                 continue
@@ -938,7 +1113,7 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
         return {
             "name": name,
             "bucket": bucket,
-            "structure": _structure(node, views),
+            "structure": _structure(node, views, leaves=leaves),
             "tensors": len(indices),
             "nbytes": nbytes,
         }
@@ -975,22 +1150,26 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
     }
 
 
-def _view_indices(node: Any) -> list[int]:
+def _view_indices(node: Any, leaves: Mapping[str, Any] | None = None) -> list[int]:
     if not isinstance(node, dict):
         return []
     kind = node.get("type")
     if kind == "tensor":
         return [node["view"]]
     if kind in ("tuple", "list"):
-        return [i for child in node["items"] for i in _view_indices(child)]
+        return [i for child in node["items"] for i in _view_indices(child, leaves)]
     if kind == "dict":
-        return [i for _, child in node["items"] for i in _view_indices(child)]
+        return [i for _, child in node["items"] for i in _view_indices(child, leaves)]
     if kind == "record":
-        return [i for child in node["fields"].values() for i in _view_indices(child)]
+        return [i for child in node["fields"].values() for i in _view_indices(child, leaves)]
+    if kind == "leaf" and leaves:  # every storage its class's payload holds
+        return _view_indices(leaves.get(str(node.get("class"))), None)
     return []
 
 
-def _structure(node: Any, views: Sequence[Any], depth: int = 1) -> str:
+def _structure(
+    node: Any, views: Sequence[Any], depth: int = 1, leaves: Mapping[str, Any] | None = None
+) -> str:
     kind = node.get("type") if isinstance(node, dict) else None
     if kind == "none":
         return "None"
@@ -1001,13 +1180,15 @@ def _structure(node: Any, views: Sequence[Any], depth: int = 1) -> str:
         return f"{view['dtype']}{list(view['shape'])}"
     if kind in ("tuple", "list"):
         items = node["items"]
-        tensors = len(_view_indices(node))
+        tensors = len(_view_indices(node, leaves))
         return f"{kind} of {len(items)}" + (f" ({tensors} tensors)" if tensors else "")
     if kind == "dict":
         return f"dict of {len(node['items'])}"
     if kind == "record":
         name = str(node["class"]).rpartition(":")[2]
         statics = ", ".join(f"{k}={_structure(v, views)}" for k, v in node["static"].items())
-        tensors = len(_view_indices(node))
+        tensors = len(_view_indices(node, leaves))
         return f"{name}({statics})" + (f" ({tensors} tensors)" if tensors and depth else "")
+    if kind == "leaf":
+        return str(node.get("class")).rpartition(":")[2]
     return "?"

@@ -748,8 +748,9 @@ def recount_nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
     that compares them with it can catch a counting bug: for each device, the size of the
     union of the address ranges ``[data_ptr, data_ptr + nbytes)`` of every storage that a
     tensor leaf's ``untyped_storage()`` reports (sparse tensors through their component
-    tensors). Storages without memory (every ``meta`` storage has data pointer 0) count
-    once per storage object. Non-tensor leaves count 0; devices holding nothing are absent.
+    tensors), and of the pool blocks each live `KVHandle` holds. Storages without memory
+    (every ``meta`` storage has data pointer 0) count once per storage object (a pool block
+    once per block). Other non-tensor leaves count 0; devices holding nothing are absent.
 
     Raises:
         TypeError: for a tensor subclass, a nested tensor, or another layout it cannot read.
@@ -760,10 +761,26 @@ def recount_nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
     >>> recount_nbytes_by_device({"a": x[2:], "b": x.view(2, 4), "m": meta})
     {'cpu': 32, 'meta': 12}
     """
+    from sessionstate._kvpool import KVHandle
+
     spans: dict[str, list[tuple[int, int]]] = {}
-    unaddressed: dict[str, dict[int, int]] = {}
+    unaddressed: dict[str, dict[object, int]] = {}
     keepalive: list[torch.UntypedStorage] = []  # no address is freed and reused mid-count
     for leaf in tree_leaves(tree):
+        if isinstance(leaf, KVHandle):
+            # Engine-owned: the blocks the handle holds, as slices of its pool's tensor.
+            if not leaf.alive:
+                continue
+            for b in leaf.blocks:
+                block = leaf.pool.storage[b]
+                keepalive.append(block.untyped_storage())
+                device, start = str(block.device), block.data_ptr()
+                size = block.numel() * block.element_size()
+                if start:
+                    spans.setdefault(device, []).append((start, start + size))
+                else:
+                    unaddressed.setdefault(device, {})[(block.untyped_storage()._cdata, b)] = size
+            continue
         if not isinstance(leaf, torch.Tensor):
             continue
         for part in _dense_parts(leaf):
