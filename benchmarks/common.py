@@ -156,6 +156,7 @@ def tiny_session(
     for _ in range(video_chunks):
         state = state.update_object("video_latents_across_time", commit(torch.zeros(1, 2, 2, 2, 2)))
     language, prompt_embeds = shared or (torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, 2))
+    state = state.update_object("vae_enc_feat_map", lambda c: c.commit(tiny_feat_map()))
     out = state.with_attrs(
         call_count=5,
         current_start_frame=9,
@@ -164,7 +165,6 @@ def tiny_session(
         language=language,
         prompt_embeds=prompt_embeds,
         vae_stream_initialized=True,
-        vae_enc_feat_map=tiny_feat_map(),
         vae_pending_body_frames=torch.zeros(1, 3, 2, 4, 4),
     )
     assert isinstance(out, DreamZeroSession)

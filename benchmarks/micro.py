@@ -223,7 +223,7 @@ def stats_fixture(count: int, sizes: Sizes) -> dict[str, Any]:
     stepped = [
         record.update_object(
             "video_latents_across_time", commit(torch.zeros(1, 2, 2, 2, 2))
-        ).with_attrs(vae_enc_feat_map=tiny_feat_map())
+        ).update_object("vae_enc_feat_map", lambda c: c.commit(tiny_feat_map()))
         for record in records
         if record is not None
     ]

@@ -45,6 +45,7 @@ import torch
 from sessionstate import (
     ENV_ENABLE,
     SessionState,
+    TensorCache,
     dumps_state,
     load_state,
     loads_state,
@@ -54,7 +55,7 @@ from sessionstate import (
     tree_leaves,
 )
 from sessionstate._snapshot import collect_storages, storage_bytes
-from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline, DreamZeroSession
 from sessionstate.models.dreamzero.episode import scripted_episode
 
 MIB = 1024 * 1024
@@ -71,8 +72,9 @@ def feature_cache_shapes(preset: str) -> list[tuple[int, ...] | None]:
     for sid, obs in scripted_episode(cfg, steps=5, sessions=1, seed=0, prompt_change_every=6):
         pipe.forward(obs, sid)
     state = pipe.manager.peek("session-0")
-    assert state is not None
-    feat_map = state.get_attr("vae_enc_feat_map")
+    assert isinstance(state, DreamZeroSession)
+    feat_map = state.vae_enc_feat_map
+    assert feat_map is not None
     return [None if t is None else tuple(t.shape) for t in feat_map]
 
 
@@ -86,7 +88,8 @@ def build_record(shapes: Sequence[tuple[int, ...] | None], scale: int, dtype: to
             continue
         scaled = (*shape[:-2], math.ceil(shape[-2] / scale), math.ceil(shape[-1] / scale))
         feat.append(torch.randn(scaled, generator=generator).to(dtype))
-    return SessionState(attrs={"vae_enc_feat_map": tuple(feat), "call_count": 5})
+    cache = TensorCache(name="vae_enc_feat_map").allocate().commit(tuple(feat))
+    return SessionState(objects={"vae_enc_feat_map": cache}, attrs={"call_count": 5})
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
