@@ -39,9 +39,18 @@ def decode_record(data: bytes, /) -> SessionState:
 
 
 def digest(data: bytes, /) -> str:
-    """The SHA-256 hex digest both ends of a migration compute over the same bytes.
+    """The digest both ends of a migration compute over the same snapshot bytes.
 
-    >>> digest(b"")[:8]
-    'e3b0c442'
+    It hashes the snapshot's header only (SHA-256): the header holds a checksum of every
+    storage, and `decode_record` verifies each storage against it, so bytes that decode and
+    carry the same header are the same record. Hashing the header keeps the acknowledgement
+    cheap for sessions of hundreds of MiB.
+
+    >>> from sessionstate import SessionState
+    >>> data = encode_record(SessionState(attrs={"step": 1}))
+    >>> digest(data) == digest(bytes(data)), len(digest(data))
+    (True, 64)
     """
-    return hashlib.sha256(data).hexdigest()
+    view = memoryview(data)
+    size = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
+    return hashlib.sha256(view[: 8 + size]).hexdigest()

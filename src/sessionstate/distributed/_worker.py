@@ -207,7 +207,8 @@ class SessionWorker:
                 "it. Ask the router which worker owns the session."
             )
             raise SessionStateLostError(msg)
-        data = encode_record(state)
+        # A record with parked objects travels resident: the bytes of its tier stay here.
+        data = encode_record(state.unpark())
         return data, digest(data)
 
     def import_session(self, session_id: str, data: bytes) -> ImportAck:
