@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from sessionstate._accounting import nbytes_by_device
+from sessionstate._checks import describe, is_int
 from sessionstate._errors import IncompleteStateError, MissingKeyError, NotAllocatedError
 from sessionstate._staging import StagedStateObject
 from sessionstate._tree import field, register_record, static_field
@@ -16,10 +17,6 @@ from sessionstate._tree import field, register_record, static_field
 __all__ = ["EncodeOnceKV", "KVPair"]
 
 _Layers = tuple[tuple["KVPair | None", ...], ...]
-
-
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
 
 
 def _check_tensor(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -96,7 +93,7 @@ def _check_branches(branches: object) -> tuple[str, ...]:
     )
     if not ok:
         msg = (
-            f"`branches` must be a non-empty tuple of distinct names, got {_describe(branches)}; "
+            f"`branches` must be a non-empty tuple of distinct names, got {describe(branches)}; "
             "e.g. `branches=('cond', 'uncond')` for classifier-free guidance."
         )
         raise ValueError(msg)
@@ -105,10 +102,10 @@ def _check_branches(branches: object) -> tuple[str, ...]:
 
 
 def _check_num_layers(num_layers: object) -> int:
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+    if not is_int(num_layers) or num_layers <= 0:
         msg = (
             f"`num_layers` must be a positive int (the transformer's layer count), got "
-            f"{_describe(num_layers)}."
+            f"{describe(num_layers)}."
         )
         raise ValueError(msg)
     return num_layers
@@ -438,21 +435,17 @@ class EncodeOnceKV(StagedStateObject):
     def _branch_index(self, branch: object) -> int:
         if branch not in self.branches:
             msg = (
-                f"EncodeOnceKV `{self.name}` has no branch {_describe(branch)}; its branches "
+                f"EncodeOnceKV `{self.name}` has no branch {describe(branch)}; its branches "
                 f"are {list(self.branches)}."
             )
             raise MissingKeyError(msg)
         return self.branches.index(branch)
 
     def _check_index(self, index: object) -> int:
-        if (
-            isinstance(index, bool)
-            or not isinstance(index, int)
-            or not 0 <= index < self.num_layers
-        ):
+        if not is_int(index) or not 0 <= index < self.num_layers:
             msg = (
                 f"EncodeOnceKV `{self.name}` has layers 0-{self.num_layers - 1}, got layer "
-                f"{_describe(index)}."
+                f"{describe(index)}."
             )
             raise IndexError(msg)
         return index

@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from sessionstate._accounting import nbytes_by_device
+from sessionstate._checks import describe, is_int
 from sessionstate._errors import NotAllocatedError, ParkedError
 from sessionstate._park import ParkedBytes, Tier, park_tree
 from sessionstate._tree import field, register_record, static_field
@@ -126,15 +127,11 @@ class StateObject(abc.ABC):
         return self
 
 
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
 def _check_dim(instance: object, attribute: attrs.Attribute[int], dim: object) -> None:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+    if not is_int(dim) or dim < 0:
         msg = (
             f"`dim` must be a non-negative int (the chunks' time dimension), got "
-            f"{_describe(dim)}; count it from the front, e.g. `dim=2` for (B, C, T, H, W)."
+            f"{describe(dim)}; count it from the front, e.g. `dim=2` for (B, C, T, H, W)."
         )
         raise ValueError(msg)
 
@@ -142,9 +139,9 @@ def _check_dim(instance: object, attribute: attrs.Attribute[int], dim: object) -
 def _check_maxlen(maxlen: object) -> int | None:
     if maxlen is None:
         return None
-    if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0:
+    if not is_int(maxlen) or maxlen <= 0:
         msg = (
-            f"`maxlen` must be a positive int or None, got {_describe(maxlen)}. "
+            f"`maxlen` must be a positive int or None, got {describe(maxlen)}. "
             "Use `maxlen=None` to keep every chunk, or `maxlen=k` for a ring of the last k."
         )
         raise ValueError(msg)
@@ -323,9 +320,9 @@ class LatentBuffer(StateObject):
         self._require_allocated("view")
         if last is None:
             return self.chunks
-        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+        if not is_int(last) or last < 0:
             msg = (
-                f"`last` must be a non-negative int or None, got {_describe(last)}; pass "
+                f"`last` must be a non-negative int or None, got {describe(last)}; pass "
                 "`last=None` for every retained chunk."
             )
             raise ValueError(msg)

@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 
+from sessionstate._checks import describe, is_int
 from sessionstate._errors import SnapshotError, UnsupportedTensorError
 from sessionstate._tree import NAMESPACE, PyTree
 
@@ -391,7 +392,7 @@ def register_snapshot_leaf(cls: _T, /) -> _T:
     ]
     if not isinstance(cls, type) or missing:
         msg = (
-            f"Cannot register {cls!r} ({type(cls).__name__}) as a snapshot leaf: it must be a "
+            f"Cannot register {describe(cls)} as a snapshot leaf: it must be a "
             f"class defining the class methods {' and '.join(f'`{m}`' for m in missing)}; "
             "define them (see `register_snapshot_leaf`) or keep its values out of snapshots."
         )
@@ -529,7 +530,7 @@ def _encode(
         for k, v in metadata.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 msg = (
-                    f"Snapshot `metadata` maps str to str, got {k!r} ({type(k).__name__}) -> "
+                    f"Snapshot `metadata` maps str to str, got {describe(k)} -> "
                     f"{v!r:.60} ({type(v).__name__}); convert the value with `str(...)`."
                 )
                 raise TypeError(msg)
@@ -716,7 +717,7 @@ def read_header(
             source, f"has a `{METADATA_KEY}` metadata entry that is not JSON", "write it again"
         ) from None
     version = document.get("format_version") if isinstance(document, dict) else None
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not is_int(version):
         raise _fail(source, f"has no valid `format_version` (got {version!r})", "write it again")
     if version > FORMAT_VERSION:
         writer = document.get("library_version", "unknown")
@@ -874,7 +875,7 @@ class _Decoder:
             return value
         if kind == "float":
             value = node.get("value")
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if is_int(value) or isinstance(value, float):
                 return float(value)
             if value in ("nan", "inf", "-inf"):
                 return float(value)

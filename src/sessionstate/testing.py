@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sessionstate._accounting import nbytes_by_device
+from sessionstate._checks import describe, is_int
 from sessionstate._errors import NotAllocatedError, SessionAdmissionError, SessionStateLostError
 from sessionstate._manager import OnFull, SessionStateManager
 from sessionstate._objects import LatentBuffer, StateObject
@@ -116,10 +117,6 @@ _DEFAULT_CAPS: st.SearchStrategy[int] = st.integers(1, 4)
 _DEFAULT_SESSION_IDS: st.SearchStrategy[str] = st.sampled_from(("a", "b", "c", "d", "e", "f"))
 
 
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
 def _fail(msg: str) -> NoReturn:
     # Contract checks raise explicitly rather than `assert`, so they survive `python -O`.
     raise AssertionError(msg)
@@ -134,15 +131,15 @@ def _expect_raises(exc_type: type[BaseException], action: str, fn: Callable[[], 
 
 
 def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        msg = f"`{name}` must be a positive int, got {_describe(value)}."
+    if not is_int(value) or value <= 0:
+        msg = f"`{name}` must be a positive int, got {describe(value)}."
         raise ValueError(msg)
     return value
 
 
 def _check_non_negative(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        msg = f"`{name}` must be a non-negative int, got {_describe(value)}."
+    if not is_int(value) or value < 0:
+        msg = f"`{name}` must be a non-negative int, got {describe(value)}."
         raise ValueError(msg)
     return value
 
@@ -152,7 +149,7 @@ def _check_choices(
 ) -> list[_T]:
     chosen = list(values)
     if not chosen:
-        msg = f"`{name}` must name at least one option, got {_describe(values)}."
+        msg = f"`{name}` must name at least one option, got {describe(values)}."
         raise ValueError(msg)
     if allowed is not None:
         unknown = [v for v in chosen if v not in allowed]
@@ -170,7 +167,7 @@ def _check_devices(devices: Sequence[str]) -> list[str]:
         except (RuntimeError, TypeError):
             msg = (
                 f"`devices` must hold device strings such as 'cpu', 'meta' or 'cuda:0', got "
-                f"{_describe(device)}."
+                f"{describe(device)}."
             )
             raise ValueError(msg) from None
     return chosen
@@ -511,10 +508,10 @@ def chunks(
     features = tuple(feature_shape)
     for side in features:
         _check_non_negative("feature_shape", side)
-    if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim <= len(features):
+    if not is_int(dim) or not 0 <= dim <= len(features):
         msg = (
             f"`dim` must be an int in 0..{len(features)} (a position in `feature_shape` "
-            f"{features}), got {_describe(dim)}."
+            f"{features}), got {describe(dim)}."
         )
         raise ValueError(msg)
     _check_devices([device])
@@ -1494,7 +1491,7 @@ def manager_contract_machine(
     if not isinstance(max_sessions, st.SearchStrategy):
         _check_positive("max_sessions", max_sessions)
     if on_full not in ("evict", "refuse"):
-        msg = f"`on_full` must be 'evict' or 'refuse', got {_describe(on_full)}."
+        msg = f"`on_full` must be 'evict' or 'refuse', got {describe(on_full)}."
         raise ValueError(msg)
 
     class Configured(ManagerContractMachine):

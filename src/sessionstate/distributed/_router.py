@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionStateLostError
 from sessionstate.distributed._worker import (
     ImportAck,
@@ -124,8 +125,8 @@ class Router:
     ) -> None:
         import ray
 
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
-            msg = f"`workers` must be a positive int, got {workers!r} ({type(workers).__name__})."
+        if not is_int(workers) or workers <= 0:
+            msg = f"`workers` must be a positive int, got {describe(workers)}."
             raise ValueError(msg)
         if not ray.is_initialized():
             msg = (
@@ -199,12 +200,10 @@ class Router:
         worker is lost, the session is restored on another worker from the latest one.
         Setting it before the session's first step places the session as usual.
         """
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every <= 0
-        ):
+        if every is not None and (not is_int(every) or every <= 0):
             msg = (
-                f"`every` must be a positive int or None, got {every!r} "
-                f"({type(every).__name__}) for session {session_id!r}."
+                f"`every` must be a positive int or None, got {describe(every)} "
+                f"for session {session_id!r}."
             )
             raise ValueError(msg)
         with self._lock:
@@ -383,7 +382,7 @@ class Router:
     def _check_worker(self, worker: str) -> str:
         if worker not in self._handles or worker in self._dead:
             msg = (
-                f"{worker!r} ({type(worker).__name__}) is not a live worker of this router; "
+                f"{describe(worker)} is not a live worker of this router; "
                 f"the live workers are {self.workers}."
             )
             raise ValueError(msg)
