@@ -12,6 +12,11 @@ import attrs
 
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionStateLostError
+from sessionstate.distributed._outcomes import (
+    MigrationError,
+    MigrationRecord,
+    SessionRestoredError,
+)
 from sessionstate.distributed._worker import (
     ImportAck,
     SessionPipeline,
@@ -21,40 +26,6 @@ from sessionstate.distributed._worker import (
 )
 
 __all__ = ["MigrationError", "MigrationRecord", "Router", "SessionRestoredError"]
-
-
-class MigrationError(RuntimeError):
-    """A migration failed; the source worker still owns the session, its record intact."""
-
-
-class SessionRestoredError(RuntimeError):
-    """The session's worker was lost; the session was restored elsewhere from its snapshot.
-
-    The call that raised did not run. ``steps_lost`` calls after the snapshot must be sent
-    again (zero when the session snapshots every step); ``steps_kept`` is where it resumes.
-    """
-
-    def __init__(
-        self, msg: str, *, session_id: Hashable, worker: str, restored_on: str, steps_lost: int,
-        steps_kept: int,
-    ) -> None:  # fmt: skip
-        super().__init__(msg)
-        self.session_id = session_id
-        self.worker = worker
-        self.restored_on = restored_on
-        self.steps_lost = steps_lost
-        self.steps_kept = steps_kept
-
-
-@attrs.frozen
-class MigrationRecord:
-    """One completed migration: which session moved where, how many bytes, how long it took."""
-
-    session_id: Hashable
-    source: str
-    destination: str
-    nbytes: int
-    seconds: float
 
 
 @attrs.define
