@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from sessionstate import LatentBuffer, SessionState, SessionStateManager, TensorCache, tree_leaves
+from sessionstate import (
+    DEFAULT_MAX_SESSIONS,
+    LatentBuffer,
+    SessionState,
+    SessionStateManager,
+    TensorCache,
+    tree_leaves,
+)
 
 _MIB = 1024 * 1024
 
@@ -149,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
         "torch": torch.__version__,
         "round_trip": [round_trip(mib, repeats) for mib in sizes],
-        "put_check": [put_check(n, repeats) for n in ([4] if args.smoke else [4, 64])],
+        "put_check": [
+            put_check(n, repeats) for n in ([4] if args.smoke else [4, DEFAULT_MAX_SESSIONS])
+        ],
     }
     text = json.dumps(results, indent=2)
     print(text)

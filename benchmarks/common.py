@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sessionstate import ENV_ENABLE, LatentBuffer
+from sessionstate import DEFAULT_MAX_SESSIONS, ENV_ENABLE, LatentBuffer
 from sessionstate.models.dreamzero import DreamZeroConfig, new_session
 from sessionstate.models.dreamzero.state import DreamZeroSession
 
@@ -71,7 +71,7 @@ FULL = Sizes(
         "--inherit-environ",
         "PYTHONPATH",
     ),
-    stats_sessions=(1, 8, 64, 256),
+    stats_sessions=(1, 8, DEFAULT_MAX_SESSIONS, 256),
     stats_video_chunks=8,
     memory_steps=400,
     memory_samples=(1, 10, 50, 100, 200, 300, 400),
@@ -89,7 +89,7 @@ QUICK = Sizes(
     accumulate_chunks=(10, 40),
     # One process, one value of one loop: a smoke run, seconds.
     pyperf_args=("--in-process", "--debug-single-value"),
-    stats_sessions=(1, 8, 64, 256),
+    stats_sessions=(1, 8, DEFAULT_MAX_SESSIONS, 256),
     stats_video_chunks=8,
     memory_steps=6,
     memory_samples=(1, 3, 6),

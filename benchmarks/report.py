@@ -6,12 +6,14 @@ from typing import Any
 
 from common import MIB
 
+from sessionstate import DEFAULT_MAX_SESSIONS
+
 # Target thresholds.
 TARGET_STEP_GROWTH = 1.2
 TARGET_OVERHEAD_US = 30.0
 TARGET_RING_VS_FLOOR = 2.0
 TARGET_STATS_US_PER_LEAF = 0.3
-TARGET_STATS_SESSIONS = 64
+TARGET_STATS_SESSIONS = DEFAULT_MAX_SESSIONS  # stats() at a full manager
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -495,7 +495,8 @@ CORE_MESSAGES = {
     "_accounting.py": 2 + 4,
     "_config.py": 5 + 3 + 3 + 4 + 2,
     "_manager.py": 8 + 1 + 3 + 2 + 6,
-    "_objects.py": 11 + 1 + 3 + 3,
+    "_objects.py": 4 + 1 + 3 + 3,
+    "_chunk_checks.py": 7,  # LatentBuffer's checks, moved out of _objects.py
     "_session.py": 6 + 2,
     "_tree.py": 2,
     "_frozen.py": 2,

@@ -1,4 +1,4 @@
-"""The public surface: the fixed names of DESIGN section 2, `__all__`, and a light import."""
+"""The public surface: the names integrations rely on, `__all__`, and a light import."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import sessionstate as ss
 
-# DESIGN.md section 2: these names are the contract.
+# The names integrations import by name: a contract, never renamed.
 FIXED_NAMES = [
     "StateObject",
     "LatentBuffer",

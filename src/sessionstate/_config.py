@@ -12,6 +12,13 @@ from typing import Any, TypeVar
 import attrs
 import yaml
 
+from sessionstate._env import (
+    ENV_CHECK_IMMUTABLE,
+    ENV_ENABLE,
+    ENV_MAX_BYTES,
+    ENV_MAX_SESSIONS,
+    ENV_ON_FULL,
+)
 from sessionstate._errors import MissingKeyError
 from sessionstate._ledger import parse_nbytes
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull
@@ -28,12 +35,6 @@ __all__ = [
     "parse_env_flag",
     "resolve_session_state_config",
 ]
-
-ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
-ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
-ENV_CHECK_IMMUTABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE"
-ENV_MAX_BYTES = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES"
-ENV_ON_FULL = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL"
 
 _ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
 

@@ -58,7 +58,8 @@ class ImmutableRecordError(attrs.exceptions.FrozenInstanceError):
     """An assignment to a field of an immutable record (a `FrozenInstanceError`)."""
 
     def __init__(self, msg: str) -> None:
-        AttributeError.__init__(self, msg)
+        # attrs' constructor takes no message and sets a fixed one; replace it with ours.
+        super().__init__()
         self.msg = msg
         self.args = (msg,)
 

@@ -14,6 +14,7 @@ import bisect
 from collections.abc import Hashable, Iterable
 
 from sessionstate._accounting import EngineBlock, StorageEntry
+from sessionstate._checks import describe, is_int
 
 __all__ = ["Ledger", "parse_nbytes"]
 
@@ -41,7 +42,7 @@ def parse_nbytes(value: object, /, *, name: str = "max_bytes") -> int:
     (25769803776, 1500, 512)
     """
     number: float | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         number = value
     elif isinstance(value, str):
         text = value.strip().lower().replace("_", "")
@@ -54,7 +55,7 @@ def parse_nbytes(value: object, /, *, name: str = "max_bytes") -> int:
     if number is None or number < 0 or number != number or number == float("inf"):
         msg = (
             f"`{name}` must be a byte count: a non-negative int or a string like '24GiB', "
-            f"'512MiB' or '1.5GB'; got {value!r} ({type(value).__name__})."
+            f"'512MiB' or '1.5GB'; got {describe(value)}."
         )
         raise ValueError(msg)
     return int(number)

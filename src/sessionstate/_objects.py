@@ -1,166 +1,28 @@
-"""State objects: units of session state with a lifecycle the manager can act on."""
+"""State objects: units of session state with a lifecycle the manager can act on.
+
+`LatentBuffer`, `ParkedObject` and `TensorCache` are defined here; the `StateObject` contract
+they implement lives in `_stateobject`, and the checks a buffer runs on its chunks in
+`_chunk_checks`. A snapshot names a record class by module and qualname, so these classes
+stay in this module.
+"""
 
 from __future__ import annotations
 
-import abc
 import os
 from collections.abc import Iterable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
-from sessionstate._accounting import nbytes_by_device
+from sessionstate._checks import describe, is_int
+from sessionstate._chunk_checks import _as_chunks, _check_chunk, _check_dim, _check_maxlen
 from sessionstate._errors import NotAllocatedError, ParkedError
-from sessionstate._park import ParkedBytes, Tier, park_tree
+from sessionstate._park import ParkedBytes, Tier
+from sessionstate._stateobject import StateObject
 from sessionstate._tree import field, register_record, static_field
 
 __all__ = ["LatentBuffer", "ParkedObject", "StateObject", "TensorCache"]
-
-_S = TypeVar("_S", bound="StateObject")
-
-
-class StateObject(abc.ABC):
-    """The lifecycle contract of one typed unit of session state.
-
-    Every method except the queries (`view`, `nbytes_by_device`, `is_allocated`) is a pure
-    transition: it returns a new object and leaves ``self`` valid and unchanged. Implementations
-    are `record` classes, so a session moves between devices with
-    `sessionstate.to_device` and keeps its configuration. A subclass must be a record too
-    (decorate it with `record`): `SessionState` refuses one that is not.
-
-    Lifecycle: ``allocate(**sizing)`` makes an object usable; ``commit(payload)`` adds to it;
-    ``view(...)`` reads it; ``reset()`` empties it and keeps its configuration; ``evict()``
-    releases its storage and makes it non-resident (``allocate`` again before further use);
-    ``park(tier)`` moves its storages to host memory or disk without losing a bit (a
-    `ParkedObject`, not resident) and ``unpark()`` brings them back.
-    """
-
-    parkable: ClassVar[bool] = True
-    """Whether a manager under a byte budget may park this object (`park`)."""
-
-    @property
-    @abc.abstractmethod
-    def is_allocated(self) -> bool:
-        """Whether the object may be committed to and viewed."""
-
-    @abc.abstractmethod
-    def allocate(self: _S, **sizing: Any) -> _S:
-        """Return a new, empty, allocated object sized by ``sizing``."""
-
-    @abc.abstractmethod
-    def commit(self: _S, payload: Any, /) -> _S:
-        """Return a new object holding ``payload`` as well."""
-
-    @abc.abstractmethod
-    def view(self) -> Any:
-        """Read the object's contents (a query; nothing changes)."""
-
-    @abc.abstractmethod
-    def reset(self: _S) -> _S:
-        """Return a new, empty object with the same configuration."""
-
-    @abc.abstractmethod
-    def evict(self: _S) -> _S:
-        """Return a new object whose storage is released (not resident)."""
-
-    def nbytes_by_device(self) -> dict[str, int]:
-        """Bytes this object keeps alive, per device (see `sessionstate.nbytes_by_device`)."""
-        return nbytes_by_device(self)
-
-    @property
-    def is_parked(self) -> bool:
-        """Whether the object is parked (its bytes held by a tier, not resident).
-
-        >>> LatentBuffer().is_parked
-        False
-        """
-        return False
-
-    def park(
-        self,
-        tier: Tier = "host",
-        /,
-        *,
-        name: str | None = None,
-        spool_dir: str | os.PathLike[str] | None = None,
-    ) -> ParkedObject:
-        """Return this object parked: each of its storages moved once to ``tier``.
-
-        A pure transition: ``self`` stays valid (its memory is freed once nothing else holds
-        it). The parked object is not resident and refuses reads until `unpark`, which
-        rebuilds this object bit for bit with its aliases (two views of one storage stay views
-        of one storage).
-
-        Args:
-            tier: ``"host"`` (host memory, pinned for CUDA storages, copies synchronised
-                before this returns) or ``"disk"`` (one snapshot file in ``spool_dir``).
-            name: Names the object in messages (defaults to its ``name`` field, if any).
-            spool_dir: The disk tier's directory (a new temporary one when None).
-
-        Raises:
-            UnsupportedTensorError: for a tensor that cannot be moved storage by storage.
-            OSError: if the disk tier cannot write its file.
-
-        >>> import torch
-        >>> from sessionstate import tree_equal
-        >>> ring = LatentBuffer(dim=0).allocate(maxlen=2).commit(torch.ones(1, 3))
-        >>> parked = ring.park("host")
-        >>> parked.is_parked, parked.nbytes_by_device(), parked.nbytes_parked
-        (True, {}, {'host': 12})
-        >>> tree_equal(parked.unpark(), ring)
-        True
-        """
-        label_name = name if name is not None else str(getattr(self, "name", "?"))
-        label = f"{type(self).__name__} `{label_name}`"
-        handle = park_tree(self, tier, label=label, spool_dir=spool_dir)
-        return ParkedObject(name=label_name, kind=type(self).__name__, handle=handle)
-
-    def unpark(self) -> StateObject:
-        """Return the resident object: ``self`` unless it is parked.
-
-        >>> buf = LatentBuffer()
-        >>> buf.unpark() is buf
-        True
-        """
-        return self
-
-
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _check_dim(instance: object, attribute: attrs.Attribute[int], dim: object) -> None:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-        msg = (
-            f"`dim` must be a non-negative int (the chunks' time dimension), got "
-            f"{_describe(dim)}; count it from the front, e.g. `dim=2` for (B, C, T, H, W)."
-        )
-        raise ValueError(msg)
-
-
-def _check_maxlen(maxlen: object) -> int | None:
-    if maxlen is None:
-        return None
-    if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0:
-        msg = (
-            f"`maxlen` must be a positive int or None, got {_describe(maxlen)}. "
-            "Use `maxlen=None` to keep every chunk, or `maxlen=k` for a ring of the last k."
-        )
-        raise ValueError(msg)
-    return maxlen
-
-
-def _as_chunks(value: object) -> tuple[torch.Tensor, ...]:
-    if isinstance(value, torch.Tensor):
-        # `tuple(tensor)` would split it into rows silently.
-        msg = (
-            f"LatentBuffer `chunks` must be a sequence of tensors, got one tensor of shape "
-            f"{tuple(value.shape)}; pass `chunks=(t,)`, or build the buffer with "
-            "`.allocate(...)` and `.commit(t)`."
-        )
-        raise TypeError(msg)
-    return tuple(value)  # type: ignore[arg-type]
 
 
 @register_record
@@ -323,9 +185,9 @@ class LatentBuffer(StateObject):
         self._require_allocated("view")
         if last is None:
             return self.chunks
-        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+        if not is_int(last) or last < 0:
             msg = (
-                f"`last` must be a non-negative int or None, got {_describe(last)}; pass "
+                f"`last` must be a non-negative int or None, got {describe(last)}; pass "
                 "`last=None` for every retained chunk."
             )
             raise ValueError(msg)
@@ -403,55 +265,6 @@ class LatentBuffer(StateObject):
                 "call `.allocate(maxlen=...)` first."
             )
             raise NotAllocatedError(msg)
-
-
-def _check_chunk(name: str, dim: int, chunk: object, ref: torch.Tensor | None) -> None:
-    """Check that ``chunk`` may follow ``ref`` (the newest held chunk) in a buffer."""
-    if not isinstance(chunk, torch.Tensor):
-        msg = (
-            f"LatentBuffer `{name}` holds tensors, got {type(chunk).__name__}; "
-            "commit a torch.Tensor."
-        )
-        raise TypeError(msg)
-    if chunk.dim() <= dim:
-        msg = (
-            f"LatentBuffer `{name}` concatenates along dim {dim}, so a chunk needs "
-            f"at least {dim + 1} dims; got shape {tuple(chunk.shape)}. Commit chunks "
-            "with the time axis at `dim`, or build the buffer with a matching `dim=`."
-        )
-        raise ValueError(msg)
-    if ref is None:
-        return
-    if chunk.layout != ref.layout or chunk.is_nested != ref.is_nested:
-        msg = (
-            f"LatentBuffer `{name}` holds chunks of layout {_layout(ref)}; got layout "
-            f"{_layout(chunk)}, which `torch.cat` cannot join with them. Convert the chunk "
-            "(`.to_dense()`, `.to_sparse()`) or `reset()` the buffer to change its layout."
-        )
-        raise ValueError(msg)
-    if (
-        chunk.dtype != ref.dtype
-        or chunk.device != ref.device
-        or chunk.dim() != ref.dim()
-        or chunk.shape[:dim] != ref.shape[:dim]
-        or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
-    ):
-        msg = (
-            f"LatentBuffer `{name}` holds chunks of dtype {ref.dtype} on {ref.device} "
-            f"with shape {_shape_pattern(ref.shape, dim)}; got dtype {chunk.dtype} on "
-            f"{chunk.device} with shape {tuple(chunk.shape)}. Convert the chunk "
-            "(`.to(dtype=..., device=...)`) or `reset()` the buffer to change its layout."
-        )
-        raise ValueError(msg)
-
-
-def _layout(t: torch.Tensor) -> str:
-    return f"{t.layout} (nested)" if t.is_nested else str(t.layout)
-
-
-def _shape_pattern(shape: torch.Size, dim: int) -> str:
-    parts = ["T" if i == dim else str(s) for i, s in enumerate(shape)]
-    return f"({', '.join(parts)})"
 
 
 def _parked_refusal(obj: ParkedObject, action: str) -> ParkedError:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
 from sessionstate._snapshot import (
     ViewSpec,
@@ -54,7 +55,7 @@ def check_tier(tier: object) -> Tier:
     """
     if tier == "host" or tier == "disk":
         return tier
-    msg = f"`tier` must be 'host' or 'disk', got {tier!r} ({type(tier).__name__})."
+    msg = f"`tier` must be 'host' or 'disk', got {describe(tier)}."
     raise ValueError(msg)
 
 

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Generic, TypeVar, overload
 import attrs
 
 from sessionstate._accounting import ByteCounter, nbytes_by_device
+from sessionstate._checks import describe
 from sessionstate._errors import MissingKeyError
 from sessionstate._frozen import freeze
 from sessionstate._objects import ParkedObject, StateObject
@@ -105,7 +106,7 @@ class SessionAttr(Generic[_V]):
             coerce = getattr(self.coerce, "__qualname__", repr(self.coerce))
             msg = (
                 f"Session attribute `{self.name}` coerces its values with `{coerce}`, which "
-                f"refused {value!r} ({type(value).__name__}): {type(exc).__name__}: {exc}. "
+                f"refused {describe(value)}: {type(exc).__name__}: {exc}. "
                 f"Pass a value `{coerce}` accepts."
             )
             raise (TypeError if isinstance(exc, TypeError) else ValueError)(msg) from exc

@@ -2,6 +2,21 @@
 
 optree is wrapped here once. Every other module goes through these helpers, so the namespace
 is never forgotten and records flatten the same way everywhere.
+
+Where this module leans on attrs and optree beyond their documented use, and why:
+
+- Assignment messages. A frozen attrs class refuses assignment with "can't set attribute";
+  `register_record` replaces that `__setattr__` (and `__delattr__`) with one that names the
+  fix. attrs has no public query for "is this class frozen", so the function attrs installs
+  is taken from a frozen class built here and compared by identity; a class with its own
+  `__setattr__` keeps it.
+- optree's marker. `optree.integrations.attrs.register_node` marks a class with
+  ``__optree_attrs_fields__`` and refuses a class whose ``__dict__`` has it. attrs copies a
+  base's ``__dict__`` into the slotted subclass it builds, marker included, so a subclass of
+  a record would be refused; `register_record` deletes the copied marker first (it checks
+  the registry, not the marker, to know whether a class is registered). optree has no public
+  way to register such a subclass, and registering records by hand with
+  `optree.register_pytree_node` would change every treespec, snapshots included.
 """
 
 from __future__ import annotations
@@ -48,6 +63,15 @@ PyTreeSpec: TypeAlias = optree.PyTreeSpec
 
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound=type)
+
+
+@attrs.frozen
+class _FrozenProbe:
+    pass
+
+
+_ATTRS_FROZEN_SETATTR: object = _FrozenProbe.__setattr__
+"""The `__setattr__` attrs installs on every frozen class (see the module docstring)."""
 
 
 def field(**kwargs: Any) -> Any:
@@ -121,7 +145,7 @@ def register_record(cls: _C) -> _C:
         if "__optree_attrs_fields__" in cls.__dict__:  # copied from a base by attrs
             delattr(cls, "__optree_attrs_fields__")
         optree_attrs.register_node(cls, namespace=NAMESPACE)
-        if getattr(cls.__setattr__, "__name__", "") == "_frozen_setattrs":
+        if cls.__setattr__ is _ATTRS_FROZEN_SETATTR:
             cls.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
             cls.__delattr__ = _refuse_deletion  # type: ignore[method-assign,assignment]
     if cls not in torch_pytree.SUPPORTED_NODES:

@@ -10,7 +10,13 @@ from typing import Any
 
 import attrs
 
+from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionStateLostError
+from sessionstate.distributed._outcomes import (
+    MigrationError,
+    MigrationRecord,
+    SessionRestoredError,
+)
 from sessionstate.distributed._worker import (
     ImportAck,
     SessionPipeline,
@@ -20,40 +26,6 @@ from sessionstate.distributed._worker import (
 )
 
 __all__ = ["MigrationError", "MigrationRecord", "Router", "SessionRestoredError"]
-
-
-class MigrationError(RuntimeError):
-    """A migration failed; the source worker still owns the session, its record intact."""
-
-
-class SessionRestoredError(RuntimeError):
-    """The session's worker was lost; the session was restored elsewhere from its snapshot.
-
-    The call that raised did not run. ``steps_lost`` calls after the snapshot must be sent
-    again (zero when the session snapshots every step); ``steps_kept`` is where it resumes.
-    """
-
-    def __init__(
-        self, msg: str, *, session_id: Hashable, worker: str, restored_on: str, steps_lost: int,
-        steps_kept: int,
-    ) -> None:  # fmt: skip
-        super().__init__(msg)
-        self.session_id = session_id
-        self.worker = worker
-        self.restored_on = restored_on
-        self.steps_lost = steps_lost
-        self.steps_kept = steps_kept
-
-
-@attrs.frozen
-class MigrationRecord:
-    """One completed migration: which session moved where, how many bytes, how long it took."""
-
-    session_id: Hashable
-    source: str
-    destination: str
-    nbytes: int
-    seconds: float
 
 
 @attrs.define
@@ -124,8 +96,8 @@ class Router:
     ) -> None:
         import ray
 
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
-            msg = f"`workers` must be a positive int, got {workers!r} ({type(workers).__name__})."
+        if not is_int(workers) or workers <= 0:
+            msg = f"`workers` must be a positive int, got {describe(workers)}."
             raise ValueError(msg)
         if not ray.is_initialized():
             msg = (
@@ -199,12 +171,10 @@ class Router:
         worker is lost, the session is restored on another worker from the latest one.
         Setting it before the session's first step places the session as usual.
         """
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every <= 0
-        ):
+        if every is not None and (not is_int(every) or every <= 0):
             msg = (
-                f"`every` must be a positive int or None, got {every!r} "
-                f"({type(every).__name__}) for session {session_id!r}."
+                f"`every` must be a positive int or None, got {describe(every)} "
+                f"for session {session_id!r}."
             )
             raise ValueError(msg)
         with self._lock:
@@ -383,7 +353,7 @@ class Router:
     def _check_worker(self, worker: str) -> str:
         if worker not in self._handles or worker in self._dead:
             msg = (
-                f"{worker!r} ({type(worker).__name__}) is not a live worker of this router; "
+                f"{describe(worker)} is not a live worker of this router; "
                 f"the live workers are {self.workers}."
             )
             raise ValueError(msg)

@@ -1,0 +1,6 @@
+"""``python -m sessionstate``: the ``sessionstate`` command."""
+
+from sessionstate.cli import main
+
+if __name__ == "__main__":  # not when a doctest run imports it
+    raise SystemExit(main())

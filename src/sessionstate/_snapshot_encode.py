@@ -1,0 +1,215 @@
+"""Writing a snapshot: a record's structure to JSON and its storages to safetensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors.torch import save as _st_save
+from safetensors.torch import save_file as _st_save_file
+
+from sessionstate._checks import describe
+from sessionstate._snapshot_format import (
+    _PLAIN_FORMAT_VERSION,
+    FORMAT_VERSION,
+    METADATA_KEY,
+    _checksum,
+    _is_record,
+    _is_snapshot_leaf,
+    _root,
+    collect_storages,
+    record_name,
+    storage_bytes,
+)
+from sessionstate._tree import PyTree
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self._index: dict[int, int] = {}
+        # Leaves saved by their class: per class, (key path, leaf) in tree order.
+        self.leaves: dict[type, list[tuple[str, Any]]] = {}
+        self._leaf_index: dict[int, int] = {}
+        self.sealed = False
+
+    def payloads(self) -> dict[str, Any]:
+        """Each registered leaf class's payload, encoded (after the whole tree is walked)."""
+        self.sealed = True
+        out: dict[str, Any] = {}
+        for cls, leaves in self.leaves.items():
+            name = record_name(cls)
+            encode: Any = cls.__sessionstate_snapshot__  # type: ignore[attr-defined]
+            payload = encode(list(leaves))
+            out[name] = self.node(payload, f"<{name}>")
+        return out
+
+    def node(self, value: Any, key: str, *, statics: bool = False) -> Any:
+        if value is None:
+            return {"type": "none"}
+        cls = type(value)
+        if cls is bool or cls is int or cls is str:
+            return {"type": cls.__name__, "value": value}
+        if cls is float:
+            return {"type": "float", "value": value if math.isfinite(value) else str(value)}
+        if isinstance(value, torch.Tensor) and not statics:
+            i = self._index.get(id(value))
+            if i is None:
+                i = self._index[id(value)] = len(self.tensors)
+                self.tensors.append((key, value))
+            return {"type": "tensor", "view": i}
+        if cls is tuple or cls is list:
+            items = [self.node(v, f"{key}[{i}]", statics=statics) for i, v in enumerate(value)]
+            return {"type": cls.__name__, "items": items}
+        if cls is dict:
+            pairs = []
+            for k, v in value.items():
+                if type(k) not in (str, int, bool):
+                    msg = (
+                        f"Cannot snapshot the dict at `{_root(key)}`: its key {k!r} is a "
+                        f"{type(k).__name__}; snapshot dict keys must be str, int or bool."
+                    )
+                    raise TypeError(msg)
+                pairs.append([k, self.node(v, f"{key}[{k!r}]", statics=statics)])
+            return {"type": "dict", "items": pairs}
+        if _is_record(cls):
+            return self.record(value, key)
+        if not statics and not self.sealed and _is_snapshot_leaf(cls):
+            i = self._leaf_index.get(id(value))
+            if i is None:
+                leaves = self.leaves.setdefault(cls, [])
+                i = self._leaf_index[id(value)] = len(leaves)
+                leaves.append((_root(key), value))
+            return {"type": "leaf", "class": record_name(cls), "index": i}
+        what = "static field" if statics else "leaf"
+        allowed = (
+            "a JSON value (None, bool, int, float, str) or a tuple, list or dict of them"
+            if statics
+            else "a tensor, a JSON value (None, bool, int, float, str), a tuple, list or dict, "
+            "or a registered record"
+        )
+        msg = (
+            f"Cannot snapshot the {what} at `{_root(key)}`: {value!r:.80} is a "
+            f"{cls.__qualname__}; a snapshot holds {allowed}. Convert it (e.g. to an int or a "
+            "tensor) or keep it out of the record."
+        )
+        raise TypeError(msg)
+
+    def record(self, value: Any, key: str) -> dict[str, Any]:
+        cls = type(value)
+        fields: dict[str, Any] = {}
+        statics: dict[str, Any] = {}
+        for a in attrs.fields(cls):
+            if not a.init:
+                continue
+            name = str(a.alias)
+            path = f"{key}.{a.name.lstrip('_') or a.name}"
+            child = getattr(value, a.name)
+            if a.metadata.get("pytree_node", True):
+                fields[name] = self.node(child, path)
+            else:
+                statics[name] = self.node(child, path, statics=True)
+        return {"type": "record", "class": record_name(cls), "fields": fields, "static": statics}
+
+
+def _encode(
+    state: PyTree, metadata: Mapping[str, str] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if metadata is not None:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                msg = (
+                    f"Snapshot `metadata` maps str to str, got {describe(k)} -> "
+                    f"{v!r:.60} ({type(v).__name__}); convert the value with `str(...)`."
+                )
+                raise TypeError(msg)
+    encoder = _Encoder()
+    tree = encoder.node(state, "")
+    leaves = encoder.payloads()
+    storages, views = collect_storages(encoder.tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    described = []
+    for i, storage in enumerate(storages):
+        data = storage_bytes(storage)
+        device = str(data.device)
+        if data.device.type != "cpu":
+            data = data.cpu()
+        tensors[f"storage.{i}"] = data
+        described.append({"nbytes": data.numel(), "device": device, "crc32": _checksum(data)})
+    import sessionstate
+
+    document = {
+        "format": "sessionstate.snapshot",
+        "format_version": FORMAT_VERSION if leaves else _PLAIN_FORMAT_VERSION,
+        "library_version": sessionstate.__version__,
+        "torch_version": torch.__version__,
+        "metadata": dict(metadata or {}),
+        "storages": described,
+        "views": [v.to_json() for v in views],
+        "tree": tree,
+    }
+    if leaves:
+        document["leaves"] = leaves
+    return tensors, {METADATA_KEY: json.dumps(document, separators=(",", ":"))}
+
+
+def save_state(
+    state: PyTree, path: str | os.PathLike[str], /, *, metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write ``state`` to ``path`` as one safetensors snapshot file.
+
+    Each distinct storage is written once; every tensor leaf is recorded as a view of one, so
+    aliases survive a round trip. The file is written next to ``path`` and renamed into place,
+    so ``path`` never holds a partial snapshot. Tensors on any real device are saved (their
+    device is recorded); autograd history and ``requires_grad`` are not.
+
+    Args:
+        state: A record (a `SessionState`, any `record`), or a tuple, list or dict of them,
+            tensors and JSON values.
+        path: The file to write (replaced if it exists).
+        metadata: Strings to store alongside (read back with `sessionstate inspect`).
+
+    Raises:
+        UnsupportedTensorError: for a meta, sparse, nested or subclass tensor.
+        TypeError: for a leaf that is neither a tensor nor a JSON value, naming its key path.
+        StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
+
+    >>> import os, tempfile, torch
+    >>> from sessionstate import SessionState, load_state, tree_equal
+    >>> state = SessionState(attrs={"x": torch.arange(4.0), "step": 3})
+    >>> path = os.path.join(tempfile.mkdtemp(), "session.safetensors")
+    >>> save_state(state, path)
+    >>> tree_equal(load_state(path), state)
+    True
+    """
+    tensors, meta = _encode(state, metadata)
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        _st_save_file(tensors, str(partial), metadata=meta)
+        os.replace(partial, target)
+    finally:
+        if partial.exists():
+            partial.unlink()
+
+
+def dumps_state(state: PyTree, /, *, metadata: Mapping[str, str] | None = None) -> bytes:
+    """``state`` as the bytes of a snapshot file (for a wire); see `save_state`.
+
+    >>> import torch
+    >>> from sessionstate import loads_state
+    >>> x = torch.arange(3)
+    >>> a, b = loads_state(dumps_state((x, x[1:])))
+    >>> b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    True
+    """
+    tensors, meta = _encode(state, metadata)
+    return _st_save(tensors, metadata=meta)

@@ -1,0 +1,383 @@
+"""The snapshot format: versions, dtypes, the storage walk and rebuild, record and leaf names."""
+
+from __future__ import annotations
+
+import importlib
+import zlib
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import attrs
+import optree
+import torch
+
+from sessionstate._checks import describe
+from sessionstate._errors import UnsupportedTensorError
+from sessionstate._tree import NAMESPACE
+
+FORMAT_VERSION = 2
+"""The newest snapshot format this library writes; it reads this version and older ones.
+
+Version 2 adds leaves saved by a registered class (`register_snapshot_leaf`); a snapshot
+without one is written as version 1.
+"""
+
+_PLAIN_FORMAT_VERSION = 1
+
+METADATA_KEY = "sessionstate"
+"""The safetensors metadata key holding the snapshot's JSON document."""
+
+_IMPORTABLE_PREFIX = "sessionstate."
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+_CHUNK = 16 * 1024 * 1024
+
+_R = TypeVar("_R")
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex32",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+# -- the storage walk and the rebuild -------------------------------------------------------------
+
+
+@attrs.frozen
+class ViewSpec:
+    """One tensor leaf as a view of a stored storage.
+
+    Args:
+        storage: Index of the storage in the walk's storage list.
+        dtype: The leaf's dtype.
+        shape: The leaf's shape.
+        stride: The leaf's strides, in elements.
+        offset: The leaf's storage offset, in elements.
+        conj: Whether the leaf carries torch's lazy conjugation bit.
+        neg: Whether the leaf carries torch's lazy negation bit.
+    """
+
+    storage: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    conj: bool = False
+    neg: bool = False
+
+    def nbytes_needed(self) -> int:
+        """Bytes of storage the view reaches: 0 for an empty view.
+
+        >>> ViewSpec(0, torch.float32, (2, 3), (3, 1), 1).nbytes_needed()
+        28
+        """
+        if any(s == 0 for s in self.shape):
+            return 0
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+        return (last + 1) * _itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        """The view as a JSON object (dtype by name)."""
+        out: dict[str, Any] = {
+            "storage": self.storage,
+            "dtype": _DTYPE_NAMES[self.dtype],
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "offset": self.offset,
+        }
+        if self.conj:
+            out["conj"] = True
+        if self.neg:
+            out["neg"] = True
+        return out
+
+
+def _root(key: str) -> str:
+    return key.lstrip(".") or "<root>"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _check_tensor(t: torch.Tensor, key: str) -> None:
+    """Refuse a tensor whose bytes cannot be stored as one dense storage plus a view."""
+    problem = None
+    if type(t) is not torch.Tensor:
+        problem = f"a tensor subclass `{type(t).__qualname__}`"
+        fix = "store a plain tensor (`t.as_subclass(torch.Tensor)`) or its component tensors"
+    elif t.is_nested:
+        problem = "a nested tensor"
+        fix = "store its component tensors (`list(t.unbind())`)"
+    elif t.layout != torch.strided:
+        problem = f"a sparse tensor (layout={t.layout})"
+        fix = "store its dense components (e.g. `t.indices()` and `t.values()`) or `t.to_dense()`"
+    elif t.is_meta:
+        problem = "a meta tensor, which has no data"
+        fix = "materialise it on a real device first, or leave it out of the snapshot"
+    elif t.dtype not in _DTYPE_NAMES:
+        problem = f"of dtype {t.dtype}, which the snapshot format does not support"
+        fix = f"convert it to one of {sorted(_DTYPES)}"
+    if problem is None:
+        return
+    try:
+        shape = f"shape {tuple(t.shape)}, "
+    except RuntimeError:  # a strided nested tensor has no single shape
+        shape = ""
+    msg = (
+        f"Cannot snapshot the tensor at `{_root(key)}`: it is {problem} ({shape}device "
+        f"{t.device}); {fix}."
+    )
+    raise UnsupportedTensorError(msg)
+
+
+def collect_storages(
+    tensors: Sequence[tuple[str, torch.Tensor]], /
+) -> tuple[list[torch.UntypedStorage], list[ViewSpec]]:
+    """Walk tensors once: their distinct storages, and each tensor as a view of one of them.
+
+    Storages are identified by device and address range (two storage objects over the same
+    memory are one storage), or, without memory, by the storage object.
+
+    Args:
+        tensors: ``(key path, tensor)`` pairs; the key path names a refused tensor.
+
+    Raises:
+        UnsupportedTensorError: for a meta, sparse, nested or subclass tensor, naming its key.
+
+    >>> x = torch.arange(6.0)
+    >>> storages, views = collect_storages([("a", x), ("b", x[2:].view(2, 2))])
+    >>> len(storages), views[1].storage, views[1].offset, views[1].shape
+    (1, 0, 2, (2, 2))
+    """
+    storages: list[torch.UntypedStorage] = []
+    index: dict[tuple[Any, ...], int] = {}
+    views: list[ViewSpec] = []
+    for key, t in tensors:
+        _check_tensor(t, key)
+        storage = t.untyped_storage()
+        pointer = storage.data_ptr()
+        identity: tuple[Any, ...] = (
+            (str(t.device), pointer, storage.nbytes()) if pointer else ("object", storage._cdata)
+        )
+        i = index.get(identity)
+        if i is None:
+            i = index[identity] = len(storages)
+            storages.append(storage)
+        views.append(
+            ViewSpec(
+                storage=i,
+                dtype=t.dtype,
+                shape=tuple(t.shape),
+                stride=tuple(t.stride()),
+                offset=int(t.storage_offset()),
+                conj=t.is_conj(),
+                neg=t.is_neg(),
+            )
+        )
+    return storages, views
+
+
+def storage_bytes(storage: torch.UntypedStorage, /) -> torch.Tensor:
+    """The whole of ``storage`` as a 1-D ``uint8`` tensor (a view: no copy).
+
+    >>> x = torch.tensor([1], dtype=torch.int16)
+    >>> storage_bytes(x.untyped_storage()).tolist()
+    [1, 0]
+    """
+    out = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def rebuild_views(
+    storages: Sequence[torch.UntypedStorage], views: Sequence[ViewSpec], /
+) -> list[torch.Tensor]:
+    """Rebuild each view as a tensor over its storage (the inverse of `collect_storages`).
+
+    The caller checks first that every view fits its storage (`ViewSpec.nbytes_needed`):
+    ``Tensor.set_`` would grow a storage that is too short rather than refuse.
+
+    >>> x = torch.arange(6.0)
+    >>> storages, views = collect_storages([("a", x.view(2, 3).t())])
+    >>> rebuilt = rebuild_views([s.clone() for s in storages], views)[0]
+    >>> torch.equal(rebuilt, x.view(2, 3).t()), rebuilt.is_contiguous()
+    (True, False)
+    """
+    out: list[torch.Tensor] = []
+    for view in views:
+        storage = storages[view.storage]
+        t = torch.empty(0, dtype=view.dtype, device=storage.device)
+        t = t.set_(storage, view.offset, view.shape, view.stride)
+        if view.neg:
+            t = torch._neg_view(t)
+        if view.conj:
+            t = t.conj()
+        out.append(t)
+    return out
+
+
+def _checksum(data: torch.Tensor) -> int:
+    if data.numel() == 0:
+        return zlib.crc32(b"")
+    return zlib.crc32(data.numpy().data)
+
+
+# -- record names ---------------------------------------------------------------------------------
+
+
+def record_name(cls: type, /) -> str:
+    """The name a snapshot stores for a record class: ``module:qualname``.
+
+    >>> from sessionstate import LatentBuffer
+    >>> record_name(LatentBuffer)
+    'sessionstate._objects:LatentBuffer'
+    """
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _is_record(cls: type) -> bool:
+    entry = optree.register_pytree_node.get(cls, namespace=NAMESPACE)
+    return entry is not None and entry.namespace == NAMESPACE and attrs.has(cls)
+
+
+def _registered_records() -> dict[str, type]:
+    # `get` without a class returns the whole registry; its stubs only describe the lookup.
+    get_all: Any = optree.register_pytree_node.get
+    registry: dict[type, Any] = get_all(namespace=NAMESPACE)
+    return {
+        record_name(cls): cls
+        for cls, entry in registry.items()
+        if isinstance(cls, type) and entry.namespace == NAMESPACE and attrs.has(cls)
+    }
+
+
+def resolve_record(name: str, /) -> type | None:
+    """The record class registered in this process under ``name``, or None.
+
+    Only classes registered as records (`record`, `register_record`, `SessionState`
+    subclasses) are found. When none is registered under ``name`` and its module is under
+    ``sessionstate.``, that module is imported once and the lookup repeated; no other module
+    is ever imported.
+
+    >>> resolve_record("sessionstate._session:SessionState").__name__
+    'SessionState'
+    >>> resolve_record("os:system") is None
+    True
+    """
+    found = _registered_records().get(name)
+    if found is not None:
+        return found
+    module, _, _ = name.partition(":")
+    if not module.startswith(_IMPORTABLE_PREFIX):
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return None
+    return _registered_records().get(name)
+
+
+# -- leaves saved by their class ------------------------------------------------------------------
+
+_LEAF_CLASSES: dict[str, type] = {}
+
+_T = TypeVar("_T", bound=type)
+
+
+def register_snapshot_leaf(cls: _T, /) -> _T:
+    """Let snapshots hold leaves of ``cls``, saved by value through two class methods.
+
+    A snapshot holds tensors, JSON values and records. A leaf of another class (an engine's
+    handle to memory it owns, such as a `KVHandle`) joins them when its class defines:
+
+    - ``__sessionstate_snapshot__(leaves)``: given every ``(key path, leaf)`` of the class in
+      one snapshot, in tree order, one *payload* of tensors, JSON values, tuples, lists and
+      dicts describing them all (leaves sharing memory can store it once). Its tensors are
+      stored like any other (one storage each, with a CRC-32);
+    - ``__sessionstate_restore__(payload)``: the leaves rebuilt from the payload as loaded,
+      in the same order; raise ``ValueError`` or ``TypeError`` for a payload it refuses.
+
+    A loader restores leaves only of classes registered in this process under their
+    ``module:qualname`` (it may import a module under ``sessionstate.`` named in the file, as
+    for records). Nothing is unpickled. Usable as a class decorator.
+
+    Raises:
+        TypeError: if ``cls`` is not a class defining both methods.
+
+    >>> import torch
+    >>> from sessionstate import dumps_state, loads_state
+    >>> @register_snapshot_leaf
+    ... class Offset:
+    ...     def __init__(self, t):
+    ...         self.t = t
+    ...     @classmethod
+    ...     def __sessionstate_snapshot__(cls, leaves):
+    ...         return [leaf.t for _, leaf in leaves]
+    ...     @classmethod
+    ...     def __sessionstate_restore__(cls, payload):
+    ...         return [cls(t) for t in payload]
+    >>> loads_state(dumps_state({"o": Offset(torch.ones(2))}))["o"].t
+    tensor([1., 1.])
+    """
+    methods = ("__sessionstate_snapshot__", "__sessionstate_restore__")
+    missing = [
+        m for m in methods if not isinstance(cls, type) or not callable(getattr(cls, m, None))
+    ]
+    if not isinstance(cls, type) or missing:
+        msg = (
+            f"Cannot register {describe(cls)} as a snapshot leaf: it must be a "
+            f"class defining the class methods {' and '.join(f'`{m}`' for m in missing)}; "
+            "define them (see `register_snapshot_leaf`) or keep its values out of snapshots."
+        )
+        raise TypeError(msg)
+    _LEAF_CLASSES[record_name(cls)] = cls
+    return cls
+
+
+def _is_snapshot_leaf(cls: type) -> bool:
+    return _LEAF_CLASSES.get(record_name(cls)) is cls
+
+
+def resolve_leaf_class(name: str, /) -> type | None:
+    """The class registered with `register_snapshot_leaf` under ``name``, or None.
+
+    As `resolve_record`: a module under ``sessionstate.`` may be imported once; no other is.
+
+    >>> resolve_leaf_class("sessionstate._kvpool:KVHandle").__name__
+    'KVHandle'
+    >>> resolve_leaf_class("os:system") is None
+    True
+    """
+    found = _LEAF_CLASSES.get(name)
+    if found is not None:
+        return found
+    module, _, _ = name.partition(":")
+    if not module.startswith(_IMPORTABLE_PREFIX):
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return None
+    return _LEAF_CLASSES.get(name)

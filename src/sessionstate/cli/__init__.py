@@ -1,0 +1,93 @@
+"""The ``sessionstate`` command line: A/B validation, size tables, and a demo.
+
+Subcommands: ``ab``, ``sizes``, ``demo``, ``inspect``, ``cluster`` (each with ``--help``), one
+module each. ``ab`` and ``sizes`` take ``--model`` (``dreamzero``, the default, or
+``cosmos3``); each model describes itself to them with a
+`sessionstate.models._registry.ModelSpec`. Building the parser imports no torch, so
+``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from sessionstate.cli import _ab, _cluster, _demo, _inspect, _sizes
+from sessionstate.cli._ab import _print_ab as _print_ab  # tests render a report with it
+from sessionstate.cli._common import EXTRAS, ArgumentParser, HelpFormatter
+from sessionstate.cli._sizes import size_table
+
+__all__ = ["build_parser", "main", "size_table"]
+
+_DESCRIPTION = """\
+Check and size the per-session state of the reference world models (DreamZero, Cosmos3):
+compare the bespoke and the manager-backed path output for output, and count the bytes
+every session holds.
+
+Run `sessionstate COMMAND --help` for a command's options and their defaults.
+"""
+
+_SUBCOMMANDS = (_ab, _sizes, _demo, _inspect, _cluster)
+
+
+def build_parser() -> ArgumentParser:
+    """The argument parser of the ``sessionstate`` command.
+
+    >>> build_parser().parse_args(["ab", "--steps", "3"]).steps
+    3
+    """
+    import argparse
+
+    parser = ArgumentParser(
+        prog="sessionstate",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=ArgumentParser,
+        metavar="{ab,sizes,demo,inspect,cluster}",
+    )
+    for module in _SUBCOMMANDS:
+        module.add_parsers(sub)
+    for choice in sub.choices.values():
+        choice.formatter_class = HelpFormatter
+    return parser
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
+    """The one line for a command that needs an optional dependency that is not installed."""
+    root = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(root)
+    if extra is None:
+        return None
+    return (
+        f"sessionstate {command}: error: `sessionstate {command}` needs {root}, which is not "
+        f'installed; install the `{extra}` extra: pip install "sessionstate[{extra}]" '
+        f'(from a clone: pip install -e ".[{extra}]").'
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``sessionstate`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `_episode` (one side of `ab`) is internal: its own parser, never offered as a choice.
+    parser = _ab.episode_parser() if argv[:1] == ["_episode"] else build_parser()
+    try:
+        args = parser.parse_args(argv[1:] if argv[:1] == ["_episode"] else argv)
+    except SystemExit as exc:  # argparse exits on --help and on bad arguments
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        status: int = args.func(args)
+    except ModuleNotFoundError as exc:
+        line = _missing_extra(args.command, exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"sessionstate {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    return status

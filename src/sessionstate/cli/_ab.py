@@ -1,0 +1,352 @@
+"""``sessionstate ab``: one scripted episode on each path, in two processes, compared.
+
+The parent spawns ``python -m sessionstate.cli _episode`` twice, the children differing only
+in the environment flag that selects the path, and compares every output with `torch.equal`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sessionstate._env import ENV_ENABLE, ENV_MAX_SESSIONS, ENV_ON_FULL
+from sessionstate.cli._common import (
+    MIB,
+    ArgumentParser,
+    HelpFormatter,
+    add_budget_arguments,
+    load_model_config,
+    positive_int,
+    with_budget,
+)
+from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_model
+
+# The child's stderr protocol: one line per step, one when the decode phase starts.
+_PROGRESS = "PROGRESS "
+_DECODE = "PHASE decode"
+
+
+def run_episode(args: argparse.Namespace) -> int:
+    """Child process: run the episode on whichever path the environment selects."""
+    import torch
+
+    from sessionstate import SessionAdmissionError
+
+    spec = get_model(args.model)
+    deploy, cfg = load_model_config(args.config, args.preset, spec.name)
+    deploy = with_budget(deploy, args)
+    pipe = spec.pipeline(deploy, device=args.device, max_bespoke_sessions=args.max_sessions)
+    total = args.steps * args.sessions
+    records: list[dict[str, Any]] = []
+    times: list[float] = []
+    for i, (sid, obs) in enumerate(
+        spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
+    ):
+        start = time.perf_counter()
+        try:
+            out = pipe.forward(obs, sid)
+        except SessionAdmissionError:  # `on_full="refuse"` at the cap: a result to compare
+            records.append({"session": sid, "refused": True})
+        else:
+            times.append(time.perf_counter() - start)
+            records.append({"session": sid, **spec.outputs(out)})
+        print(f"{_PROGRESS}{i + 1} {total}", file=sys.stderr, flush=True)
+    print(_DECODE, file=sys.stderr, flush=True)
+    torch.save(
+        {
+            "managed": pipe.managed,
+            "records": records,
+            **spec.finals(pipe),
+            "median_step_s": statistics.median(times) if times else 0.0,
+            "stats": pipe.stats(),
+        },
+        args.out,
+    )
+    return 0
+
+
+def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
+    """The command line of one child of ``ab``, writing its results to ``out``."""
+    cmd = [
+        sys.executable, "-m", "sessionstate.cli", "_episode",
+        "--steps", str(args.steps), "--sessions", str(args.sessions), "--seed", str(args.seed),
+        "--out", str(out), "--model", args.model,
+    ]  # fmt: skip
+    if args.config:
+        cmd += ["--config", args.config]
+    if args.preset:
+        cmd += ["--preset", args.preset]
+    cmd += ["--max-sessions", str(args.max_sessions)]
+    if args.device != "cpu":
+        cmd += ["--device", args.device]
+    if args.max_bytes is not None:
+        cmd += ["--max-bytes", str(args.max_bytes)]
+        if args.park_tier:
+            cmd += ["--park-tier", args.park_tier]
+    return cmd
+
+
+def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: Any) -> None:
+    cmd = episode_command(args, out)
+    # Both sides get the same cap: the managed side reads it from the environment, the
+    # bespoke side (whose cap is a constant upstream) from `--max-sessions`.
+    env = dict(os.environ)
+    env[ENV_ENABLE] = flag
+    env[ENV_MAX_SESSIONS] = str(args.max_sessions)
+    if args.on_full is not None:
+        env[ENV_ON_FULL] = args.on_full
+    name = "managed" if flag == "1" else "bespoke"
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    tail: list[str] = []
+    for line in proc.stderr:
+        if line.startswith(_PROGRESS):
+            if progress is not None:
+                progress.update(task, advance=1)
+        elif line.startswith(_DECODE):
+            if progress is not None:
+                progress.update(task, description=f"{name} path: decoding")
+        else:
+            tail.append(line)
+    if proc.wait() != 0:
+        msg = f"the {name} run failed:\n{''.join(tail[-20:])}"
+        raise RuntimeError(msg)
+
+
+def _compare(
+    bespoke: dict[str, Any], managed: dict[str, Any], spec: ModelSpec | None = None
+) -> tuple[int, str | None]:
+    import torch
+
+    spec = spec or get_model(DEFAULT_MODEL)
+
+    compared = 0
+    a_recs, b_recs = bespoke["records"], managed["records"]
+    if len(a_recs) != len(b_recs):
+        return compared, f"step count differs: {len(a_recs)} vs {len(b_recs)}"
+    for i, (a, b) in enumerate(zip(a_recs, b_recs, strict=True)):
+        if a.get("refused") or b.get("refused"):
+            if not (a.get("refused") and b.get("refused")):
+                path = "bespoke" if a.get("refused") else "managed"
+                return compared, f"step {i} ({a['session']}): refused on the {path} path only"
+            continue
+        for key in spec.tensor_outputs:
+            compared += 1
+            if not torch.equal(a[key], b[key]):
+                return compared, f"step {i} ({a['session']}): {key}"
+        compared += 1
+        if a["reset"] != b["reset"]:
+            return compared, f"step {i} ({a['session']}): reset {a['reset']} vs {b['reset']}"
+    for key in spec.final_outputs:
+        if sorted(bespoke[key]) != sorted(managed[key]):
+            return compared, f"{key}: sessions differ"
+        for sid in sorted(bespoke[key]):
+            compared += 1
+            x, y = bespoke[key][sid], managed[key][sid]
+            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+                return compared, f"{key} of {sid}"
+    return compared, None
+
+
+def deploy_on_cpu_warning(preset: str, device: str) -> str | None:
+    """The warning ``ab`` prints before running the deploy geometry on a CPU, else None.
+
+    >>> deploy_on_cpu_warning("tiny", "cpu") is None
+    True
+    >>> deploy_on_cpu_warning("deploy", "cuda") is None
+    True
+    """
+    if preset != "deploy" or not device.startswith("cpu"):
+        return None
+    return (
+        "sessionstate ab: warning: the deploy geometry runs minutes per step on CPU; "
+        "pass `--device cuda` on a machine with a GPU, or `--preset tiny` for a quick check."
+    )
+
+
+def _cmd_ab(args: argparse.Namespace) -> int:
+    import torch
+
+    from sessionstate import DEFAULT_MAX_SESSIONS
+
+    if args.max_sessions is None:
+        args.max_sessions = DEFAULT_MAX_SESSIONS
+    spec = get_model(args.model)
+    deploy, cfg = load_model_config(args.config, args.preset, spec.name)  # fail here, not in both
+    warning = deploy_on_cpu_warning(cfg.name, args.device)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+    total = args.steps * args.sessions
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        progress_cm: Any = None
+        if not args.json:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            progress_cm = Progress(console=Console(stderr=True), transient=True)
+        with progress_cm if progress_cm is not None else contextlib.nullcontext():
+            for flag, name in (("0", "bespoke"), ("1", "managed")):
+                task = None
+                if progress_cm is not None:
+                    task = progress_cm.add_task(f"{name} path", total=total)
+                out = Path(tmp) / f"{name}.pt"
+                _spawn(args, flag, out, progress_cm, task)
+                results[name] = torch.load(out, weights_only=False)
+    if results["bespoke"]["managed"] or not results["managed"]["managed"]:
+        msg = "the flag did not select the intended paths (check the deploy config)"
+        raise RuntimeError(msg)
+    compared, mismatch = _compare(results["bespoke"], results["managed"], spec)
+    refusals = {
+        name: sum(bool(r.get("refused")) for r in res["records"]) for name, res in results.items()
+    }
+    # Reported when asked for or when any step was refused; the default report is unchanged.
+    show_refusals = args.on_full is not None or any(refusals.values())
+    report: dict[str, Any] = {
+        "identical": mismatch is None,
+        "outputs_compared": compared,
+        "first_mismatch": mismatch,
+        "steps": args.steps,
+        "sessions": args.sessions,
+        "max_sessions": args.max_sessions,
+        "seed": args.seed,
+        "preset": cfg.name,
+        "paths": {
+            name: {
+                "median_step_ms": round(res["median_step_s"] * 1000, 3),
+                "nbytes_by_device": {
+                    k.removeprefix("nbytes:"): v
+                    for k, v in res["stats"].items()
+                    if k.startswith("nbytes:")
+                },
+                "sessions_held": res["stats"]["sessions"],
+                **(
+                    {
+                        key: res["stats"].get(key, 0)
+                        for key in ("parks", "unparks", "evictions", "parked_sessions")
+                    }
+                    if args.max_bytes is not None
+                    else {}
+                ),
+                **({"refusals": refusals[name]} if show_refusals else {}),
+            }
+            for name, res in results.items()
+        },
+    }
+    if spec.name != DEFAULT_MODEL:  # the default model's report is unchanged
+        report = {"model": spec.name, **report}
+    if show_refusals:
+        from sessionstate import resolve_session_state_config
+
+        report["on_full"] = args.on_full or resolve_session_state_config(deploy).on_full
+    if args.max_bytes is not None:
+        report["max_bytes"] = args.max_bytes
+        report["device"] = args.device
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_ab(report, spec)
+    return 0 if mismatch is None else 1
+
+
+def _counted(spec: ModelSpec) -> str:
+    per_step = [*spec.tensor_outputs, "reset reason"]
+    return (
+        f"outputs compared: per served step {', '.join(per_step)}; per session at the end "
+        f"{', '.join(spec.final_outputs)}"
+    )
+
+
+def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    spec = spec or get_model(report.get("model", DEFAULT_MODEL))
+    console = Console()
+    verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
+    model = f"{report['model']} " if "model" in report else ""
+    console.print(
+        f"A/B {model}{verdict}: {report['outputs_compared']} outputs compared with torch.equal "
+        f"({report['sessions']} sessions x {report['steps']} steps, seed {report['seed']}, "
+        f"preset {report['preset']}"
+        + (f", on_full {report['on_full']})" if "on_full" in report else ")")
+    )
+    if report["first_mismatch"]:
+        console.print(f"first mismatch: {report['first_mismatch']}")
+    table = Table("path", "median step (ms)", "bytes held at end", "sessions")
+    if "on_full" in report:
+        table.add_column("refused steps")
+    for name, path in report["paths"].items():
+        held = ", ".join(f"{d}: {n / MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
+        row = [name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"])]
+        if "refusals" in path:
+            row.append(str(path["refusals"]))
+        table.add_row(*row)
+    console.print(table)
+    console.print(_counted(spec))
+    console.print(
+        f"median step: wall clock over {report['sessions'] * report['steps']} steps per path, "
+        "one run each; a short run's median is noisy (time with `benchmarks/` instead)"
+    )
+
+
+def add_parsers(sub: Any) -> None:
+    """Adds ``ab`` to the subcommands ``sub``."""
+    ab = sub.add_parser(
+        "ab",
+        help="A/B-validate the manager-backed DreamZero path against the bespoke one",
+        description=f"Run one scripted episode twice, in two processes that differ only in "
+        f"{ENV_ENABLE}=0/1, and compare every output with torch.equal. Exits 0 iff identical.",
+    )
+    ab.add_argument(
+        "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
+    )
+    ab.add_argument("--config", help="deploy YAML (its `model` section picks the preset)")
+    ab.add_argument("--preset", choices=["tiny", "deploy"], help="model preset (default tiny)")
+    ab.add_argument("--steps", type=positive_int, default=24, help="steps per session")
+    ab.add_argument("--sessions", type=positive_int, default=3, help="interleaved sessions")
+    ab.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
+    ab.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=None,
+        help="session cap of both paths (default: sessionstate.DEFAULT_MAX_SESSIONS, the "
+        "bespoke constant); lower it to compare LRU eviction",
+    )
+    ab.add_argument(
+        "--on-full",
+        choices=["evict", "refuse"],
+        help=f"what a new session does at the cap, on both paths (sets {ENV_ON_FULL}; "
+        "default: the deploy config's session_state_on_full); refused steps are counted per "
+        "path and must agree",
+    )
+    add_budget_arguments(ab)
+    ab.add_argument("--json", action="store_true", help="print one JSON object")
+    ab.set_defaults(func=_cmd_ab)
+
+
+def episode_parser() -> argparse.ArgumentParser:
+    """The parser of ``_episode``, one side of ``ab`` (internal, not a listed subcommand)."""
+    episode = ArgumentParser(prog="sessionstate _episode", formatter_class=HelpFormatter)
+    episode.add_argument("--config")
+    episode.add_argument("--preset")
+    episode.add_argument("--steps", type=int, required=True)
+    episode.add_argument("--sessions", type=int, required=True)
+    episode.add_argument("--seed", type=int, required=True)
+    episode.add_argument("--out", required=True)
+    episode.add_argument("--max-sessions", type=int, required=True)
+    episode.add_argument("--device", default="cpu")
+    episode.add_argument("--max-bytes", type=int)
+    episode.add_argument("--park-tier", choices=["host", "disk"])
+    episode.add_argument("--model", default=DEFAULT_MODEL)
+    episode.set_defaults(func=run_episode, command="_episode")
+    return episode

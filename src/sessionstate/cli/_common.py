@@ -1,0 +1,127 @@
+"""What the subcommands share: the parser class, argument types, config loading, byte format.
+
+Nothing here imports torch: ``sessionstate --help`` builds every parser and must stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sessionstate.models._registry import DEFAULT_MODEL, get_model
+
+MIB = 1024 * 1024
+
+# The pip extra that brings each optional dependency a subcommand may import.
+EXTRAS = {"diffusers": "models", "rich": "models", "ray": "ray", "hypothesis": "testing"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, without the usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line, no usage dump: `sessionstate ab: error: ...`.
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default after its help, unless it has none or the help names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """Parses a positive int argument.
+
+    >>> positive_int("3")
+    3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def nbytes(text: str) -> int:
+    """Parses a positive byte count such as ``1048576`` or ``24GiB``.
+
+    >>> nbytes("2MiB")
+    2097152
+    """
+    from sessionstate._ledger import parse_nbytes
+
+    try:
+        value = parse_nbytes(text, name="--max-bytes")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 1048576 or 24GiB, got {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
+    return value
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--device``, ``--max-bytes`` and ``--park-tier`` to ``parser``."""
+    parser.add_argument(
+        "--device", default="cpu", help="where the networks and session tensors live"
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=nbytes,
+        help="the managed path's byte budget on --device (e.g. 24GiB); least recently used "
+        "sessions are parked to stay under it",
+    )
+    parser.add_argument(
+        "--park-tier",
+        choices=["host", "disk"],
+        help="where the budget parks state (default: host for a CUDA device, else disk)",
+    )
+
+
+def with_budget(deploy: Any, args: argparse.Namespace) -> Any:
+    """The deploy config with ``--max-bytes`` and the park tier applied (if given)."""
+    import attrs
+
+    if getattr(args, "max_bytes", None) is None:
+        return deploy
+    tier = args.park_tier or ("host" if str(args.device).startswith("cuda") else "disk")
+    return attrs.evolve(
+        deploy, session_state_max_bytes=args.max_bytes, session_state_park_tier=tier
+    )
+
+
+def load_model_config(
+    config: str | None, preset: str | None, model_name: str = DEFAULT_MODEL
+) -> tuple[Any, Any]:
+    """The deploy config (its ``model`` section completed) and the model's config."""
+    import attrs
+
+    from sessionstate import OmniDiffusionConfig
+
+    deploy = OmniDiffusionConfig.from_yaml(config) if config else OmniDiffusionConfig()
+    model = dict(deploy.model)
+    if preset is not None:
+        model["preset"] = preset
+    model.setdefault("preset", "tiny")
+    return attrs.evolve(deploy, model=model), get_model(model_name).config_from_dict(model)
+
+
+def fmt_bytes(n: int) -> str:
+    """A byte count for a table cell.
+
+    >>> fmt_bytes(0), fmt_bytes(512), fmt_bytes(3 * MIB)
+    ('-', '512 B', '3.0000 MiB')
+    """
+    if n == 0:
+        return "-"
+    if n < 10 * 1024:
+        return f"{n} B"
+    return f"{n / MIB:.4f} MiB"

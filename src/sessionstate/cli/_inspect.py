@@ -1,0 +1,55 @@
+"""``sessionstate inspect FILE``: a snapshot described from its header alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from sessionstate.cli._common import fmt_bytes
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from sessionstate._snapshot import inspect_snapshot
+
+    report = inspect_snapshot(args.file)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    about = Table("field", "value", title=f"Snapshot {report['file']}")
+    about.add_row("root", report["root"])
+    about.add_row("format_version", str(report["format_version"]))
+    about.add_row("library_version", str(report["library_version"]))
+    about.add_row("torch_version", str(report["torch_version"]))
+    about.add_row("file size", fmt_bytes(report["file_nbytes"]))
+    about.add_row("storages", str(len(report["storages"])))
+    for device, nbytes in sorted(report["nbytes"].items()):
+        about.add_row(f"nbytes:{device}", fmt_bytes(nbytes))
+    for key, value in report["metadata"].items():
+        about.add_row(f"metadata:{key}", value)
+    console.print(about)
+    values = Table("value", "bucket", "structure", "tensors", "bytes", title="Values")
+    for row in report["values"]:
+        held = ", ".join(f"{fmt_bytes(n)} ({d})" for d, n in sorted(row["nbytes"].items()))
+        values.add_row(
+            row["name"], row["bucket"], row["structure"], str(row["tensors"]), held or "-"
+        )
+    console.print(values)
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """Adds ``inspect`` to the subcommands ``sub``."""
+    inspect = sub.add_parser(
+        "inspect",
+        help="describe a session snapshot file: structure, bytes per value, metadata",
+        description="Print the structure, the bytes each value holds and the metadata of a "
+        "snapshot written by sessionstate.save_state, read from its header alone.",
+    )
+    inspect.add_argument("file", help="the snapshot (.safetensors) file")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(func=_cmd_inspect)
