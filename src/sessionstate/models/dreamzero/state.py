@@ -6,8 +6,8 @@ is the same state as an immutable `SessionState` record: the frames, video laten
 encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per_block``
 latent frames), the Wan encoder's causal-conv cache is a `TensorCache` (replaced
 wholesale, and parkable under a byte budget), everything else is a `SessionAttr`. Which
-value goes in which bucket follows the rule in the feature description: what the manager can
-act on is an object, what it can only carry is an attribute, whatever its size.
+value goes in which bucket follows one rule: what the manager can act on is an object, what
+it can only carry is an attribute, whatever its size.
 """
 
 from __future__ import annotations
