@@ -93,7 +93,8 @@ class BudgetedTable(Generic[SessionT]):
     """The session table's bytes: the ledger, the budget and parking (a base of the manager).
 
     The subclass owns the table's public behaviour and calls these methods under its lock; it
-    provides `_forget` (drop a session entirely) and `_record_versions`.
+    provides `_forget` (drop a session entirely) and `_record_versions`; `_put_locked` is the
+    one way a record is admitted and stored.
     """
 
     _table: OrderedDict[Hashable, SessionT]
@@ -123,6 +124,32 @@ class BudgetedTable(Generic[SessionT]):
 
     def _record_versions(self, session_id: Hashable, state: SessionState) -> None:
         raise NotImplementedError
+
+    def _put_locked(self, session_id: Hashable, state: SessionT, *, touch: bool) -> None:
+        # Caller holds the lock. Nothing changes unless the whole put succeeds, except that
+        # other sessions may have been parked (losslessly) or evicted to make room.
+        values = self._values_for(session_id, state)
+        if self._max_bytes is not None:
+            self._check_fits(session_id, values)
+        if session_id in self._table:
+            if touch:
+                self._table.move_to_end(session_id)
+        else:
+            self._admit(session_id)
+        previous = self._set_values(session_id, values)
+        if self._max_bytes is not None:
+            try:
+                self._make_room(session_id, {})
+            except BaseException:
+                self._set_values(session_id, previous)
+                raise
+        self._store(session_id, state)
+
+    def _store(self, session_id: Hashable, state: SessionT) -> None:
+        # Caller holds the lock and has accounted the record's values (`_set_values`).
+        self._table[session_id] = state
+        self._track_parked(session_id, state)
+        self._record_versions(session_id, state)
 
     def _admit(self, session_id: Hashable) -> None:
         # Caller holds the lock and has checked that `session_id` is new.

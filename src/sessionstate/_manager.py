@@ -499,32 +499,6 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
         self.put(session_id, state)
         return state
 
-    def _put_locked(self, session_id: Hashable, state: SessionT, *, touch: bool) -> None:
-        # Caller holds the lock. Nothing changes unless the whole put succeeds, except that
-        # other sessions may have been parked (losslessly) or evicted to make room.
-        values = self._values_for(session_id, state)
-        if self._max_bytes is not None:
-            self._check_fits(session_id, values)
-        if session_id in self._table:
-            if touch:
-                self._table.move_to_end(session_id)
-        else:
-            self._admit(session_id)
-        previous = self._set_values(session_id, values)
-        if self._max_bytes is not None:
-            try:
-                self._make_room(session_id, {})
-            except BaseException:
-                self._set_values(session_id, previous)
-                raise
-        self._store(session_id, state)
-
-    def _store(self, session_id: Hashable, state: SessionT) -> None:
-        # Caller holds the lock and has accounted the record's values (`_set_values`).
-        self._table[session_id] = state
-        self._track_parked(session_id, state)
-        self._record_versions(session_id, state)
-
     def _forget(self, session_id: Hashable) -> bool:
         # Caller holds the lock.
         state = self._table.pop(session_id, None)
