@@ -95,14 +95,11 @@ class DreamZeroPipeline:
         self.device = torch.device(device)
         self.host_device = torch.device(host_device)
         self._model = DreamZeroModel(self.cfg, self.device, self.host_device)
-        self.manager: SessionStateManager[DreamZeroSession] | None = None
-        self.kv_pool: KVPool | None = None
         self._states: OrderedDict[Hashable, DreamZeroState] | None = None
+        self._managed: ManagedPath | None = None
         self._path: ManagedPath | BespokePath
         if self.settings.enabled:
-            self._path = ManagedPath(self._model, self.settings)
-            self.manager = self._path.manager
-            self.kv_pool = self._path.kv_pool
+            self._path = self._managed = ManagedPath(self._model, self.settings)
         else:
             self._path = BespokePath(self._model, max_bespoke_sessions, self.settings.on_full)
             self._states = self._path.table.states
@@ -115,6 +112,24 @@ class DreamZeroPipeline:
     @nets.setter
     def nets(self, nets: DreamZeroNetworks) -> None:
         self._model.nets = nets
+
+    @property
+    def manager(self) -> SessionStateManager[DreamZeroSession] | None:
+        """The managed path's manager; None on the bespoke path.
+
+        Assignable on the managed path (a test swaps in a manager with another cap).
+        """
+        return None if self._managed is None else self._managed.manager
+
+    @manager.setter
+    def manager(self, manager: SessionStateManager[DreamZeroSession]) -> None:
+        assert self._managed is not None, "the bespoke path has no manager"
+        self._managed.manager = manager
+
+    @property
+    def kv_pool(self) -> KVPool | None:
+        """The managed path's engine-owned KV pool; None on the bespoke path."""
+        return None if self._managed is None else self._managed.kv_pool
 
     @property
     def managed(self) -> bool:
@@ -176,8 +191,8 @@ class DreamZeroPipeline:
 
         The managed path's step (see `ManagedPath.step`); a bespoke pipeline has none.
         """
-        assert isinstance(self._path, ManagedPath), "`step` runs on the managed path only"
-        return self._path.step(state, obs)
+        assert self._managed is not None, "`step` runs on the managed path only"
+        return self._managed.step(state, obs)
 
     def drop_session(self, session_id: Hashable) -> bool:
         """End a session on either path; returns whether it was held."""
