@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-import sessionstate.models.dreamzero.pipeline as pipeline_module
+import sessionstate.models.dreamzero._managed as managed_module
 from sessionstate import (
     LatentBuffer,
     SessionState,
@@ -138,7 +138,7 @@ class FaultFuzzMachine(RuleBasedStateMachine):
             return wrapper
 
         mp, nets = self._patches, self.pipe.nets
-        mp.setattr(f"{pipeline_module.__name__}.stitch_views", point("stitch_views", stitch_views))
+        mp.setattr(f"{managed_module.__name__}.stitch_views", point("stitch_views", stitch_views))
         mp.setattr(nets, "encode_chunk", point("encode_chunk", nets.encode_chunk))
         mp.setattr(nets, "diffuse", point("diffuse", nets.diffuse))
         mp.setattr(LatentBuffer, "commit", point("commit", LatentBuffer.commit))

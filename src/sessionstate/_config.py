@@ -352,7 +352,8 @@ def resolve_session_state_config(
     directions; unset or unparsable falls back to the config (unparsable logs a warning).
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS`` sets the cap to a positive int; any
     other value logs a warning naming the variable and the value and is ignored. The cap is
-    deliberately not a config field: it mirrors the bespoke path's fixed constant.
+    deliberately not a config field: it mirrors the bespoke path's fixed constant (the default,
+    `DEFAULT_MAX_SESSIONS`, is DreamZero's bespoke ``MAX_DREAMZERO_SESSIONS``).
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_CHECK_IMMUTABLE`` turns on the manager's in-place
     write check (a debugging aid; off by default).
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES`` overrides the config's byte budget (a

@@ -43,6 +43,7 @@ import torch
 
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
+from sessionstate._kvcodec import restore_handles, snapshot_payload
 from sessionstate._snapshot import register_snapshot_leaf
 from sessionstate._tree import tree_equal
 
@@ -149,51 +150,7 @@ class KVHandle:
         Raises:
             StaleKVHandleError: for a handle made by a step that was rolled back.
         """
-        pools: list[KVPool] = []
-        slots: list[dict[int, int]] = []  # per pool: block id -> index in its saved blocks
-        fills: list[list[int]] = []  # per pool and saved block: tokens the handles read
-        handles: list[dict[str, Any]] = []
-        for key, handle in leaves:
-            if not handle.alive:
-                msg = (
-                    f"Cannot snapshot the leaf at `{key}`: {handle!r} was made by a step that "
-                    f"failed and was rolled back, so its blocks went back to KV pool "
-                    f"{handle.pool.name!r}. Snapshot the session's stored record instead."
-                )
-                raise StaleKVHandleError(msg)
-            pool = handle.pool
-            g = next((i for i, p in enumerate(pools) if p is pool), None)
-            if g is None:
-                g = len(pools)
-                pools.append(pool)
-                slots.append({})
-                fills.append([])
-            local = []
-            for j, block in enumerate(handle.blocks):
-                fill = min(pool.block_tokens, handle.tokens - j * pool.block_tokens)
-                slot = slots[g].setdefault(block, len(fills[g]))
-                if slot == len(fills[g]):
-                    fills[g].append(fill)
-                fills[g][slot] = max(fills[g][slot], fill)
-                local.append(slot)
-            handles.append({"pool": g, "blocks": local, "tokens": handle.tokens})
-        saved = []
-        for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
-            with pool._lock:
-                index = torch.tensor(list(slot_of), dtype=torch.long, device=pool.storage.device)
-                data = pool.storage.index_select(0, index)  # a copy of just these blocks
-            for slot, fill in enumerate(filled):
-                data[slot, fill:].zero_()
-            saved.append(
-                {
-                    "name": pool.name,
-                    "block_tokens": pool.block_tokens,
-                    "token_shape": list(pool.token_shape),
-                    "dtype": str(pool.storage.dtype).removeprefix("torch."),
-                    "blocks": data,
-                }
-            )
-        return {"pools": saved, "handles": handles}
+        return snapshot_payload(leaves)
 
     @classmethod
     def __sessionstate_restore__(cls, payload: Any) -> list[KVHandle]:
@@ -202,48 +159,7 @@ class KVHandle:
         Raises:
             ValueError: for a payload that does not describe valid handles.
         """
-        if not isinstance(payload, Mapping):
-            raise ValueError(f"the payload is a {type(payload).__name__}, not a dict")
-        saved = payload.get("pools")
-        if not isinstance(saved, list):
-            raise ValueError("the payload has no pool list")
-        pools = [KVPool._from_snapshot(i, p) for i, p in enumerate(saved)]
-        held = [int(p["blocks"].shape[0]) for p in saved]
-        out: list[KVHandle] = []
-        claimed: list[dict[int, int]] = [{} for _ in pools]
-        facts = payload.get("handles")
-        if not isinstance(facts, list):
-            raise ValueError("the payload has no handle list")
-        for i, fact in enumerate(facts):
-            problem = _handle_problem(fact, pools, held)
-            if problem is not None:
-                raise ValueError(f"handle {i} {problem}: {fact!r:.120}")
-            pool = pools[fact["pool"]]
-            bt = pool.block_tokens
-            for j, block in enumerate(fact["blocks"]):
-                fill = min(bt, fact["tokens"] - j * bt)
-                claimed[fact["pool"]][block] = max(claimed[fact["pool"]].get(block, 0), fill)
-            out.append(pool._handle(tuple(fact["blocks"]), fact["tokens"]))
-        for pool, filled in zip(pools, claimed, strict=True):
-            pool._settle(filled)
-        return out
-
-
-def _handle_problem(fact: Any, pools: Sequence[KVPool], held: Sequence[int]) -> str | None:
-    """Why a saved handle's facts are invalid, or None."""
-    if not isinstance(fact, Mapping):
-        return "is not a dict"
-    pool, blocks, tokens = fact.get("pool"), fact.get("blocks"), fact.get("tokens")
-    if type(pool) is not int or not 0 <= pool < len(pools):
-        return "names no saved pool"
-    if type(tokens) is not int or tokens < 0 or not isinstance(blocks, list):
-        return "has no valid token count or block list"
-    bt = pools[pool].block_tokens
-    if any(type(b) is not int or not 0 <= b < held[pool] for b in blocks):
-        return "names a block its pool does not hold"
-    if len(set(blocks)) != len(blocks) or len(blocks) != -(-tokens // bt):
-        return f"holds {len(blocks)} blocks for {tokens} tokens of {bt} per block"
-    return None
+        return restore_handles(payload, KVPool)
 
 
 class KVPool:
@@ -475,41 +391,6 @@ class KVPool:
             self._local.log = None
 
     # -- internals ---------------------------------------------------------------------------
-
-    @classmethod
-    def _from_snapshot(cls, i: int, saved: Any) -> KVPool:
-        """A standalone pool holding the saved blocks of pool ``i`` of a snapshot payload."""
-        data = saved.get("blocks") if isinstance(saved, Mapping) else None
-        name, bt = (saved.get("name"), saved.get("block_tokens")) if data is not None else (0, 0)
-        shape = saved.get("token_shape") if data is not None else None
-        ok = (
-            isinstance(data, torch.Tensor)
-            and isinstance(name, str)
-            and type(bt) is int
-            and bt > 0
-            and isinstance(shape, list)
-            and all(type(n) is int for n in shape)
-            and data.dim() == 2 + len(shape)
-            and tuple(data.shape[1:]) == (bt, *shape)
-            and saved.get("dtype") == str(data.dtype).removeprefix("torch.")
-        )
-        if not ok:
-            raise ValueError(f"pool {i} is not a valid saved KV pool: {saved!r:.120}")
-        assert isinstance(data, torch.Tensor)
-        assert isinstance(shape, list)
-        assert isinstance(name, str)
-        assert isinstance(bt, int)
-        n = int(data.shape[0])
-        pool = cls(
-            max(n, 1),
-            block_tokens=bt,
-            token_shape=shape,
-            dtype=data.dtype,
-            device=data.device,
-            name=name,
-        )
-        pool.storage[:n].copy_(data)
-        return pool
 
     def _settle(self, filled: Mapping[int, int]) -> None:
         """After handles were made over saved blocks: take those blocks off the free list."""

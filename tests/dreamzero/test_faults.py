@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 import pytest
 
-import sessionstate.models.dreamzero.pipeline as pipeline_module
+import sessionstate.models.dreamzero._bespoke as bespoke_module
+import sessionstate.models.dreamzero._managed as managed_module
 import sessionstate.models.dreamzero.state as state_module
 from sessionstate import LatentBuffer, SessionState, tree_equal
 from sessionstate.models.dreamzero import (
@@ -94,7 +95,8 @@ def inject(mp: pytest.MonkeyPatch, pipe: DreamZeroPipeline, target: str, k: int)
     """Make the k-th call of ``target`` raise (until ``mp.undo()``)."""
     fault = Fault(k)
     if target == "stitch_views":
-        mp.setattr(f"{pipeline_module.__name__}.stitch_views", fault.wrap(stitch_views))
+        module = managed_module if pipe.managed else bespoke_module
+        mp.setattr(f"{module.__name__}.stitch_views", fault.wrap(stitch_views))
     elif target in ("encode_chunk", "diffuse"):
         mp.setattr(pipe.nets, target, fault.wrap(getattr(pipe.nets, target)))
     elif target == "commit":

@@ -43,6 +43,7 @@ from sessionstate.models.dreamzero import (
     reset_reason,
     stitch_views,
 )
+from sessionstate.models.dreamzero import _managed as managed_module
 from sessionstate.models.dreamzero import pipeline as pipeline_module
 from sessionstate.models.dreamzero.episode import scripted_episode
 from sessionstate.models.dreamzero.state import frames_for_model, window_reset
@@ -596,9 +597,11 @@ def test_with_the_flag_off_nothing_of_the_manager_is_constructed(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the bespoke path constructed a manager-side object")
 
-    monkeypatch.setattr(pipeline_module, "SessionStateManager", refuse)
+    monkeypatch.setattr(pipeline_module, "ManagedPath", refuse)
     monkeypatch.setattr(pipeline_module, "new_session", refuse)
-    monkeypatch.setattr(pipeline_module, "window_reset", refuse)
+    monkeypatch.setattr(managed_module, "SessionStateManager", refuse)
+    monkeypatch.setattr(managed_module, "new_session", refuse)
+    monkeypatch.setattr(managed_module, "window_reset", refuse)
     cfg = tiny()
     pipe = DreamZeroPipeline(cfg, environ={ENV_ENABLE: "0"})
     assert pipe.manager is None

@@ -46,8 +46,8 @@ def _check_number(instance: object, attribute: attrs.Attribute[Any], value: obje
 class Cosmos3Config:
     """Geometry and sizes of the Cosmos3-shaped pipeline.
 
-    The ``deploy`` preset carries an assumed real geometry (the reference documents give
-    none): the reasoner is a Cosmos-Reason1-7B / Qwen2.5-VL-7B-shaped decoder, 28 layers with
+    The ``deploy`` preset carries an assumed real geometry (no published one exists): the
+    reasoner is a Cosmos-Reason1-7B / Qwen2.5-VL-7B-shaped decoder, 28 layers with
     grouped-query attention of 4 K/V heads of dimension 128 (28 query heads, hidden size
     3584), read over a 512-token prompt in bfloat16; the generation pathway denoises chunks of
     4 latent frames of a 704x1280 video (Wan VAE latents: 16 channels, 88x160, patchified 2x2

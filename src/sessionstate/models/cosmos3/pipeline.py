@@ -146,10 +146,10 @@ class Cosmos3Pipeline:
         self.nets: Cosmos3Networks = build_networks(self.cfg, self.device)
         self.encodes = 0
         """Prompt encodings run so far (one per branch encoded), on either path."""
-        self.manager: SessionStateManager | None = None
+        self.manager: SessionStateManager[Cosmos3Session] | None = None
         self._states: OrderedDict[Hashable, Cosmos3State] | None = None
         if self.settings.enabled:
-            self.manager = SessionStateManager(
+            self.manager = SessionStateManager[Cosmos3Session](
                 self.settings.max_sessions, check_immutable=self.settings.check_immutable
             )
         else:
@@ -172,7 +172,6 @@ class Cosmos3Pipeline:
             state = self.manager.get(session_id)
             if state is None:
                 state = self.new_session()
-            assert isinstance(state, Cosmos3Session)
             state, out = self.step(state, request)
             # Published only after the whole step succeeded.
             self.manager.put(session_id, state)
@@ -207,7 +206,6 @@ class Cosmos3Pipeline:
             state = self.manager.peek(session_id)
             if state is None:
                 raise MissingKeyError(_unknown_session(session_id))
-            assert isinstance(state, Cosmos3Session)
             return state.values()
         assert self._states is not None
         if session_id not in self._states:

@@ -6,8 +6,8 @@ is the same state as an immutable `SessionState` record: the frames, video laten
 encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per_block``
 latent frames), the Wan encoder's causal-conv cache is a `TensorCache` (replaced
 wholesale, and parkable under a byte budget), everything else is a `SessionAttr`. Which
-value goes in which bucket follows the rule in the feature description: what the manager can
-act on is an object, what it can only carry is an attribute, whatever its size.
+value goes in which bucket follows one rule: what the manager can act on is an object, what
+it can only carry is an attribute, whatever its size.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ __all__ = [
     "frames_for_model",
     "new_session",
     "reset_reason",
-    "should_reset",
     "window_reset",
 ]
 
@@ -97,32 +96,6 @@ def reset_reason(
     if local_attn_size != -1 and current_start_frame >= local_attn_size:
         return "inference"
     return None
-
-
-def should_reset(
-    language: torch.Tensor | None,
-    tokens: torch.Tensor,
-    current_start_frame: int,
-    local_attn_size: int,
-    *,
-    num_video_frames: int = 0,
-    call_count: int = 0,
-) -> bool:
-    """Whether `reset_reason` gives any reason.
-
-    >>> import torch
-    >>> should_reset(None, torch.tensor([[1]]), 0, -1)
-    True
-    """
-    reason = reset_reason(
-        language,
-        tokens,
-        current_start_frame,
-        local_attn_size,
-        num_video_frames=num_video_frames,
-        call_count=call_count,
-    )
-    return reason is not None
 
 
 def frames_for_model(

@@ -1,0 +1,237 @@
+"""The bespoke DreamZero path: mutable `DreamZeroState` objects changed in place.
+
+As upstream: a capped OrderedDict of sessions (`BespokeSessionTable`), and a forward that
+writes each step's results into the session's state object.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+
+import attrs
+import torch
+
+from sessionstate import SessionAdmissionError, SessionStateLostError, nbytes_by_device
+from sessionstate.models.dreamzero import kv as kv_cache
+from sessionstate.models.dreamzero._model import (
+    BODY_FRAMES,
+    DreamZeroModel,
+    DreamZeroOutput,
+    conditioning_frame,
+    lost_continuation,
+    unknown_session,
+)
+from sessionstate.models.dreamzero.state import DreamZeroState, reset_reason
+from sessionstate.models.dreamzero.transform import Observation, stitch_views
+
+__all__ = ["BespokePath", "BespokeSessionTable"]
+
+logger = logging.getLogger("sessionstate")
+
+
+class BespokeSessionTable:
+    """Session id to mutable state, least recently used first, capped as upstream.
+
+    Counts hits, misses and evictions the way the manager counts them, and warns once on the
+    first eviction.
+
+    Args:
+        max_sessions: The cap.
+        on_full: At the cap, ``"evict"`` the least recently used session or ``"refuse"`` the
+            new one with `SessionAdmissionError`.
+
+    >>> table = BespokeSessionTable(1, "evict")
+    >>> first = table.state("a", None)
+    >>> table.state("a", None) is first, table.counts
+    (True, {'hits': 1, 'misses': 1, 'evictions': 0})
+    """
+
+    def __init__(self, max_sessions: int, on_full: str) -> None:
+        self.states: OrderedDict[Hashable, DreamZeroState] = OrderedDict()
+        self.max_sessions = max_sessions
+        self.on_full = on_full
+        self.counts = {"hits": 0, "misses": 0, "evictions": 0}
+        self._warned_eviction = False
+
+    def state(self, session_id: Hashable, begin: bool | None) -> DreamZeroState:
+        """The session's state to step: held, or new (``begin`` as `DreamZeroPipeline.forward`).
+
+        Raises:
+            SessionStateLostError: if ``begin`` is False and the session is not held.
+            SessionAdmissionError: if the session is new, the table is full and ``on_full``
+                is ``"refuse"``.
+        """
+        states = self.states
+        state = None if begin else states.get(session_id)
+        if state is not None:
+            self.counts["hits"] += 1
+            states.move_to_end(session_id)
+            return state
+        state = DreamZeroState()
+        if begin and session_id in states:  # a restart replaces the held state
+            states[session_id] = state
+            states.move_to_end(session_id)
+            return state
+        if not begin:  # counted as the manager's `get` counts it
+            self.counts["misses"] += 1
+        if begin is False:
+            raise SessionStateLostError(lost_continuation(session_id))
+        if self.on_full == "refuse" and len(states) >= self.max_sessions:
+            msg = (
+                f"Cannot admit DreamZero session {session_id!r}: the bespoke session table "
+                f"holds {self.max_sessions} sessions (its cap) and "
+                "`on_full='refuse'`. Drop a finished session first with `drop_session`, or "
+                "raise the cap."
+            )
+            raise SessionAdmissionError(msg)
+        states[session_id] = state
+        if len(states) > self.max_sessions:
+            evicted, _ = states.popitem(last=False)
+            self.counts["evictions"] += 1
+            if not self._warned_eviction:
+                self._warned_eviction = True
+                logger.warning(
+                    "DreamZero session %r was evicted by the bespoke session cap (%d) although "
+                    "nobody ended it; its state is lost. End finished sessions explicitly with "
+                    "`drop_session(session_id)`, or raise the cap. Warned once per pipeline; "
+                    "`stats()['evictions']` counts every eviction.",
+                    evicted,
+                    self.max_sessions,
+                )
+        return state
+
+
+class BespokePath:
+    """Sessions as mutable `DreamZeroState` objects in a `BespokeSessionTable`.
+
+    Args:
+        model: The networks and geometry.
+        max_sessions: The table's cap.
+        on_full: What a new session does at the cap.
+
+    >>> from sessionstate.models.dreamzero import DreamZeroConfig
+    >>> from sessionstate.models.dreamzero._model import DreamZeroModel
+    >>> model = DreamZeroModel(DreamZeroConfig.preset("tiny"), "cpu", "cpu")
+    >>> BespokePath(model, 4, "evict").stats()["max_sessions"]
+    4
+    """
+
+    def __init__(self, model: DreamZeroModel, max_sessions: int, on_full: str) -> None:
+        self.model = model
+        self.table = BespokeSessionTable(max_sessions, on_full)
+
+    def forward(
+        self, obs: Observation, session_id: Hashable, begin: bool | None
+    ) -> DreamZeroOutput:
+        """One step of ``session_id``; see `DreamZeroPipeline.forward`."""
+        return self._forward(self.table.state(session_id, begin), obs)
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session; returns whether it was held."""
+        return self.table.states.pop(session_id, None) is not None
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return list(self.table.states)
+
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
+        """Every value the session holds, by name (without touching LRU order)."""
+        if session_id not in self.table.states:
+            raise SessionStateLostError(unknown_session(session_id))
+        return self.table.states[session_id].values()
+
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
+        """Every latent chunk generated for the session, joined along time (None if none)."""
+        self.session_values(session_id)  # raises for a session that is not held
+        return self.table.states[session_id].get_concatenated_video_latents()
+
+    def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
+        """Empty the session's accumulated video latents; marks it most recently used."""
+        state = self.table.states.get(session_id)
+        if state is None:
+            raise SessionStateLostError(unknown_session(session_id))
+        state.video_latents_across_time = []
+        self.table.states.move_to_end(session_id)
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()` keys, computed by hand."""
+        states = self.table.states
+        totals = nbytes_by_device([s.values() for s in states.values()])
+        out = {
+            "sessions": len(states),
+            "max_sessions": self.table.max_sessions,
+            **self.table.counts,
+        }
+        out["total_nbytes"] = sum(totals.values())
+        out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
+        return out
+
+    def _forward(self, state: DreamZeroState, obs: Observation) -> DreamZeroOutput:
+        model = self.model
+        nets, cfg = model.nets, model.cfg
+        stitched = stitch_views(obs, cfg).to(model.device)
+        tokens = nets.tokenize(obs.prompt)
+        reason = reset_reason(
+            state.language, tokens, state.current_start_frame, cfg.local_attn_size
+        )
+        if reason is not None:
+            state.reset(clear_video_latents=reason == "session")
+        state.language = tokens
+        frames = state.accumulate_frames(stitched, nets.dtype)
+        if state.prompt_embeds is None:
+            state.prompt_embeds = nets.encode_prompt(tokens)
+
+        window_start = state.current_start_frame == 0
+        if window_start:
+            clip_feas, ys, cond_latent = nets.encode_image(conditioning_frame(frames))
+            if state.vae_stream_initialized:
+                self._stream_append(state, frames[:, :, -1:])
+            else:
+                seed_out, feat_map = nets.encode_chunk(frames[:, :, :1], nets.init_feat_map())
+                state.vae_encoder_out = seed_out
+                state.vae_enc_feat_map = feat_map
+                state.vae_pending_body_frames = None
+                state.vae_stream_initialized = True
+            state.clip_feas, state.ys = clip_feas, ys
+            ref = cond_latent
+            state.current_start_frame = 1
+        else:
+            self._stream_append(state, frames[:, :, -1:])
+            assert state.vae_encoder_out is not None
+            # The bespoke reader quantises the whole history, then keeps the last frames.
+            history = state.vae_encoder_out
+            ref = nets.observation_latents([history], cfg.num_frame_per_block)
+        assert state.ys is not None
+        assert state.clip_feas is not None
+        assert state.prompt_embeds is not None
+        csf = state.current_start_frame
+        if window_start:  # `_kv_create`: the window's cache starts empty
+            state.kv_cache, state.kv_tokens = [], 0
+        state.kv_tokens = kv_cache.append_blocks(
+            state.kv_cache, state.kv_tokens, nets.prefill_kv(ref), cfg
+        )
+        kv = kv_cache.read_blocks(state.kv_cache, state.kv_tokens)
+        video, out = model.generate(
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, kv
+        )
+        state.current_start_frame += cfg.num_frame_per_block
+        state.video_latents_across_time.append(video.detach().to(model.host_device, copy=True))
+        return attrs.evolve(out, reset=reason)
+
+    def _stream_append(self, state: DreamZeroState, frame: torch.Tensor) -> None:
+        pending = state.vae_pending_body_frames
+        state.vae_pending_body_frames = (
+            frame.clone() if pending is None else torch.cat([pending, frame], dim=2)
+        )
+        while (
+            state.vae_pending_body_frames is not None
+            and state.vae_pending_body_frames.shape[2] >= BODY_FRAMES
+        ):
+            body = state.vae_pending_body_frames[:, :, :BODY_FRAMES]
+            rest = state.vae_pending_body_frames[:, :, BODY_FRAMES:]
+            assert state.vae_enc_feat_map is not None
+            out, state.vae_enc_feat_map = self.model.nets.encode_chunk(body, state.vae_enc_feat_map)
+            state.append_vae_encoder_chunk(out)
+            state.vae_pending_body_frames = rest if rest.shape[2] else None

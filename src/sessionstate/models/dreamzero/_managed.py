@@ -1,0 +1,223 @@
+"""The managed DreamZero path: a pure step over an immutable `DreamZeroSession`.
+
+``step(state, obs) -> (state, out)`` never changes ``state``; `forward` reads the latest
+record from a `SessionStateManager`, steps it, and stores the result only when the whole step
+succeeded. The KV cache lives in an engine-owned `KVPool`; records hold handles to its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import attrs
+import torch
+
+from sessionstate import (
+    KVPool,
+    LatentBuffer,
+    SessionStateLostError,
+    SessionStateManager,
+    SessionStateSettings,
+    TensorCache,
+)
+from sessionstate.models.dreamzero import kv as kv_cache
+from sessionstate.models.dreamzero._model import (
+    BODY_FRAMES,
+    DreamZeroModel,
+    DreamZeroOutput,
+    conditioning_frame,
+    lost_continuation,
+    unknown_session,
+)
+from sessionstate.models.dreamzero.networks import FeatMap
+from sessionstate.models.dreamzero.state import (
+    DreamZeroSession,
+    frames_for_model,
+    new_session,
+    reset_reason,
+    window_reset,
+)
+from sessionstate.models.dreamzero.transform import Observation, stitch_views
+
+__all__ = ["ManagedPath"]
+
+
+def _device_key(device: torch.device) -> str:
+    # Tensors report CUDA devices with their index; a budget must name it the same way.
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def _committer(chunk: torch.Tensor) -> Callable[[LatentBuffer], LatentBuffer]:
+    return lambda buffer: buffer.commit(chunk)
+
+
+def _replacer(contents: FeatMap) -> Callable[[TensorCache], TensorCache]:
+    return lambda cache: cache.commit(contents)
+
+
+class ManagedPath:
+    """Sessions as immutable records in a `SessionStateManager`, stepped by a pure step.
+
+    Args:
+        model: The networks and geometry.
+        settings: The resolved session-state settings (cap, ``on_full``, budget, guard).
+
+    >>> from sessionstate import resolve_session_state_config
+    >>> from sessionstate.models.dreamzero import DreamZeroConfig
+    >>> from sessionstate.models.dreamzero._model import DreamZeroModel
+    >>> model = DreamZeroModel(DreamZeroConfig.preset("tiny"), "cpu", "cpu")
+    >>> path = ManagedPath(model, resolve_session_state_config(None, {}))
+    >>> path.session_ids(), path.stats()["max_sessions"]
+    ([], 64)
+    """
+
+    def __init__(self, model: DreamZeroModel, settings: SessionStateSettings) -> None:
+        self.model = model
+        budget = settings.max_bytes
+        self.manager = SessionStateManager[DreamZeroSession](
+            settings.max_sessions,
+            on_full=settings.on_full,
+            check_immutable=settings.check_immutable,
+            max_bytes={_device_key(model.device): budget} if isinstance(budget, int) else budget,
+            park_tier=settings.park_tier,
+            spool_dir=settings.spool_dir,
+        )
+        # Engine-owned: the path owns the pool, records hold handles to its blocks.
+        self.kv_pool: KVPool = kv_cache.build_kv_pool(
+            model.cfg, model.device, settings.max_sessions
+        )
+
+    def forward(
+        self, obs: Observation, session_id: Hashable, begin: bool | None
+    ) -> DreamZeroOutput:
+        """One step of ``session_id``; see `DreamZeroPipeline.forward`."""
+        state = None if begin else self.manager.get(session_id)
+        if state is None:
+            if begin is False:
+                raise SessionStateLostError(lost_continuation(session_id))
+            state = self.new_session()
+        # A failed step returns the KV blocks it took, so the pool is as it was too.
+        with self.kv_pool.transaction():
+            state, out = self.step(state, obs)
+            # Published only after the whole step succeeded: a failed step leaves the
+            # stored record (or the absence of one) exactly as it was.
+            self.manager.put(session_id, state)
+        return out
+
+    def new_session(self) -> DreamZeroSession:
+        """An empty session for this model's geometry."""
+        return new_session(self.model.cfg)
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session; returns whether it was held."""
+        return self.manager.drop(session_id)
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return self.manager.session_ids()
+
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
+        """Every value the session holds, by name (without touching LRU order)."""
+        state = self.manager.peek(session_id)
+        if state is None:
+            raise SessionStateLostError(unknown_session(session_id))
+        # A parked session is read through a resident copy; the stored record stays parked.
+        return state.unpark().values()
+
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
+        """Every latent chunk generated for the session, joined along time (None if none)."""
+        latents = self.session_values(session_id)["video_latents_across_time"]
+        assert isinstance(latents, LatentBuffer)
+        return latents.concat() if len(latents) else None
+
+    def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
+        """Empty the session's accumulated video latents; marks it most recently used."""
+        state = self.manager.peek(session_id)
+        if state is None:
+            raise SessionStateLostError(unknown_session(session_id))
+        # A parked session is unparked to change it; `put` applies the budget again.
+        state = state.unpark().update_object("video_latents_across_time", lambda b: b.reset())
+        self.manager.put(session_id, state)
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()`."""
+        return self.manager.stats()
+
+    def step(
+        self, state: DreamZeroSession, obs: Observation
+    ) -> tuple[DreamZeroSession, DreamZeroOutput]:
+        """``step(state, obs) -> (state, out)``: pure; ``state`` is left unchanged."""
+        model = self.model
+        nets, cfg = model.nets, model.cfg
+        stitched = stitch_views(obs, cfg).to(model.device)
+        tokens = nets.tokenize(obs.prompt)
+        reason = reset_reason(
+            state.language, tokens, state.current_start_frame, cfg.local_attn_size
+        )
+        if reason == "session":
+            state = self.new_session()
+        elif reason == "inference":
+            state = window_reset(state)
+        state = state.with_attrs(language=tokens)
+
+        call_count = state.call_count + 1
+        state = state.update_object("stitched_buffer", lambda b: b.commit(stitched))
+        state = state.with_attrs(call_count=call_count)
+        frames = frames_for_model(list(state.stitched_buffer.view()), call_count == 1, nets.dtype)
+
+        if state.prompt_embeds is None:
+            state = state.with_attrs(prompt_embeds=nets.encode_prompt(tokens))
+
+        csf = state.current_start_frame
+        if csf == 0:
+            clip_feas, ys, cond_latent = nets.encode_image(conditioning_frame(frames))
+            if state.vae_stream_initialized:
+                state = self._stream_append(state, frames[:, :, -1:])
+            else:
+                state = self._stream_seed(state, frames[:, :, :1])
+            state = state.with_attrs(clip_feas=clip_feas, ys=ys)
+            ref = cond_latent
+            csf = 1
+        else:
+            state = self._stream_append(state, frames[:, :, -1:])
+            ref = nets.observation_latents(
+                state.vae_encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
+            )
+        previous = None if state.current_start_frame == 0 else state.kv_cache  # `_kv_create`
+        handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
+        state = state.with_attrs(kv_cache=handle)
+        assert state.ys is not None
+        assert state.clip_feas is not None
+        assert state.prompt_embeds is not None
+        video, out = model.generate(
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read()
+        )
+        state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
+        # A copy, so the caller's `out.video_latents` can never reach the session's history.
+        host_latents = video.detach().to(model.host_device, copy=True)
+        state = state.update_object("video_latents_across_time", lambda b: b.commit(host_latents))
+        return state, attrs.evolve(out, reset=reason)
+
+    def _stream_seed(self, state: DreamZeroSession, first: torch.Tensor) -> DreamZeroSession:
+        nets = self.model.nets
+        out, feat_map = nets.encode_chunk(first, nets.init_feat_map())
+        state = state.update_object("vae_encoder_out", lambda b: b.reset().commit(out))
+        state = state.update_object("vae_enc_feat_map", _replacer(feat_map))
+        return state.with_attrs(vae_pending_body_frames=None, vae_stream_initialized=True)
+
+    def _stream_append(self, state: DreamZeroSession, frame: torch.Tensor) -> DreamZeroSession:
+        pending = state.vae_pending_body_frames
+        # A lone frame is cloned: as a slice of the 4-frame model input it would keep all
+        # four frames alive.
+        pending = frame.clone() if pending is None else torch.cat([pending, frame], dim=2)
+        feat_map = state.vae_enc_feat_map
+        assert feat_map is not None
+        while pending is not None and pending.shape[2] >= BODY_FRAMES:
+            body, rest = pending[:, :, :BODY_FRAMES], pending[:, :, BODY_FRAMES:]
+            out, feat_map = self.model.nets.encode_chunk(body, feat_map)
+            state = state.update_object("vae_encoder_out", _committer(out))
+            pending = rest if rest.shape[2] else None
+        state = state.update_object("vae_enc_feat_map", _replacer(feat_map))
+        return state.with_attrs(vae_pending_body_frames=pending)

@@ -1,0 +1,128 @@
+"""The model code both DreamZero session paths run: networks, geometry, the denoising step.
+
+Nothing here holds session state: a path passes in what its session holds and keeps what
+comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import attrs
+import torch
+
+from sessionstate.models.dreamzero.config import DreamZeroConfig
+from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
+from sessionstate.models.dreamzero.transform import Observation
+
+__all__ = [
+    "BODY_FRAMES",
+    "DreamZeroModel",
+    "DreamZeroOutput",
+    "conditioning_frame",
+    "lost_continuation",
+    "unknown_session",
+]
+
+BODY_FRAMES = 4
+"""Pixel frames the VAE encoder takes per body chunk after the seed frame."""
+
+
+@attrs.frozen(eq=False)
+class DreamZeroOutput:
+    """What one forward returns: the action chunk and the newly generated video latents."""
+
+    actions: torch.Tensor
+    video_latents: torch.Tensor
+    reset: str | None
+
+
+def unknown_session(session_id: Hashable) -> str:
+    """The message for a lookup of a session that is not held.
+
+    >>> unknown_session("a").startswith("DreamZero session 'a' is not held")
+    True
+    """
+    return (
+        f"DreamZero session {session_id!r} is not held (never started, dropped or evicted); "
+        "call `forward(obs, session_id)` to start it."
+    )
+
+
+def lost_continuation(session_id: Hashable) -> str:
+    """The message for ``forward(..., begin=False)`` of a session that is not held.
+
+    >>> lost_continuation("a").startswith("Cannot continue DreamZero session 'a'")
+    True
+    """
+    return (
+        f"Cannot continue DreamZero session {session_id!r}: it is not held (never started, "
+        "dropped or evicted), so its state is lost. Start it again with "
+        f"`forward(obs, {session_id!r}, begin=True)`, or raise the session cap."
+    )
+
+
+def conditioning_frame(frames: torch.Tensor) -> torch.Tensor:
+    """The frame a window is conditioned on: the last when T is 4 or 9, else the first.
+
+    >>> conditioning_frame(torch.arange(4.0).view(1, 1, 4)).tolist()
+    [[[3.0]]]
+    """
+    t = frames.shape[2]
+    return frames[:, :, -1:] if t in (4, 9) else frames[:, :, :1]
+
+
+def _ys_slice(ys: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    if start + n <= ys.shape[2]:
+        return ys[:, :, start : start + n]
+    return ys[:, :, ys.shape[2] - n :]
+
+
+class DreamZeroModel:
+    """The networks and geometry both paths share, and the stateless denoising step.
+
+    Args:
+        cfg: The model's geometry.
+        device: Where the networks and per-step tensors live.
+        host_device: Where accumulated video latents are kept.
+
+    >>> from sessionstate.models.dreamzero import DreamZeroConfig
+    >>> model = DreamZeroModel(DreamZeroConfig.preset("tiny"), "cpu", "cpu")
+    >>> model.cfg.num_frame_per_block, model.device
+    (2, device(type='cpu'))
+    """
+
+    def __init__(
+        self, cfg: DreamZeroConfig, device: torch.device | str, host_device: torch.device | str
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.host_device = torch.device(host_device)
+        self.nets: DreamZeroNetworks = build_networks(cfg, self.device)
+
+    def generate(
+        self,
+        ref: torch.Tensor,
+        ys: torch.Tensor,
+        clip_feas: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        csf: int,
+        obs: Observation,
+        kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, DreamZeroOutput]:
+        """Denoise the next block and post-process the actions (both paths, no state).
+
+        Returns:
+            The block's video latents (with the window's conditioning latent in front on its
+            first block) and the step's output (``reset`` left None for the caller to set).
+        """
+        n = self.cfg.num_frame_per_block
+        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv)
+        if csf == 1:  # the window's first block carries its conditioning latent in front
+            video = torch.cat([ref, video], dim=2)
+        out = DreamZeroOutput(
+            actions=self.nets.postprocess_actions(actions, obs.state.to(self.device)),
+            video_latents=video,
+            reset=None,
+        )
+        return video, out
