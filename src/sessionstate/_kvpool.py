@@ -42,6 +42,7 @@ import attrs
 import torch
 
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
+from sessionstate._checks import is_int
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
 from sessionstate._kvcodec import restore_handles, snapshot_payload
 from sessionstate._snapshot import register_snapshot_leaf
@@ -201,7 +202,7 @@ class KVPool:
         name: str = "kv_pool",
     ) -> None:
         for arg, value in (("num_blocks", num_blocks), ("block_tokens", block_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 msg = f"`{arg}` must be a positive int, got {value!r} ({type(value).__name__})."
                 raise ValueError(msg)
         self.name = name

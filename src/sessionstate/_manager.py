@@ -13,6 +13,7 @@ import torch
 
 from sessionstate._budget import BudgetedTable, SessionT, check_max_bytes
 from sessionstate._budget import OnFull as OnFull
+from sessionstate._checks import is_int
 from sessionstate._errors import SessionStateLostError
 from sessionstate._guard import ImmutabilityGuard
 from sessionstate._ids import check_session_id as check_session_id
@@ -90,7 +91,7 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
                 f"({type(check_immutable).__name__})."
             )
             raise TypeError(msg)
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
+        if not is_int(max_sessions) or max_sessions <= 0:
             msg = (
                 f"`max_sessions` must be a positive int, got {max_sessions!r} "
                 f"({type(max_sessions).__name__}); the default is {DEFAULT_MAX_SESSIONS}."
@@ -141,7 +142,7 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
         >>> m.raise_max_sessions(8), m.raise_max_sessions(4), m.max_sessions
         (True, False, 8)
         """
-        if isinstance(n, bool) or not isinstance(n, int):
+        if not is_int(n):
             msg = (
                 f"`max_sessions` must be a positive int, got {n!r} ({type(n).__name__}); "
                 "pass the new cap as an int."

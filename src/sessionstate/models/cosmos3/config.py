@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from sessionstate import MissingKeyError
+from sessionstate._checks import is_int
 
 __all__ = ["MAX_COSMOS3_SESSIONS", "PRESETS", "Cosmos3Config"]
 
@@ -25,13 +26,13 @@ def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: objec
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         msg = f"`{attribute.name}` must be a positive int, got {value!r} ({type(value).__name__})."
         raise ValueError(msg)
 
 
 def _check_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         msg = f"`{attribute.name}` must be an int, got {value!r} ({type(value).__name__})."
         raise TypeError(msg)
 

@@ -38,6 +38,7 @@ from sessionstate import (
     nbytes_by_device,
     resolve_session_state_config,
 )
+from sessionstate._checks import is_int
 from sessionstate._manager import check_session_id  # the manager's session-id rule
 from sessionstate.models.cosmos3.config import MAX_COSMOS3_SESSIONS, Cosmos3Config
 from sessionstate.models.cosmos3.networks import (
@@ -125,11 +126,7 @@ class Cosmos3Pipeline:
         max_bespoke_sessions: int = MAX_COSMOS3_SESSIONS,
         bespoke_session_keyed: bool = True,
     ) -> None:
-        if (
-            isinstance(max_bespoke_sessions, bool)
-            or not isinstance(max_bespoke_sessions, int)
-            or max_bespoke_sessions <= 0
-        ):
+        if not is_int(max_bespoke_sessions) or max_bespoke_sessions <= 0:
             msg = (
                 f"`max_bespoke_sessions` must be a positive int, got {max_bespoke_sessions!r}; "
                 f"the bespoke path's cap is {MAX_COSMOS3_SESSIONS} upstream."

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from sessionstate import MissingKeyError
+from sessionstate._checks import is_int
 
 __all__ = ["FRAMES_PER_CHUNK", "MAX_DREAMZERO_SESSIONS", "PRESETS", "DreamZeroConfig"]
 
@@ -38,7 +39,7 @@ def _check_crop(instance: object, attribute: attrs.Attribute[Any], value: object
 
 
 def _check_window(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and value != -1):
+    if not is_int(value) or (value <= 0 and value != -1):
         msg = (
             f"`local_attn_size` must be a positive int (latent frames per window) or -1 (no "
             f"window resets), got {value!r} ({type(value).__name__})."
@@ -47,13 +48,13 @@ def _check_window(instance: object, attribute: attrs.Attribute[Any], value: obje
 
 
 def _check_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         msg = f"`{attribute.name}` must be an int, got {value!r} ({type(value).__name__})."
         raise TypeError(msg)
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         msg = f"`{attribute.name}` must be a positive int, got {value!r} ({type(value).__name__})."
         raise ValueError(msg)
 

@@ -27,6 +27,7 @@ from sessionstate import (
     SessionStateSettings,
     resolve_session_state_config,
 )
+from sessionstate._checks import is_int
 from sessionstate._ids import check_session_id
 from sessionstate.models.dreamzero._bespoke import BespokePath
 from sessionstate.models.dreamzero._managed import ManagedPath
@@ -76,11 +77,7 @@ class DreamZeroPipeline:
         host_device: torch.device | str = "cpu",
         max_bespoke_sessions: int = MAX_DREAMZERO_SESSIONS,
     ) -> None:
-        if (
-            isinstance(max_bespoke_sessions, bool)
-            or not isinstance(max_bespoke_sessions, int)
-            or max_bespoke_sessions <= 0
-        ):
+        if not is_int(max_bespoke_sessions) or max_bespoke_sessions <= 0:
             msg = (
                 f"`max_bespoke_sessions` must be a positive int, got {max_bespoke_sessions!r}; "
                 f"the bespoke path's cap is {MAX_DREAMZERO_SESSIONS} upstream."
