@@ -1,0 +1,191 @@
+"""The bespoke Cosmos3 path: mutable `Cosmos3State` objects changed in place.
+
+As upstream: a capped OrderedDict of sessions (`BespokeSessionTable`), and the encode-once
+conditioning (the reasoner's K/V of both guidance branches, the RoPE tables) on the
+transformer instance, as its ``cached_kv`` fields. One instance serves every session, so its
+cache belongs to whichever session wrote it last. With ``session_keyed=True`` the cache
+remembers that session's id and a step of any other session drops and re-encodes it: correct,
+but interleaved sessions re-encode on every switch. With ``session_keyed=False`` the cache is
+dropped only when a session resets (a new or changed prompt), so a session that continues
+after another one ran reads the other session's K/V: the interleaving hazard.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from sessionstate import KVPair, MissingKeyError, nbytes_by_device
+from sessionstate.models.cosmos3._model import (
+    Cosmos3Model,
+    Cosmos3Output,
+    Cosmos3Request,
+    prompt_changed,
+    unknown_session,
+)
+from sessionstate.models.cosmos3.networks import GenerationBlock, GenerationTransformer
+from sessionstate.models.cosmos3.state import Cosmos3State
+
+__all__ = ["BespokePath", "BespokeSessionTable", "instance_cache"]
+
+
+def instance_cache(transformer: GenerationTransformer) -> tuple[dict[str, KVPair], ...]:
+    """The transformer instance's K/V cache: every block's ``cached_kv``, in layer order.
+
+    >>> from sessionstate.models.cosmos3 import Cosmos3Config
+    >>> from sessionstate.models.cosmos3.networks import build_networks
+    >>> nets = build_networks(Cosmos3Config.preset("tiny"))
+    >>> instance_cache(nets.transformer)
+    ({}, {}, {})
+    """
+    blocks = transformer.blocks
+    return tuple(dict(b.cached_kv) for b in blocks if isinstance(b, GenerationBlock))
+
+
+class BespokeSessionTable:
+    """Session id to mutable state, least recently used first, capped as upstream.
+
+    Counts hits, misses and evictions the way the manager counts them.
+
+    Args:
+        max_sessions: The cap; a new session beyond it evicts the least recently used one.
+        context_chunks: How many context chunks a new session's state keeps.
+
+    >>> table = BespokeSessionTable(1, 2)
+    >>> first = table.state("a")
+    >>> table.state("a") is first, table.counts
+    (True, {'hits': 1, 'misses': 1, 'evictions': 0})
+    """
+
+    def __init__(self, max_sessions: int, context_chunks: int) -> None:
+        self.states: OrderedDict[Hashable, Cosmos3State] = OrderedDict()
+        self.max_sessions = max_sessions
+        self.context_chunks = context_chunks
+        self.counts = {"hits": 0, "misses": 0, "evictions": 0}
+
+    def state(self, session_id: Hashable) -> Cosmos3State:
+        """The session's state to step: held (now most recently used), or new."""
+        states = self.states
+        state = states.get(session_id)
+        if state is None:
+            self.counts["misses"] += 1
+            state = Cosmos3State(self.context_chunks)
+            states[session_id] = state
+            if len(states) > self.max_sessions:
+                states.popitem(last=False)
+                self.counts["evictions"] += 1
+        else:
+            self.counts["hits"] += 1
+            states.move_to_end(session_id)
+        return state
+
+
+class BespokePath:
+    """Sessions as mutable `Cosmos3State` objects, the K/V on the transformer instance.
+
+    Args:
+        model: The networks and geometry.
+        max_sessions: The table's cap.
+        session_keyed: Whether the instance cache remembers the session it was encoded for
+            and re-encodes for any other (see the module docs).
+
+    >>> from sessionstate.models.cosmos3 import Cosmos3Config
+    >>> from sessionstate.models.cosmos3._model import Cosmos3Model
+    >>> model = Cosmos3Model(Cosmos3Config.preset("tiny"), "cpu", "cpu")
+    >>> BespokePath(model, 4, session_keyed=True).stats()["max_sessions"]
+    4
+    """
+
+    def __init__(self, model: Cosmos3Model, max_sessions: int, *, session_keyed: bool) -> None:
+        self.model = model
+        self.table = BespokeSessionTable(max_sessions, model.cfg.context_chunks)
+        self.session_keyed = session_keyed
+
+    def forward(self, request: Cosmos3Request, session_id: Hashable) -> Cosmos3Output:
+        """One step of ``session_id``; see `Cosmos3Pipeline.forward`."""
+        model = self.model
+        nets = model.nets
+        tr = nets.transformer
+        state = self.table.state(session_id)
+        texts = model.texts(request)
+        if self.session_keyed and tr.cached_kv_key != session_id:
+            tr.clear_cached_kv()
+            tr.cached_kv_key = session_id
+        reason = None
+        if prompt_changed(
+            state.prompt_tokens, state.negative_tokens, texts["cond"], texts["uncond"]
+        ):
+            reason = "session"
+            state.reset()
+            tr.clear_cached_kv()
+        state.prompt_tokens, state.negative_tokens = texts["cond"], texts["uncond"]
+        if tr.cached_rope is None:
+            tr.cached_rope = nets.rope()
+
+        def kv_for(branch: str) -> Sequence[KVPair]:
+            blocks = [b for b in tr.blocks if isinstance(b, GenerationBlock)]
+            if any(branch not in b.cached_kv for b in blocks):
+                encoded = model.encode_branch(texts[branch])
+                for block, pair in zip(blocks, encoded, strict=True):
+                    block.cached_kv.setdefault(branch, pair)
+            return [b.cached_kv[branch] for b in blocks]
+
+        ctx = state.context_latents
+        context = torch.cat(list(ctx), dim=2) if ctx else nets.empty_context()
+        latents = model.denoise(state.chunk_count, context, request.control, tr.cached_rope, kv_for)
+        state.context_latents.append(latents)
+        state.video_latents.append(latents.detach().to(model.host_device, copy=True))
+        state.chunk_count += 1
+        return Cosmos3Output(video_latents=latents, reset=reason)
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session; returns whether it was held."""
+        return self.table.states.pop(session_id, None) is not None
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return list(self.table.states)
+
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
+        """Every value the session holds or reads, by name (without touching LRU order).
+
+        ``text_kv`` and ``rope_freqs`` are the transformer instance's cache (shared by every
+        session: what the next step of any session would read).
+        """
+        if session_id not in self.table.states:
+            raise MissingKeyError(unknown_session(session_id))
+        s = self.table.states[session_id]
+        tr = self.model.nets.transformer
+        return {
+            "text_kv": instance_cache(tr),
+            "context_latents": tuple(s.context_latents),
+            "video_latents": tuple(s.video_latents),
+            "rope_freqs": tr.cached_rope,
+            "prompt_tokens": s.prompt_tokens,
+            "negative_tokens": s.negative_tokens,
+            "chunk_count": s.chunk_count,
+        }
+
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
+        """Every chunk generated for the session, joined along time (None if none)."""
+        if session_id not in self.table.states:
+            raise MissingKeyError(unknown_session(session_id))
+        chunks = self.table.states[session_id].video_latents
+        return torch.cat(chunks, dim=2) if chunks else None
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()` keys, computed by hand (the sessions' values plus the
+        instance's cache, each storage once)."""
+        states = self.table.states
+        held = [self.session_values(sid) for sid in states]
+        totals = nbytes_by_device(held) if held else {}
+        out = {
+            "sessions": len(states),
+            "max_sessions": self.table.max_sessions,
+            **self.table.counts,
+        }
+        out["total_nbytes"] = sum(totals.values())
+        out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
+        return out

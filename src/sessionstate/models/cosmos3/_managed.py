@@ -1,0 +1,137 @@
+"""The managed Cosmos3 path: a pure step over an immutable `Cosmos3Session`.
+
+``step(state, request) -> (state, out)`` never changes ``state``; `forward` reads the latest
+record from a `SessionStateManager`, steps it, and stores the result only when the whole step
+succeeded. The session's `EncodeOnceKV` is encoded once per session (layer by layer, staged,
+read back by the step's own denoising loop, committed when the step succeeded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from sessionstate import KVPair, MissingKeyError, SessionStateManager, SessionStateSettings
+from sessionstate.models.cosmos3._model import (
+    Cosmos3Model,
+    Cosmos3Output,
+    Cosmos3Request,
+    prompt_changed,
+    unknown_session,
+)
+from sessionstate.models.cosmos3.state import BRANCHES, Cosmos3Session, new_session
+
+__all__ = ["ManagedPath"]
+
+
+class ManagedPath:
+    """Sessions as immutable records in a `SessionStateManager`, stepped by a pure step.
+
+    Args:
+        model: The networks and geometry.
+        settings: The resolved session-state settings (the cap and the immutability guard).
+
+    >>> from sessionstate import resolve_session_state_config
+    >>> from sessionstate.models.cosmos3 import Cosmos3Config
+    >>> from sessionstate.models.cosmos3._model import Cosmos3Model
+    >>> model = Cosmos3Model(Cosmos3Config.preset("tiny"), "cpu", "cpu")
+    >>> path = ManagedPath(model, resolve_session_state_config(None, {}))
+    >>> path.session_ids(), path.stats()["max_sessions"]
+    ([], 64)
+    """
+
+    def __init__(self, model: Cosmos3Model, settings: SessionStateSettings) -> None:
+        self.model = model
+        self.manager = SessionStateManager[Cosmos3Session](
+            settings.max_sessions, check_immutable=settings.check_immutable
+        )
+
+    def forward(self, request: Cosmos3Request, session_id: Hashable) -> Cosmos3Output:
+        """One step of ``session_id``; see `Cosmos3Pipeline.forward`."""
+        state = self.manager.get(session_id)
+        if state is None:
+            state = self.new_session()
+        state, out = self.step(state, request)
+        # Published only after the whole step succeeded.
+        self.manager.put(session_id, state)
+        return out
+
+    def new_session(self) -> Cosmos3Session:
+        """An empty session for this model's geometry."""
+        return new_session(self.model.cfg)
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session; returns whether it was held."""
+        return self.manager.drop(session_id)
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return self.manager.session_ids()
+
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
+        """Every value the session holds, by name (without touching LRU order)."""
+        return self._peek(session_id).values()
+
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
+        """Every chunk generated for the session, joined along time (None if none)."""
+        chunks = self._peek(session_id).video_latents.view()
+        return torch.cat(chunks, dim=2) if chunks else None
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()`."""
+        return self.manager.stats()
+
+    def _peek(self, session_id: Hashable) -> Cosmos3Session:
+        state = self.manager.peek(session_id)
+        if state is None:
+            raise MissingKeyError(unknown_session(session_id))
+        return state
+
+    def step(
+        self, state: Cosmos3Session, request: Cosmos3Request
+    ) -> tuple[Cosmos3Session, Cosmos3Output]:
+        """``step(state, request) -> (state, out)``: pure; ``state`` is left unchanged.
+
+        The K/V is encoded on the session's first denoising step, one layer at a time, and
+        staged; the step's own later denoising steps read it back with
+        ``include_staged=True``; it is committed only once the chunk is generated.
+        """
+        model = self.model
+        nets, cfg = model.nets, model.cfg
+        texts = model.texts(request)
+        reason = None
+        if prompt_changed(
+            state.prompt_tokens, state.negative_tokens, texts["cond"], texts["uncond"]
+        ):
+            reason = "session"
+            state = self.new_session()
+        state = state.with_attrs(prompt_tokens=texts["cond"], negative_tokens=texts["uncond"])
+        if state.rope_freqs is None:
+            state = state.with_attrs(rope_freqs=nets.rope())
+        rope = state.rope_freqs
+        assert rope is not None
+
+        kv = state.text_kv
+        if not kv.is_allocated:  # evicted: the prompt tokens are the recompute source
+            kv = kv.allocate(num_layers=cfg.num_layers, branches=BRANCHES)
+
+        def kv_for(branch: str) -> Sequence[KVPair]:
+            nonlocal kv
+            if kv.missing_layers(branch, include_staged=True):
+                for i, pair in enumerate(model.encode_branch(texts[branch])):
+                    kv = kv.stage({branch: {i: pair}})
+            pairs: tuple[KVPair, ...] = kv.view(branch, include_staged=True)
+            return pairs
+
+        ring = state.context_latents
+        context = ring.concat() if len(ring) else nets.empty_context()
+        latents = model.denoise(state.chunk_count, context, request.control, rope, kv_for)
+        if kv.has_staged:
+            kv = kv.commit()
+        state = state.with_object("text_kv", kv)
+        state = state.update_object("context_latents", lambda b: b.commit(latents))
+        host = latents.detach().to(model.host_device, copy=True)
+        state = state.update_object("video_latents", lambda b: b.commit(host))
+        state = state.with_attrs(chunk_count=state.chunk_count + 1)
+        return state, Cosmos3Output(video_latents=latents, reset=reason)

@@ -1,0 +1,131 @@
+"""The model code both Cosmos3 session paths run: networks, prompts, the denoising loop.
+
+Nothing here holds session state: a path passes in what its session holds (the context, the
+RoPE tables, a source of each guidance branch's K/V) and keeps what comes back. Where the
+encode-once K/V lives is the one thing the paths do differently, so the denoising loop reads
+it through ``kv_for(branch)`` and the path encodes on the first read with `encode_branch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+
+import attrs
+import torch
+
+from sessionstate import KVPair
+from sessionstate.models.cosmos3.config import Cosmos3Config
+from sessionstate.models.cosmos3.networks import Cosmos3Networks, build_networks
+
+__all__ = [
+    "Cosmos3Model",
+    "Cosmos3Output",
+    "Cosmos3Request",
+    "KVSource",
+    "prompt_changed",
+    "unknown_session",
+]
+
+KVSource = Callable[[str], Sequence[KVPair]]
+"""``kv_for(branch)``: every layer's K/V pair of one guidance branch, in layer order."""
+
+
+@attrs.frozen(eq=False)
+class Cosmos3Request:
+    """One streaming step's input: the prompts and a control vector (e.g. a camera action)."""
+
+    prompt: str
+    control: torch.Tensor
+    negative_prompt: str = ""
+
+
+@attrs.frozen(eq=False)
+class Cosmos3Output:
+    """What one forward returns: the chunk's latents, and ``"session"`` if it reset."""
+
+    video_latents: torch.Tensor
+    reset: str | None
+
+
+def unknown_session(session_id: Hashable) -> str:
+    """The message for a lookup of a session that is not held.
+
+    >>> unknown_session("a").startswith("Cosmos3 session 'a' is not held")
+    True
+    """
+    return (
+        f"Cosmos3 session {session_id!r} is not held (never started, dropped or evicted); "
+        "call `forward(request, session_id)` to start it."
+    )
+
+
+def prompt_changed(
+    held: torch.Tensor | None,
+    held_negative: torch.Tensor | None,
+    tokens: torch.Tensor,
+    neg: torch.Tensor,
+) -> bool:
+    """The reset rule: a session resets when it has no prompt yet or either prompt changed.
+
+    >>> t = torch.tensor([[1, 2]])
+    >>> prompt_changed(None, None, t, t), prompt_changed(t, t, t, t)
+    (True, False)
+    """
+    if held is None or held_negative is None:
+        return True
+    return not (torch.equal(held, tokens) and torch.equal(held_negative, neg))
+
+
+class Cosmos3Model:
+    """The networks and geometry both paths share, and the stateless denoising loop.
+
+    Args:
+        cfg: The model's geometry.
+        device: Where the networks and per-step tensors live.
+        host_device: Where accumulated video latents are kept.
+
+    >>> from sessionstate.models.cosmos3 import Cosmos3Config
+    >>> model = Cosmos3Model(Cosmos3Config.preset("tiny"), "cpu", "cpu")
+    >>> model.cfg.num_layers, model.encodes
+    (3, 0)
+    """
+
+    def __init__(
+        self, cfg: Cosmos3Config, device: torch.device | str, host_device: torch.device | str
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.host_device = torch.device(host_device)
+        self.nets: Cosmos3Networks = build_networks(cfg, self.device)
+        self.encodes = 0
+        """Prompt encodings run so far (one per branch encoded)."""
+
+    def texts(self, request: Cosmos3Request) -> dict[str, torch.Tensor]:
+        """The token ids of each guidance branch: the prompt and the negative prompt."""
+        return {
+            "cond": self.nets.tokenize(request.prompt),
+            "uncond": self.nets.tokenize(request.negative_prompt),
+        }
+
+    def encode_branch(self, tokens: torch.Tensor) -> Iterator[KVPair]:
+        """Encode one branch's tokens, layer by layer, counting the encoding in `encodes`."""
+        self.encodes += 1
+        return self.nets.encode_layers(tokens)
+
+    def denoise(
+        self,
+        chunk_index: int,
+        context: torch.Tensor,
+        control: torch.Tensor,
+        rope: torch.Tensor,
+        kv_for: KVSource,
+    ) -> torch.Tensor:
+        """Denoise one chunk with guidance; ``kv_for(branch)`` supplies each branch's K/V."""
+        nets = self.nets
+        latents = nets.noise(chunk_index)
+        control = control.to(device=self.device, dtype=nets.dtype)
+        for sigma, sigma_next in zip(nets.sigmas[:-1], nets.sigmas[1:], strict=True):
+            cond, uncond = kv_for("cond"), kv_for("uncond")
+            v = nets.guided_velocity(latents, sigma, context, control, rope, cond, uncond)
+            latents = latents + (sigma_next - sigma) * v
+        return latents
