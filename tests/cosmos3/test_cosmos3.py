@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from sessionstate import (
     ENV_ENABLE,
     ENV_MAX_SESSIONS,
     EncodeOnceKV,
+    SessionStateLostError,
     tree_equal,
     tree_map,
 )
@@ -235,3 +237,16 @@ def test_ab_model_cosmos3_reports_identical() -> None:
     assert report["outputs_compared"] == 2 * 4 * 3 + 3
     held = {name: path["nbytes_by_device"]["cpu"] for name, path in report["paths"].items()}
     assert held["bespoke"] < held["managed"]  # per-session K/V vs one instance cache
+
+
+@pytest.mark.parametrize("environ", [ON, OFF], ids=["managed", "bespoke"])
+def test_readers_of_a_session_not_held_raise_session_state_lost(environ: dict[str, str]) -> None:
+    pipe = _pipe(environ)
+    msg = (
+        "Cosmos3 session 'gone' is not held (never started, dropped or evicted); "
+        "call `forward(request, session_id)` to start it."
+    )
+    for read in (pipe.session_values, pipe.video_latents):
+        with pytest.raises(SessionStateLostError, match=re.escape(msg)):
+            read("gone")
+    assert pipe.session_ids() == []  # nothing was created

@@ -17,7 +17,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from sessionstate import KVPair, MissingKeyError, nbytes_by_device
+from sessionstate import KVPair, SessionStateLostError, nbytes_by_device
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
@@ -155,7 +155,7 @@ class BespokePath:
         session: what the next step of any session would read).
         """
         if session_id not in self.table.states:
-            raise MissingKeyError(unknown_session(session_id))
+            raise SessionStateLostError(unknown_session(session_id))
         s = self.table.states[session_id]
         tr = self.model.nets.transformer
         return {
@@ -171,7 +171,7 @@ class BespokePath:
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every chunk generated for the session, joined along time (None if none)."""
         if session_id not in self.table.states:
-            raise MissingKeyError(unknown_session(session_id))
+            raise SessionStateLostError(unknown_session(session_id))
         chunks = self.table.states[session_id].video_latents
         return torch.cat(chunks, dim=2) if chunks else None
 

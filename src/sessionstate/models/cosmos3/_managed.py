@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from sessionstate import KVPair, MissingKeyError, SessionStateManager, SessionStateSettings
+from sessionstate import KVPair, SessionStateLostError, SessionStateManager, SessionStateSettings
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
@@ -85,7 +85,7 @@ class ManagedPath:
     def _peek(self, session_id: Hashable) -> Cosmos3Session:
         state = self.manager.peek(session_id)
         if state is None:
-            raise MissingKeyError(unknown_session(session_id))
+            raise SessionStateLostError(unknown_session(session_id))
         return state
 
     def step(
