@@ -44,6 +44,7 @@ NOTES = {
     "call_count": "counter",
     "current_start_frame": "counter",
     "vae_stream_initialized": "flag",
+    "kv_cache": "denoiser K/V of the window's frames: blocks of the engine's paged pool",
     "text_kv": "reasoner K/V of every layer, prompt and negative prompt; encoded once",
     "context_latents": "ring of the last generated chunk(s): the next chunk's context",
     "video_latents": "every generated chunk, on the host",

@@ -217,7 +217,7 @@ assert sum(library(cases[n][0]) != naive(cases[n][0]) for n in cases) >= 6
 assert set(by_pointer) == {0}
 assert sum(by_pointer.values()) == 1024
 assert ss.nbytes_by_device(metas) == {"meta": 4096}
-# The deploy geometry on meta: the figures the feature description quotes.
+# The deploy geometry on meta: the figures the size table in the docs states.
 assert held["managed"]["vae_enc_feat_map"] == 632586240  # bytes
 assert held["managed"]["vae_enc_feat_map"] / MiB == 603.28125
 assert sum(t is not None for t in feat_map) == 24
