@@ -22,12 +22,19 @@ import attrs
 import torch
 from typing_extensions import TypeVar
 
-from sessionstate._accounting import StorageEntry, count_entries, storage_entries
+from sessionstate._accounting import (
+    StorageEntry,
+    _RefusedError,
+    _storages,
+    count_entries,
+    storage_entries,
+)
 from sessionstate._errors import ParkingError, SessionAdmissionError, UnsupportedTensorError
 from sessionstate._ledger import Ledger, parse_nbytes
 from sessionstate._objects import ParkedObject
 from sessionstate._park import ParkedBytes, Tier
 from sessionstate._session import SessionState
+from sessionstate._tree import tree_leaves
 
 __all__ = ["BudgetedTable", "OnFull", "SessionT", "check_max_bytes"]
 
@@ -38,8 +45,12 @@ OnFull = Literal["evict", "refuse"]
 SessionT = TypeVar("SessionT", bound=SessionState, default=SessionState)
 """The record type a manager holds; `SessionState` when the manager is not parameterised."""
 
-# A stored value (an object or attribute of a session) and the storages it reaches.
-_Item = tuple[object, list[StorageEntry]]
+# A stored value (an object or attribute of a session), the storages it reaches, and the same
+# per distinct leaf object: `id(leaf) -> (leaf, its entries)`. A value that changed is walked
+# leaf by leaf, and a leaf the previous version of the value held already (a committed chunk
+# of a growing buffer) reuses its entries and its place in the ledger.
+_Leaf = tuple[object, list[StorageEntry]]
+_Item = tuple[object, list[StorageEntry], dict[int, _Leaf]]
 _Values = dict[tuple[str, str], _Item]
 _EXTRA_FIELDS: dict[type, tuple[str, ...]] = {}
 
@@ -59,8 +70,30 @@ def _value_items(state: SessionState) -> list[tuple[tuple[str, str], object]]:
     return items
 
 
-def _distinct_storages(value: object) -> list[StorageEntry]:
-    return list({entry[1]: entry for entry in storage_entries(value)}.values())
+def _walk(value: object, previous: _Item | None) -> _Item:
+    """``value``'s item, reusing the entries of leaves ``previous`` (its earlier version) held.
+
+    Raises:
+        UnsupportedTensorError: for a leaf the accounting cannot count (naming its key path
+            inside ``value``).
+    """
+    held = previous[2] if previous is not None else {}
+    leaves: dict[int, _Leaf] = {}
+    entries: list[StorageEntry] = []
+    for leaf in tree_leaves(value):
+        key = id(leaf)
+        if key in leaves:
+            continue
+        known = held.get(key)
+        if known is None or known[0] is not leaf:
+            try:
+                known = (leaf, list(_storages(leaf)))
+            except _RefusedError:
+                storage_entries(value)  # raises, naming the leaf's key path
+                raise
+        leaves[key] = known
+        entries.extend(known[1])
+    return value, entries, leaves
 
 
 def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
@@ -230,11 +263,7 @@ class BudgetedTable(Generic[SessionT]):
         try:
             for key, value in _value_items(state):
                 item = held.get(key)
-                out[key] = (
-                    item
-                    if item is not None and item[0] is value
-                    else (value, _distinct_storages(value))
-                )
+                out[key] = item if item is not None and item[0] is value else _walk(value, item)
         except UnsupportedTensorError:
             # Walked value by value, the error lacks the key path inside the session: walk the
             # whole record once more so the error names it.
@@ -245,13 +274,23 @@ class BudgetedTable(Generic[SessionT]):
     def _set_values(self, session_id: Hashable, values: _Values) -> _Values:
         # Caller holds the lock. Adds before it removes, so a storage both records reach never
         # drops out of the ledger in between.
+        # The ledger holds one reference per distinct leaf object of each value: a leaf that
+        # the old and the new version of a value share keeps the reference it has.
         previous = self._values.get(session_id, {})
         for key, item in values.items():
-            if previous.get(key) is not item:
-                self._ledger.add(item[1])
-        for key, item in previous.items():
-            if values.get(key) is not item:
-                self._ledger.remove(item[1])
+            old = previous.get(key)
+            if old is not item:
+                kept = old[2] if old is not None else {}
+                for leaf_id, leaf in item[2].items():
+                    if kept.get(leaf_id) is not leaf:
+                        self._ledger.add(leaf[1])
+        for key, old in previous.items():
+            new = values.get(key)
+            if new is not old:
+                kept = new[2] if new is not None else {}
+                for leaf_id, leaf in old[2].items():
+                    if kept.get(leaf_id) is not leaf:
+                        self._ledger.remove(leaf[1])
         if values:
             self._values[session_id] = values
         else:
@@ -262,7 +301,7 @@ class BudgetedTable(Generic[SessionT]):
 
     def _check_fits(self, session_id: Hashable, values: _Values) -> None:
         assert self._max_bytes is not None
-        alone = count_entries(entry for _, entries in values.values() for entry in entries)
+        alone = count_entries(entry for _, entries, _ in values.values() for entry in entries)
         for device, budget in self._max_bytes.items():
             if alone.get(device, 0) > budget:
                 msg = (
@@ -334,7 +373,7 @@ class BudgetedTable(Generic[SessionT]):
         }
         staying = {
             entry[1]
-            for key, (_, entries) in values.items()
+            for key, (_, entries, _) in values.items()
             if not (key[0] == "o" and key[1] in candidates)
             for entry in entries
         }
@@ -348,7 +387,7 @@ class BudgetedTable(Generic[SessionT]):
     def _holds_on(self, session_id: Hashable, devices: list[str]) -> bool:
         return any(
             entry[0] in devices and entry[3]
-            for _, entries in self._values.get(session_id, {}).values()
+            for _, entries, _ in self._values.get(session_id, {}).values()
             for entry in entries
         )
 
