@@ -9,13 +9,15 @@ the least recently used sessions' parkable objects first, then applies ``on_full
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import os
 import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Generic, Literal
 
 import attrs
@@ -45,14 +47,33 @@ OnFull = Literal["evict", "refuse"]
 SessionT = TypeVar("SessionT", bound=SessionState, default=SessionState)
 """The record type a manager holds; `SessionState` when the manager is not parameterised."""
 
-# A stored value (an object or attribute of a session), the storages it reaches, and the same
-# per distinct leaf object: `id(leaf) -> (leaf, its entries)`. A value that changed is walked
-# leaf by leaf, and a leaf the previous version of the value held already (a committed chunk
-# of a growing buffer) reuses its entries and its place in the ledger.
-_Leaf = tuple[object, list[StorageEntry]]
-_Item = tuple[object, list[StorageEntry], dict[int, _Leaf]]
+
+@attrs.define(eq=False)
+class _Item:
+    """A stored value (an object or attribute of a session) and the storages it reaches.
+
+    ``per_leaf[i]`` are the storage entries of ``leaves[i]``; the ledger holds one reference
+    per position. An item made from an earlier version of the value (``base``) that shares a
+    run of leaves with it (an append-only buffer that grew, a ring that moved on) records how:
+    the base's first ``dropped`` leaves are gone and the rest are this item's first leaves, so
+    the ledger moves from the base to this item by the difference alone. Once the ledger has
+    moved, ``base`` is cleared, so stored items never keep earlier versions alive.
+    """
+
+    value: object
+    leaves: list[object]
+    per_leaf: list[list[StorageEntry]]
+    base: _Item | None = None
+    dropped: int = 0
+
+    @property
+    def entries(self) -> Iterator[StorageEntry]:
+        return itertools.chain.from_iterable(self.per_leaf)
+
+
 _Values = dict[tuple[str, str], _Item]
 _EXTRA_FIELDS: dict[type, tuple[str, ...]] = {}
+_MAX_DROPPED = 8  # leading leaves a new version of a value may drop and still share the rest
 
 
 def _value_items(state: SessionState) -> list[tuple[tuple[str, str], object]]:
@@ -70,30 +91,38 @@ def _value_items(state: SessionState) -> list[tuple[tuple[str, str], object]]:
     return items
 
 
+def _shared_run(old: list[object], new: list[object]) -> int | None:
+    # The number of leading leaves of `old` that are gone when the rest of `old` starts `new`
+    # (leaf for leaf, the same objects); None when no such run exists.
+    for dropped in range(min(len(old), _MAX_DROPPED + 1)):
+        kept = len(old) - dropped
+        if kept <= len(new) and all(map(operator.is_, old[dropped:], new[:kept])):
+            return dropped
+    return None
+
+
 def _walk(value: object, previous: _Item | None) -> _Item:
-    """``value``'s item, reusing the entries of leaves ``previous`` (its earlier version) held.
+    """``value``'s item, reusing the entries of the leaves ``previous`` (its earlier version) holds.
 
     Raises:
         UnsupportedTensorError: for a leaf the accounting cannot count (naming its key path
             inside ``value``).
     """
-    held = previous[2] if previous is not None else {}
-    leaves: dict[int, _Leaf] = {}
-    entries: list[StorageEntry] = []
-    for leaf in tree_leaves(value):
-        key = id(leaf)
-        if key in leaves:
-            continue
-        known = held.get(key)
-        if known is None or known[0] is not leaf:
-            try:
-                known = (leaf, list(_storages(leaf)))
-            except _RefusedError:
-                storage_entries(value)  # raises, naming the leaf's key path
-                raise
-        leaves[key] = known
-        entries.extend(known[1])
-    return value, entries, leaves
+    leaves = tree_leaves(value)
+    dropped = None if previous is None else _shared_run(previous.leaves, leaves)
+    if previous is None or dropped is None:
+        return _Item(value, leaves, _count_leaves(value, leaves))
+    kept = len(previous.leaves) - dropped
+    per_leaf = previous.per_leaf[dropped:] + _count_leaves(value, leaves[kept:])
+    return _Item(value, leaves, per_leaf, previous, dropped)
+
+
+def _count_leaves(value: object, leaves: list[object]) -> list[list[StorageEntry]]:
+    try:
+        return [list(_storages(leaf)) for leaf in leaves]
+    except _RefusedError:
+        storage_entries(value)  # raises, naming the leaf's key path
+        raise
 
 
 def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
@@ -263,7 +292,7 @@ class BudgetedTable(Generic[SessionT]):
         try:
             for key, value in _value_items(state):
                 item = held.get(key)
-                out[key] = item if item is not None and item[0] is value else _walk(value, item)
+                out[key] = item if item is not None and item.value is value else _walk(value, item)
         except UnsupportedTensorError:
             # Walked value by value, the error lacks the key path inside the session: walk the
             # whole record once more so the error names it.
@@ -274,23 +303,26 @@ class BudgetedTable(Generic[SessionT]):
     def _set_values(self, session_id: Hashable, values: _Values) -> _Values:
         # Caller holds the lock. Adds before it removes, so a storage both records reach never
         # drops out of the ledger in between.
-        # The ledger holds one reference per distinct leaf object of each value: a leaf that
-        # the old and the new version of a value share keeps the reference it has.
+        # The ledger holds one reference per leaf position of each value. A value derived
+        # from the one stored (its base) moves by the difference: the leaves it added, the
+        # leaves its base dropped.
         previous = self._values.get(session_id, {})
         for key, item in values.items():
             old = previous.get(key)
-            if old is not item:
-                kept = old[2] if old is not None else {}
-                for leaf_id, leaf in item[2].items():
-                    if kept.get(leaf_id) is not leaf:
-                        self._ledger.add(leaf[1])
+            if old is item:
+                continue
+            kept = len(old.leaves) - item.dropped if old is not None and item.base is old else 0
+            for entries in item.per_leaf[kept:]:
+                self._ledger.add(entries)
         for key, old in previous.items():
             new = values.get(key)
-            if new is not old:
-                kept = new[2] if new is not None else {}
-                for leaf_id, leaf in old[2].items():
-                    if kept.get(leaf_id) is not leaf:
-                        self._ledger.remove(leaf[1])
+            if new is old:
+                continue
+            gone = new.dropped if new is not None and new.base is old else len(old.per_leaf)
+            for entries in old.per_leaf[:gone]:
+                self._ledger.remove(entries)
+        for item in values.values():
+            item.base = None
         if values:
             self._values[session_id] = values
         else:
@@ -301,7 +333,7 @@ class BudgetedTable(Generic[SessionT]):
 
     def _check_fits(self, session_id: Hashable, values: _Values) -> None:
         assert self._max_bytes is not None
-        alone = count_entries(entry for _, entries, _ in values.values() for entry in entries)
+        alone = count_entries(entry for item in values.values() for entry in item.entries)
         for device, budget in self._max_bytes.items():
             if alone.get(device, 0) > budget:
                 msg = (
@@ -369,26 +401,26 @@ class BudgetedTable(Generic[SessionT]):
             name
             for name, obj in objects.items()
             if obj.parkable
-            and any(entry[0] in devices and entry[3] for entry in values[("o", name)][1])
+            and any(entry[0] in devices and entry[3] for entry in values[("o", name)].entries)
         }
         staying = {
             entry[1]
-            for key, (_, entries, _) in values.items()
+            for key, item in values.items()
             if not (key[0] == "o" and key[1] in candidates)
-            for entry in entries
+            for entry in item.entries
         }
         return [
             name
             for name in objects
             if name in candidates
-            and not any(entry[1] in staying for entry in values[("o", name)][1])
+            and not any(entry[1] in staying for entry in values[("o", name)].entries)
         ]
 
     def _holds_on(self, session_id: Hashable, devices: list[str]) -> bool:
         return any(
             entry[0] in devices and entry[3]
-            for _, entries, _ in self._values.get(session_id, {}).values()
-            for entry in entries
+            for item in self._values.get(session_id, {}).values()
+            for entry in item.entries
         )
 
     def _spool(self) -> str | None:

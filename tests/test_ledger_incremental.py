@@ -1,0 +1,70 @@
+"""The manager's ledger moves by the difference when a value grows or a ring moves on.
+
+A put of a record whose buffer shares a run of chunks with the stored one walks only the new
+chunks; these tests drive such puts (accumulating buffers, rings, `extend`, resets, chunks
+shared across sessions and with attributes, rollbacks of a refused put) and compare
+`stats()` after every call with an independent recount of every stored record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sessionstate import LatentBuffer, SessionAdmissionError, SessionState, SessionStateManager
+from sessionstate.testing import recount_nbytes_by_device
+
+POOL = torch.zeros(64)  # chunks are views of it too, so storages are shared across records
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["commit", "extend", "view", "reset", "alias", "drop", "big"]),
+        st.integers(0, 2),  # the session
+        st.integers(1, 5),  # how many chunks
+    ),
+    max_size=40,
+)
+
+
+def _check(manager: SessionStateManager) -> None:
+    records = [manager.peek(sid) for sid in manager.session_ids()]
+    recount = recount_nbytes_by_device(records)
+    stats = manager.stats()
+    assert stats["total_nbytes"] == sum(recount.values())
+    assert {k[len("nbytes:") :]: v for k, v in stats.items() if k.startswith("nbytes:")} == recount
+
+
+@given(ops=OPS, maxlen=st.sampled_from([None, 1, 3]))
+def test_stats_equal_a_recount_after_every_incremental_put(
+    ops: list[tuple[str, int, int]], maxlen: int | None
+) -> None:
+    manager = SessionStateManager(max_bytes={"cpu": 2048}, on_full="refuse")
+    for op, session, n in ops:
+        sid = f"s{session}"
+        state = manager.peek(sid)
+        if state is None:
+            state = SessionState(objects={"v": LatentBuffer(dim=0).allocate(maxlen=maxlen)})
+        if op == "commit":
+            state = state.update_object("v", lambda b: b.commit(torch.zeros(1, 4)))
+        elif op == "extend":
+            chunks = [torch.full((1, 4), float(i)) for i in range(n)]
+            state = state.update_object("v", lambda b, c=chunks: b.extend(c))
+        elif op == "view":  # a chunk that is a view of a storage other records share
+            state = state.update_object("v", lambda b, k=n: b.commit(POOL[k : k + 4].view(1, 4)))
+        elif op == "reset":
+            state = state.update_object("v", lambda b: b.reset())
+        elif op == "alias":  # an attribute aliasing the newest chunk
+            chunks = state.objects["v"].view()
+            state = state.with_attrs(newest=chunks[-1] if chunks else POOL)
+        elif op == "drop":
+            manager.drop(sid)
+            _check(manager)
+            continue
+        elif op == "big":  # larger than the whole budget: refused, nothing changes
+            state = state.with_attrs(big=torch.zeros(1024))
+        with contextlib.suppress(SessionAdmissionError):
+            manager.put(sid, state)
+        _check(manager)
