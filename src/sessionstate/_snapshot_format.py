@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -273,6 +273,22 @@ def _registered_records() -> dict[str, type]:
     }
 
 
+def _resolve(name: str, registry: Callable[[], Mapping[str, type]]) -> type | None:
+    # A class registered under `name`; its module is imported first only if it lies under
+    # the library's own package, so a file can never make the loader import anything else.
+    found = registry().get(name)
+    if found is not None:
+        return found
+    module, _, _ = name.partition(":")
+    if not module.startswith(_IMPORTABLE_PREFIX):
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return None
+    return registry().get(name)
+
+
 def resolve_record(name: str, /) -> type | None:
     """The record class registered in this process under ``name``, or None.
 
@@ -286,17 +302,7 @@ def resolve_record(name: str, /) -> type | None:
     >>> resolve_record("os:system") is None
     True
     """
-    found = _registered_records().get(name)
-    if found is not None:
-        return found
-    module, _, _ = name.partition(":")
-    if not module.startswith(_IMPORTABLE_PREFIX):
-        return None
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return None
-    return _registered_records().get(name)
+    return _resolve(name, _registered_records)
 
 
 # -- leaves saved by their class ------------------------------------------------------------------
@@ -370,14 +376,4 @@ def resolve_leaf_class(name: str, /) -> type | None:
     >>> resolve_leaf_class("os:system") is None
     True
     """
-    found = _LEAF_CLASSES.get(name)
-    if found is not None:
-        return found
-    module, _, _ = name.partition(":")
-    if not module.startswith(_IMPORTABLE_PREFIX):
-        return None
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return None
-    return _LEAF_CLASSES.get(name)
+    return _resolve(name, lambda: _LEAF_CLASSES)
