@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sessionstate import nbytes_by_device
+from sessionstate import DEFAULT_MAX_SESSIONS
+from sessionstate.models._sizes import measure_both_paths, values_table
 from sessionstate.models.cosmos3.config import Cosmos3Config
 from sessionstate.models.cosmos3.episode import scripted_episode
 from sessionstate.models.cosmos3.pipeline import Cosmos3Pipeline
@@ -30,36 +31,19 @@ def size_table(preset: str, steps: int) -> dict[str, Any]:
     ('object', 3)
     """
     cfg = Cosmos3Config.preset(preset, num_inference_steps=1)
-    held: dict[str, dict[str, int]] = {}
-    session_totals: dict[str, int] = {}
-    for flag, name in (("0", "bespoke"), ("1", "managed")):
-        pipe = Cosmos3Pipeline(
-            cfg,
-            device="meta",
-            host_device="meta",
-            environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": flag},
-        )
-        for sid, request in scripted_episode(
+    held, session_totals, _ = measure_both_paths(
+        lambda env: Cosmos3Pipeline(cfg, device="meta", host_device="meta", environ=env),
+        lambda: scripted_episode(
             cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
-        ):
-            pipe.forward(request, sid)
-        values = pipe.session_values("session-0")
-        held[name] = {k: sum(nbytes_by_device(v).values()) for k, v in values.items()}
-        session_totals[name] = sum(nbytes_by_device(list(values.values())).values())
+        ),
+    )
     shared = sum(held["bespoke"][k] for k in PER_INSTANCE)
     kv_pair = 2 * cfg.num_kv_heads * cfg.text_len * cfg.head_dim * cfg.torch_dtype.itemsize
     return {
         "model": "cosmos3",
         "preset": preset,
         "steps": steps,
-        "values": {
-            k: {
-                "bucket": BUCKETS[k],
-                "managed_nbytes": held["managed"][k],
-                "bespoke_nbytes": held["bespoke"][k],
-            }
-            for k in BUCKETS
-        },
+        "values": values_table(held, BUCKETS),
         "text_kv_layers": cfg.num_layers,
         "text_kv_branches": 2,
         "text_kv_geometry": {
@@ -72,8 +56,8 @@ def size_table(preset: str, steps: int) -> dict[str, Any]:
         "bespoke_per_instance": list(PER_INSTANCE),
         "session_nbytes": session_totals,
         "sessions_64_nbytes": {
-            "managed": 64 * session_totals["managed"],
-            "bespoke": 64 * (session_totals["bespoke"] - shared) + shared,
+            "managed": DEFAULT_MAX_SESSIONS * session_totals["managed"],
+            "bespoke": DEFAULT_MAX_SESSIONS * (session_totals["bespoke"] - shared) + shared,
         },
-        "text_kv_64_sessions_nbytes": 64 * held["managed"]["text_kv"],
+        "text_kv_64_sessions_nbytes": DEFAULT_MAX_SESSIONS * held["managed"]["text_kv"],
     }
