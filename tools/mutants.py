@@ -121,6 +121,10 @@ MUTANTS = (
         ),
         ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
     ),
+    # -- snapshot mutants (issue 21) --
+    # -- distributed mutants (issue 21) --
+    # -- manager, budget and guard mutants (issue 21) --
+    # -- model mutants (issue 21) --
 )
 
 
