@@ -1,0 +1,201 @@
+"""Write the golden snapshot files of one library version, and build what they must load as.
+
+Run only to add a new version's files; never regenerate existing ones::
+
+    python tests/data/make_golden.py tests/data/snapshots/<version>
+
+A golden file is a snapshot written by the library at that version. `tests/test_golden_snapshots.py`
+loads every committed one with today's code and compares it with what the builders below build
+today, so a change to the format or to a class's stored name fails a test instead of breaking
+users' saved sessions. The builders are therefore frozen: change one and the files written from it
+no longer match. Add a new builder (and new files) instead.
+
+Each builder returns ``(record, metadata)``; the two model builders also store in the metadata
+what rebuilds their pipeline (the config fields) and how far the session ran.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+import sessionstate as ss
+
+DZ_STEPS = 2
+"""DreamZero steps run before the snapshot: the second leaves a half-filled VAE body chunk."""
+
+COSMOS3_STEPS = 3
+"""Cosmos3 steps run before the snapshot, over one session."""
+
+
+def plain_session() -> tuple[ss.SessionState, dict[str, str]]:
+    """A format-1 session: a ring, an accumulating buffer, aliased views, every JSON kind."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4, 6, generator=g)
+    ring = ss.LatentBuffer(dim=0).allocate(maxlen=2)
+    for i in range(3):
+        ring = ring.commit(base[i : i + 1])
+    history = ss.LatentBuffer(dim=1).allocate()
+    history = history.commit(torch.arange(6, dtype=torch.int64).view(2, 3))
+    state = ss.SessionState(
+        objects={"ring": ring, "history": history},
+        attrs={
+            "base": base,
+            "tail": base[2:].t(),  # a strided view sharing the base's storage
+            "mask": torch.tensor([True, False, True]),
+            "half": torch.linspace(-1, 1, 5).to(torch.bfloat16),
+            "step": 7,
+            "scale": 0.5,
+            "nan": float("nan"),
+            "prompt": "pick up the block",
+            "done": False,
+            "missing": None,
+            "shape": (2, 3),
+            "tags": ["a", "b"],
+        },
+    )
+    return state, {"builder": "plain_session"}
+
+
+def kv_session() -> tuple[ss.SessionState, dict[str, str]]:
+    """A format-2 session: two `KVHandle`s of one pool sharing their first blocks."""
+    g = torch.Generator().manual_seed(2)
+    pool = ss.KVPool(8, block_tokens=4, token_shape=(2, 3), dtype=torch.bfloat16, name="kv")
+    prefix = pool.append(pool.empty(), torch.randn(8, 2, 3, generator=g).to(torch.bfloat16))
+    left = pool.append(prefix, torch.randn(3, 2, 3, generator=g).to(torch.bfloat16))
+    right = pool.append(prefix, torch.randn(5, 2, 3, generator=g).to(torch.bfloat16))
+    state = ss.SessionState(attrs={"left": left, "right": right, "step": 3})
+    return state, {"builder": "kv_session"}
+
+
+def dreamzero_observations(cfg: Any, n: int) -> list[Any]:
+    """``n`` seeded DreamZero observations (frozen here, apart from the test helpers)."""
+    from sessionstate.models.dreamzero import CAMERAS, Observation
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(n):
+        shape = (cfg.camera_height, cfg.camera_width, 3)
+        images = {
+            cam: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) for cam in CAMERAS
+        }
+        state = torch.randn(cfg.action_dim, generator=g)
+        out.append(Observation(images=images, prompt="pick up the block", state=state))
+    return out
+
+
+def dreamzero_config(fields: dict[str, Any] | None = None) -> Any:
+    """The config of the DreamZero golden session: the tiny preset, or the stored fields."""
+    from sessionstate.models.dreamzero import DreamZeroConfig
+
+    return DreamZeroConfig(**fields) if fields is not None else DreamZeroConfig.preset("tiny")
+
+
+def dreamzero_run(
+    fields: dict[str, Any] | None = None, steps: int = DZ_STEPS
+) -> tuple[Any, list[Any]]:
+    """A managed DreamZero pipeline after ``steps`` steps of session ``"s"``, and the
+    observations of those steps and one more."""
+    from sessionstate.models.dreamzero import DreamZeroPipeline
+
+    cfg = dreamzero_config(fields)
+    pipe = DreamZeroPipeline(cfg, environ={ss.ENV_ENABLE: "1"})
+    observations = dreamzero_observations(cfg, DZ_STEPS + 1)
+    for obs in observations[:steps]:
+        pipe.forward(obs, "s")
+    return pipe, observations
+
+
+def dreamzero_session(
+    fields: dict[str, Any] | None = None,
+) -> tuple[ss.SessionState, dict[str, str]]:
+    """A DreamZero session after `DZ_STEPS` managed steps (its KV cache makes it format 2)."""
+    pipe, _ = dreamzero_run(fields)
+    cfg = pipe.cfg
+    meta = {
+        "builder": "dreamzero_session",
+        "config": json.dumps(attrs.asdict(cfg)),
+        "steps": str(DZ_STEPS),
+    }
+    return pipe.manager.peek("s"), meta
+
+
+def cosmos3_requests(cfg: Any, n: int) -> list[Any]:
+    """``n`` seeded Cosmos3 requests: a drifting control, a prompt change at step 3."""
+    from sessionstate.models.cosmos3 import Cosmos3Request
+
+    g = torch.Generator().manual_seed(3)
+    control = torch.randn(cfg.control_dim, generator=g)
+    out = []
+    for step in range(n):
+        control = control + 0.1 * torch.randn(cfg.control_dim, generator=g)
+        prompt = "a red cube on a table" if step < 2 else "the cube rolls to the left"
+        out.append(Cosmos3Request(prompt=prompt, control=control.clone(), negative_prompt="blurry"))
+    return out
+
+
+def cosmos3_config(fields: dict[str, Any] | None = None) -> Any:
+    """The config of the Cosmos3 golden session: the tiny preset, or the stored fields."""
+    from sessionstate.models.cosmos3 import Cosmos3Config
+
+    return Cosmos3Config(**fields) if fields is not None else Cosmos3Config.preset("tiny")
+
+
+def cosmos3_run(
+    fields: dict[str, Any] | None = None, steps: int = COSMOS3_STEPS
+) -> tuple[Any, list[Any]]:
+    """A managed Cosmos3 pipeline after ``steps`` steps of session ``"s"``, and the
+    requests of those steps and one more."""
+    from sessionstate.models.cosmos3 import Cosmos3Pipeline
+
+    cfg = cosmos3_config(fields)
+    pipe = Cosmos3Pipeline(cfg, environ={ss.ENV_ENABLE: "1"})
+    requests = cosmos3_requests(cfg, COSMOS3_STEPS + 1)
+    for request in requests[:steps]:
+        pipe.forward(request, "s")
+    return pipe, requests
+
+
+def cosmos3_session(
+    fields: dict[str, Any] | None = None,
+) -> tuple[ss.SessionState, dict[str, str]]:
+    """A Cosmos3 session after `COSMOS3_STEPS` managed steps."""
+    pipe, _ = cosmos3_run(fields)
+    cfg = pipe.cfg
+    meta = {
+        "builder": "cosmos3_session",
+        "config": json.dumps(attrs.asdict(cfg)),
+        "steps": str(COSMOS3_STEPS),
+    }
+    return pipe.manager.peek("s"), meta
+
+
+BUILDERS = {
+    "plain_v1": plain_session,
+    "kv_v2": kv_session,
+    "dreamzero_v2": dreamzero_session,
+    "cosmos3_v1": cosmos3_session,
+}
+"""File stem -> builder. The stem names the format version the file must have."""
+
+
+def main(outdir: Path) -> None:
+    """Write one file per builder into ``outdir``; refuse to overwrite an existing one."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    for stem, build in BUILDERS.items():
+        path = outdir / f"{stem}.safetensors"
+        if path.exists():
+            msg = f"{path} exists; golden files are never regenerated. Write a new version's."
+            raise SystemExit(msg)
+        state, meta = build()
+        ss.save_state(state, path, metadata=meta)
+        print(f"wrote {path} ({path.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
