@@ -150,10 +150,60 @@ def test_the_ab_table_says_what_is_counted(capsys: pytest.CaptureFixture[str]) -
         "outputs compared: per served step actions, video, reset reason; per session at the "
         "end latents, decoded" in text
     )
-    assert (
-        "median step: wall clock over 4 steps per path, one run each; a short run's median "
-        "is noisy" in text
+    # A short run's step time is noise: the table shows counters, `--json` has the time.
+    assert "median" not in text
+
+
+def test_the_ab_table_shows_each_paths_counters(capsys: pytest.CaptureFixture[str]) -> None:
+    def path(**counts: int) -> dict[str, object]:
+        return {"nbytes_by_device": {"cpu": 1024}, "sessions_held": 2, **counts}
+
+    report = {
+        "identical": True,
+        "outputs_compared": 16,
+        "first_mismatch": None,
+        "steps": 2,
+        "sessions": 2,
+        "seed": 0,
+        "preset": "tiny",
+        "paths": {
+            "bespoke": path(evictions=3, parks=0, unparks=0),
+            "managed": path(evictions=0, parks=11, unparks=9),
+        },
+    }
+    _print_ab(report)
+    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if "│" in line]
+    cells = {row[1].strip(): [c.strip() for c in row[2:-1]] for row in rows}
+    assert cells["bespoke"][-3:] == ["3", "0", "0"]
+    assert cells["managed"][-3:] == ["0", "11", "9"]
+
+
+def test_a_device_torch_cannot_use_is_one_line_before_any_child(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    assert main(["ab", "--device", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "sessionstate ab: error: `--device` must name a torch device such as cpu, cuda or "
+        "cuda:1, got 'banana'.\n"
     )
+    if not torch.cuda.is_available():
+        assert main(["ab", "--device", "cuda"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "`--device cuda` needs a CUDA GPU" in err
+        assert "pass `--device cpu`" in err
+
+
+def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"sessionstate {version('sessionstate')}\n"
 
 
 def test_sizes_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,3 +211,71 @@ def test_sizes_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "One DreamZero session, preset tiny, after 2 steps (meta)" in out
     assert f"{DEFAULT_MAX_SESSIONS} sessions" in out
+
+
+def test_ctrl_c_is_one_line_and_exit_130_with_no_child_left() -> None:
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sessionstate.cli", "ab", "--steps", "50", "--seed", "7"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    children: list[psutil.Process] = []
+    while not children and time.monotonic() < deadline:
+        children = [c for c in parent.children(recursive=True) if "_episode" in c.cmdline()]
+        time.sleep(0.2)
+    assert children, "ab never started its first child"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "sessionstate ab: interrupted"
+    assert "Traceback" not in err
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"children left running: {alive}"
+
+
+def test_a_budget_refusal_on_the_managed_path_only_is_named_as_the_budget() -> None:
+    reason = (
+        "Cannot store session 'session-0': its record holds 1100000 bytes on cpu, more than "
+        "the whole budget of 1000000 bytes there (`max_bytes`)."
+    )
+    served = {"session": "session-0", "reset": None}
+    results: dict[str, Any] = {
+        "bespoke": {"records": [served, served]},
+        "managed": {
+            "records": [served, {"session": "session-0", "refused": True, "reason": reason}]
+        },
+    }
+    assert _ab.budget_refusal(results) == f"step 1 (session-0): {reason}"
+    # A cap refusal (no `max_bytes` in it) on one path only stays a mismatch.
+    cap = {"session": "session-0", "refused": True, "reason": "the cap of 2 sessions is full"}
+    results["managed"]["records"][1] = cap
+    assert _ab.budget_refusal(results) is None
+
+
+def test_demo_saves_a_session_that_inspect_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sessionstate.models.dreamzero.state import BUCKETS
+
+    path = tmp_path / "session.safetensors"
+    argv = ["demo", "--sessions", "2", "--steps", "2", "--json", "--save", str(path)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["saved"] == str(path)
+    assert report["stats"]["sessions"] == 2
+    # The buckets are the reference table's, the one `sizes` and the Models page use.
+    buckets = {name: row["bucket"] for name, row in report["values"].items()}
+    assert buckets == {name: BUCKETS[name] for name in buckets}
+    assert buckets["kv_cache"] == "engine"
+    assert buckets["vae_enc_feat_map"] == "object"
+    assert main(["inspect", str(path)]) == 0
+    assert report["largest_session"] in capsys.readouterr().out

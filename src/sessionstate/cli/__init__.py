@@ -49,11 +49,24 @@ def build_parser() -> ArgumentParser:
         parser_class=ArgumentParser,
         metavar="{ab,sizes,demo,inspect,cluster}",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
     for module in _SUBCOMMANDS:
         module.add_parsers(sub)
     for choice in sub.choices.values():
         choice.formatter_class = HelpFormatter
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the one place it is set is ``pyproject.toml``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sessionstate")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
@@ -80,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         status: int = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        print(f"sessionstate {args.command}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as exc:
         line = _missing_extra(args.command, exc)
         if line is None:

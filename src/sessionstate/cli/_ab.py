@@ -24,6 +24,7 @@ from sessionstate.cli._common import (
     ArgumentParser,
     HelpFormatter,
     add_budget_arguments,
+    check_device,
     load_model_config,
     positive_int,
     with_budget,
@@ -54,8 +55,8 @@ def run_episode(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             out = pipe.forward(obs, sid)
-        except SessionAdmissionError:  # `on_full="refuse"` at the cap: a result to compare
-            records.append({"session": sid, "refused": True})
+        except SessionAdmissionError as exc:  # at the cap or the budget: a result to compare
+            records.append({"session": sid, "refused": True, "reason": str(exc)})
         else:
             times.append(time.perf_counter() - start)
             records.append({"session": sid, **spec.outputs(out)})
@@ -108,15 +109,20 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     tail: list[str] = []
-    for line in proc.stderr:
-        if line.startswith(_PROGRESS):
-            if progress is not None:
-                progress.update(task, advance=1)
-        elif line.startswith(_DECODE):
-            if progress is not None:
-                progress.update(task, description=f"{name} path: decoding")
-        else:
-            tail.append(line)
+    try:
+        for line in proc.stderr:
+            if line.startswith(_PROGRESS):
+                if progress is not None:
+                    progress.update(task, advance=1)
+            elif line.startswith(_DECODE):
+                if progress is not None:
+                    progress.update(task, description=f"{name} path: decoding")
+            else:
+                tail.append(line)
+    except BaseException:  # Ctrl-C or anything else: the child never outlives the parent
+        proc.kill()
+        proc.wait()
+        raise
     if proc.wait() != 0:
         msg = f"the {name} run failed:\n{''.join(tail[-20:])}"
         raise RuntimeError(msg)
@@ -173,11 +179,27 @@ def deploy_on_cpu_warning(preset: str, device: str) -> str | None:
     )
 
 
+def budget_refusal(results: dict[str, Any]) -> str | None:
+    """Why the managed path refused a step the bespoke path served, if the budget did it.
+
+    The bespoke path has no byte budget, so such a step is a budget set below what the
+    workload needs, not a difference between the paths.
+    """
+    for i, (a, b) in enumerate(
+        zip(results["bespoke"]["records"], results["managed"]["records"], strict=False)
+    ):
+        reason = b.get("reason", "")
+        if b.get("refused") and not a.get("refused") and "`max_bytes`" in reason:
+            return f"step {i} ({b['session']}): {reason}"
+    return None
+
+
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
     from sessionstate import DEFAULT_MAX_SESSIONS
 
+    check_device(args.device)  # one line here, not a traceback from each child
     if args.max_sessions is None:
         args.max_sessions = DEFAULT_MAX_SESSIONS
     spec = get_model(args.model)
@@ -206,6 +228,16 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         msg = "the flag did not select the intended paths (check the deploy config)"
         raise RuntimeError(msg)
     compared, mismatch = _compare(results["bespoke"], results["managed"], spec)
+    if mismatch is not None and args.max_bytes is not None:
+        refusal = budget_refusal(results)
+        if refusal is not None:
+            msg = (
+                f"the byte budget `--max-bytes {args.max_bytes}` is below what this workload "
+                f"needs: the managed path refused a step the bespoke path (which has no budget) "
+                f"served, so the two cannot be compared. Raise `--max-bytes` above one "
+                f"session's bytes. The refusal, {refusal}"
+            )
+            raise ValueError(msg)
     refusals = {
         name: sum(bool(r.get("refused")) for r in res["records"]) for name, res in results.items()
     }
@@ -235,7 +267,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                         for key in ("parks", "unparks", "evictions", "parked_sessions")
                     }
                     if args.max_bytes is not None
-                    else {}
+                    else {"evictions": res["stats"].get("evictions", 0)}
                 ),
                 **({"refusals": refusals[name]} if show_refusals else {}),
             }
@@ -282,21 +314,24 @@ def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
     )
     if report["first_mismatch"]:
         console.print(f"first mismatch: {report['first_mismatch']}")
-    table = Table("path", "median step (ms)", "bytes held at end", "sessions")
-    if "on_full" in report:
-        table.add_column("refused steps")
+    # Counters only: a short run's step time is noise (`--json` has it; `benchmarks/` times).
+    counters = [
+        key for key in ("evictions", "parks", "unparks", "refusals") if key in _first(report)
+    ]
+    headers = {"refusals": "refused steps"}
+    table = Table("path", "bytes held at end", "sessions", *(headers.get(k, k) for k in counters))
     for name, path in report["paths"].items():
         held = ", ".join(f"{d}: {n / MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
-        row = [name, f"{path['median_step_ms']:.2f}", held, str(path["sessions_held"])]
-        if "refusals" in path:
-            row.append(str(path["refusals"]))
+        row = [name, held, str(path["sessions_held"])]
+        row += [str(path.get(key, 0)) for key in counters]
         table.add_row(*row)
     console.print(table)
     console.print(_counted(spec))
-    console.print(
-        f"median step: wall clock over {report['sessions'] * report['steps']} steps per path, "
-        "one run each; a short run's median is noisy (time with `benchmarks/` instead)"
-    )
+
+
+def _first(report: dict[str, Any]) -> dict[str, Any]:
+    paths: dict[str, Any] = next(iter(report["paths"].values()), {})
+    return paths
 
 
 def add_parsers(sub: Any) -> None:

@@ -68,6 +68,43 @@ def nbytes(text: str) -> int:
     return value
 
 
+def check_device(text: str) -> None:
+    """Raises `ValueError` with one line of fix unless ``text`` names a device this torch can use.
+
+    >>> check_device("cpu")
+    >>> check_device("banana")
+    Traceback (most recent call last):
+    ...
+    ValueError: `--device` must name a torch device such as cpu, cuda or cuda:1, got 'banana'.
+    """
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        msg = f"`--device` must name a torch device such as cpu, cuda or cuda:1, got {text!r}."
+        raise ValueError(msg) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build"
+            msg = (
+                f"`--device {text}` needs a CUDA GPU, but torch {torch.__version__} is "
+                f"{build} and sees none; pass `--device cpu`, or run on a machine with a GPU "
+                "and a CUDA build of torch."
+            )
+            raise ValueError(msg)
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            msg = (
+                f"`--device {text}` names GPU {device.index}, but torch sees {count} "
+                f"(cuda:0 to cuda:{count - 1}); pass one of those."
+            )
+            raise ValueError(msg)
+    elif device.type not in ("cpu", "meta"):
+        msg = f"`--device {text}` is not supported here; pass cpu or cuda[:N]."
+        raise ValueError(msg)
+
+
 def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--device``, ``--max-bytes`` and ``--park-tier`` to ``parser``."""
     parser.add_argument(

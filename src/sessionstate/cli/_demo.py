@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -10,6 +11,7 @@ from sessionstate._env import ENV_ENABLE, ENV_MAX_SESSIONS
 from sessionstate.cli._common import (
     MIB,
     add_budget_arguments,
+    check_device,
     fmt_bytes,
     load_model_config,
     positive_int,
@@ -24,7 +26,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from sessionstate.models.dreamzero import DreamZeroPipeline
     from sessionstate.models.dreamzero.episode import scripted_episode
+    from sessionstate.models.dreamzero.state import BUCKETS
 
+    check_device(args.device)
     deploy, cfg = load_model_config(None, args.preset)
     deploy = with_budget(deploy, args)
     environ = dict(os.environ, **{ENV_ENABLE: "1"})
@@ -41,21 +45,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             progress.update(task, advance=1)
 
     stats = pipe.manager.stats()
-    table = Table("stat", "value", title="SessionStateManager.stats()")
-    for key, value in stats.items():
-        shown = f"{value / MIB:.3f} MiB" if "nbytes" in key else str(value)
-        table.add_row(key, shown)
-    console.print(table)
-
     sizes = pipe.manager.nbytes_by_session()
     largest = max(sizes, key=lambda sid: sum(sizes[sid].values()))
     state = pipe.manager.peek(largest)
     assert state is not None
+    # The bucket each value belongs in, as `sessionstate sizes` and the Models page say.
+    values = {
+        name: {"bucket": BUCKETS.get(name, "object" if name in state.objects else "attrs"),
+               "nbytes": sum(by_device.values())}
+        for name, by_device in state.nbytes_by_value().items()
+    }  # fmt: skip
+    if args.save is not None:
+        pipe.manager.snapshot(largest, args.save)
+    if args.json:
+        print(json.dumps({"stats": stats, "largest_session": str(largest), "values": values,
+                          "saved": args.save}, indent=2))  # fmt: skip
+        return 0
+    table = Table("stat", "value", title="SessionStateManager.stats()")
+    for key, value in stats.items():
+        byte_key = key.startswith(("nbytes", "total_nbytes", "max_bytes"))
+        table.add_row(key, f"{value / MIB:.3f} MiB" if byte_key else str(value))
+    console.print(table)
     breakdown = Table("value", "bucket", "bytes", title=f"Largest session: {largest}")
-    for name, by_device in state.nbytes_by_value().items():
-        bucket = "object" if name in state.objects else "attrs"
-        breakdown.add_row(name, bucket, fmt_bytes(sum(by_device.values())))
+    for name, row in values.items():
+        breakdown.add_row(name, str(row["bucket"]), fmt_bytes(int(row["nbytes"])))
     console.print(breakdown)
+    if args.save is not None:
+        console.print(
+            f"saved session {largest!r} to {args.save}; look inside with "
+            f"`sessionstate inspect {args.save}`"
+        )
     return 0
 
 
@@ -77,4 +96,11 @@ def add_parsers(sub: Any) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the scripted observations")
     add_budget_arguments(demo)
+    demo.add_argument(
+        "--save",
+        metavar="PATH",
+        help="also snapshot the largest session to PATH (a safetensors file for "
+        "`sessionstate inspect`)",
+    )
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_cmd_demo)
