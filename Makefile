@@ -11,7 +11,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo installs what it runs (the `models` extra), not the whole dev toolchain.
+$(VENV)/.installed-models: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[models]'
+	touch $@
+
+demo: $(VENV)/.installed-models
 	$(PY) -m sessionstate.cli ab --preset tiny
 
 # Lint, type check, every test (doctests, notebooks and the strict docs build included).
