@@ -4,9 +4,9 @@ The format stores each distinct *storage* once, as a raw ``uint8`` tensor named
 ``storage.<i>``, and describes every tensor leaf as a view of one of them (storage index,
 dtype, shape, stride, storage offset). Two leaves that shared a storage share one again after
 loading, so `nbytes_by_device` is unchanged by a round trip. The structure (record classes by
-registered name, static fields, containers, JSON leaves), a format version, the library and
-torch versions and a CRC-32 per storage go in the safetensors metadata as one JSON document
-under the key ``sessionstate``.
+stable name, `SNAPSHOT_NAMES`; static fields, containers, JSON leaves), a format version, the
+library and torch versions and a CRC-32 per storage go in the safetensors metadata as one JSON
+document under the key ``sessionstate``.
 
 Loading never unpickles: records are rebuilt through their constructors (their validators
 run), and only classes registered as records in this process are used. The one import a
@@ -33,6 +33,7 @@ from sessionstate._snapshot_decode import load_state, loads_state, read_header
 from sessionstate._snapshot_encode import dumps_state, save_state
 from sessionstate._snapshot_format import (
     FORMAT_VERSION,
+    SNAPSHOT_NAMES,
     ViewSpec,
     collect_storages,
     rebuild_views,
@@ -46,6 +47,7 @@ from sessionstate._snapshot_inspect import inspect_snapshot
 
 __all__ = [
     "FORMAT_VERSION",
+    "SNAPSHOT_NAMES",
     "ViewSpec",
     "collect_storages",
     "dumps_state",

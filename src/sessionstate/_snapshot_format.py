@@ -247,14 +247,51 @@ def _checksum(data: torch.Tensor) -> int:
 # -- record names ---------------------------------------------------------------------------------
 
 
+SNAPSHOT_NAMES: Mapping[str, str] = {
+    # stable name stored in files -> where the class is defined now ("module:qualname").
+    # Seeded with the classes' locations when the table was introduced, so files stay
+    # byte-identical. A moved class keeps its stable name: update only its location here.
+    # Never change or remove a stable name: files written with it must keep loading
+    # (tests/test_golden_snapshots.py loads committed ones).
+    "sessionstate._session:SessionState": "sessionstate._session:SessionState",
+    "sessionstate._objects:LatentBuffer": "sessionstate._objects:LatentBuffer",
+    "sessionstate._objects:TensorCache": "sessionstate._objects:TensorCache",
+    "sessionstate._kv:EncodeOnceKV": "sessionstate._kv:EncodeOnceKV",
+    "sessionstate._kv:KVPair": "sessionstate._kv:KVPair",
+    "sessionstate._kvpool:KVHandle": "sessionstate._kvpool:KVHandle",
+    "sessionstate.models.dreamzero.state:DreamZeroSession": (
+        "sessionstate.models.dreamzero.state:DreamZeroSession"
+    ),
+    "sessionstate.models.cosmos3.state:Cosmos3Session": (
+        "sessionstate.models.cosmos3.state:Cosmos3Session"
+    ),
+}
+"""The stable snapshot name of every library class a snapshot may hold, and its location.
+
+A snapshot names a class by its stable name, never by the private module it lives in, so the
+library can move a class without breaking saved files. A class not in the table (a user's)
+is named ``module:qualname``.
+"""
+
+_STABLE_BY_LOCATION: dict[str, str] = {where: name for name, where in SNAPSHOT_NAMES.items()}
+
+
+def _location(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def record_name(cls: type, /) -> str:
-    """The name a snapshot stores for a record class: ``module:qualname``.
+    """The name a snapshot stores for a class: its stable name, or ``module:qualname``.
+
+    A library class is named from `SNAPSHOT_NAMES` (stable across moves between modules);
+    any other class by ``module:qualname``.
 
     >>> from sessionstate import LatentBuffer
     >>> record_name(LatentBuffer)
     'sessionstate._objects:LatentBuffer'
     """
-    return f"{cls.__module__}:{cls.__qualname__}"
+    where = _location(cls)
+    return _STABLE_BY_LOCATION.get(where, where)
 
 
 def _is_record(cls: type) -> bool:
@@ -274,12 +311,14 @@ def _registered_records() -> dict[str, type]:
 
 
 def _resolve(name: str, registry: Callable[[], Mapping[str, type]]) -> type | None:
-    # A class registered under `name`; its module is imported first only if it lies under
-    # the library's own package, so a file can never make the loader import anything else.
+    # A class registered under `name`. When none is, the module to import is the table's
+    # location for a stable name (so a moved class loads from its new module), else the
+    # name's own module; only one under the library's package is ever imported, so a file
+    # can never make the loader import anything else.
     found = registry().get(name)
     if found is not None:
         return found
-    module, _, _ = name.partition(":")
+    module, _, _ = SNAPSHOT_NAMES.get(name, name).partition(":")
     if not module.startswith(_IMPORTABLE_PREFIX):
         return None
     try:
@@ -293,9 +332,10 @@ def resolve_record(name: str, /) -> type | None:
     """The record class registered in this process under ``name``, or None.
 
     Only classes registered as records (`record`, `register_record`, `SessionState`
-    subclasses) are found. When none is registered under ``name`` and its module is under
-    ``sessionstate.``, that module is imported once and the lookup repeated; no other module
-    is ever imported.
+    subclasses) are found, by the name `record_name` gives them. When none is registered
+    under ``name``, the module of its location in `SNAPSHOT_NAMES` (a library class), or
+    else its own module if under ``sessionstate.``, is imported once and the lookup
+    repeated; no other module is ever imported.
 
     >>> resolve_record("sessionstate._session:SessionState").__name__
     'SessionState'

@@ -1,0 +1,143 @@
+"""Snapshot class names are stable: a table names library classes, not their module paths."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+import sessionstate as ss
+from sessionstate._snapshot import SNAPSHOT_NAMES, record_name, resolve_leaf_class, resolve_record
+
+GOLDEN = sorted((Path(__file__).with_name("data") / "snapshots").glob("*/*.safetensors"))
+
+
+def _classes(node: Any) -> set[str]:
+    """Every class name a snapshot's JSON document stores."""
+    if isinstance(node, dict):
+        found = {node["class"]} if isinstance(node.get("class"), str) else set()
+        return found.union(*(_classes(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_classes(v) for v in node))
+    return set()
+
+
+def _stored_names() -> set[str]:
+    names: set[str] = set()
+    for path in GOLDEN:
+        with safe_open(str(path), framework="pt") as f:
+            document = json.loads(f.metadata()["sessionstate"])
+        names |= _classes(document["tree"]) | set(document.get("leaves", {}))
+    return names
+
+
+def _library_classes() -> dict[str, type]:
+    """Every record and snapshot-leaf class the library defines, by ``module:qualname``."""
+    from sessionstate._snapshot_format import _LEAF_CLASSES, _registered_records
+
+    for name in ss.__all__:
+        getattr(ss, name)
+    for model in ("dreamzero", "cosmos3"):
+        importlib.import_module(f"sessionstate.models.{model}")
+    found = {**_registered_records(), **_LEAF_CLASSES}.values()
+    return {
+        f"{c.__module__}:{c.__qualname__}": c
+        for c in found
+        if c.__module__.startswith("sessionstate.") and c is not ss.ParkedObject
+    }
+
+
+def test_the_golden_files_store_exactly_the_tables_names() -> None:
+    stored = _stored_names()
+    assert stored <= set(SNAPSHOT_NAMES)
+    # The table was seeded with the locations of the day, so new files are byte-identical.
+    assert {SNAPSHOT_NAMES[name] for name in stored} == stored
+
+
+def test_every_library_class_has_a_stable_name_that_resolves_to_it() -> None:
+    classes = _library_classes()
+    assert set(classes) == set(SNAPSHOT_NAMES.values())
+    for name, where in SNAPSHOT_NAMES.items():
+        cls = classes[where]
+        assert record_name(cls) == name
+        resolved = resolve_leaf_class(name) if cls is ss.KVHandle else resolve_record(name)
+        assert resolved is cls
+
+
+def test_a_user_class_keeps_module_and_qualname() -> None:
+    @ss.record
+    class Mine:
+        x: int = 0
+
+    assert record_name(Mine) == f"{__name__}:{Mine.__qualname__}"
+
+
+_MOVED = """
+from sessionstate import record, static_field
+
+
+@record
+class Moved:
+    step: int = static_field(default=0)
+"""
+
+_PATCH = """
+import sys
+import sessionstate
+from sessionstate import _snapshot_format as f
+sessionstate.__path__.append({home!r})
+f.SNAPSHOT_NAMES["sessionstate._old_home:Moved"] = "sessionstate._new_home:Moved"
+f._STABLE_BY_LOCATION["sessionstate._new_home:Moved"] = "sessionstate._old_home:Moved"
+"""
+
+_WRITE = """
+from sessionstate._new_home import Moved
+sessionstate.save_state({{"m": Moved(step=4)}}, {path!r})
+"""
+
+_READ = """
+import importlib.util
+assert importlib.util.find_spec("sessionstate._old_home") is None
+assert "sessionstate._new_home" not in sys.modules
+loaded = sessionstate.load_state({path!r})
+assert type(loaded["m"]).__module__ == "sessionstate._new_home", type(loaded["m"])
+assert loaded["m"].step == 4
+print("ok")
+"""
+
+
+def _python(code: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_moved_library_class_loads_from_its_new_module_by_its_stable_name(
+    tmp_path: Path,
+) -> None:
+    # A library class that moved from `_old_home` (no longer importable) to `_new_home`: the
+    # file stores the stable name, and a fresh process finds the class through the table.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "_new_home.py").write_text(textwrap.dedent(_MOVED))
+    path = str(tmp_path / "moved.safetensors")
+    patch = _PATCH.format(home=str(home))
+    _python(patch + _WRITE.format(path=path))
+    with safe_open(path, framework="pt") as f:
+        document = json.loads(f.metadata()["sessionstate"])
+    assert _classes(document["tree"]) == {"sessionstate._old_home:Moved"}
+    assert _python(patch + _READ.format(path=path)).strip() == "ok"
