@@ -12,10 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import os
-import shutil
 import tempfile
-import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Generic, Literal
@@ -25,6 +22,7 @@ import torch
 from typing_extensions import TypeVar
 
 from sessionstate._accounting import (
+    EngineBlock,
     StorageEntry,
     _RefusedError,
     _storages,
@@ -34,7 +32,7 @@ from sessionstate._accounting import (
 from sessionstate._errors import ParkingError, SessionAdmissionError, UnsupportedTensorError
 from sessionstate._ledger import Ledger, parse_nbytes
 from sessionstate._objects import ParkedObject
-from sessionstate._park import ParkedBytes, Tier
+from sessionstate._park import ParkedBytes, SpoolDir, Tier, reclaim_spool
 from sessionstate._session import SessionState
 from sessionstate._tree import tree_leaves
 
@@ -171,7 +169,7 @@ class BudgetedTable(Generic[SessionT]):
         self._max_bytes = max_bytes
         self._park_tier: Tier = park_tier
         self._spool_root = spool_root
-        self._spool_dir: str | None = None
+        self._spool_dir: SpoolDir | None = None
         # The byte ledger, and per session the storages each stored value reaches (so a put
         # walks only the values that changed).
         self._ledger = Ledger()
@@ -180,6 +178,8 @@ class BudgetedTable(Generic[SessionT]):
         self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
         self._parks = 0
         self._unparks = 0
+        if park_tier == "disk":  # what dead processes left on this spool root goes now
+            reclaim_spool(spool_root if spool_root is not None else tempfile.gettempdir())
 
     def _forget(self, session_id: Hashable) -> bool:
         raise NotImplementedError
@@ -394,14 +394,18 @@ class BudgetedTable(Generic[SessionT]):
     def _parkable(self, session_id: Hashable, devices: list[str]) -> list[str]:
         # The parkable objects holding bytes on `devices`, except any sharing a storage with
         # a value that stays resident (an attribute): parking it would free nothing, and
-        # unparking would split the alias into two copies.
+        # unparking would split the alias into two copies. Engine blocks stay where they are
+        # when their object is parked, so they free nothing either.
         values = self._values.get(session_id, {})
         objects = self._table[session_id].objects
         candidates = {
             name
             for name, obj in objects.items()
             if obj.parkable
-            and any(entry[0] in devices and entry[3] for entry in values[("o", name)].entries)
+            and any(
+                entry[0] in devices and entry[3] and not isinstance(entry[1], EngineBlock)
+                for entry in values[("o", name)].entries
+            )
         }
         staying = {
             entry[1]
@@ -423,14 +427,15 @@ class BudgetedTable(Generic[SessionT]):
             for entry in item.entries
         )
 
-    def _spool(self) -> str | None:
+    def _spool(self) -> SpoolDir | None:
+        # The manager's own locked subdirectory of the spool root, removed with the manager;
+        # what a process that died (`kill -9`) left there is reclaimed by the next one.
         if self._park_tier != "disk":
             return None
         if self._spool_dir is None:
-            if self._spool_root is not None:
-                os.makedirs(self._spool_root, exist_ok=True)
-            self._spool_dir = tempfile.mkdtemp(prefix="sessionstate-spool-", dir=self._spool_root)
-            weakref.finalize(self, shutil.rmtree, self._spool_dir, ignore_errors=True)
+            self._spool_dir = SpoolDir(
+                self._spool_root if self._spool_root is not None else tempfile.gettempdir()
+            )
         return self._spool_dir
 
     def _park_session(self, session_id: Hashable, names: list[str]) -> None:
@@ -456,16 +461,12 @@ class BudgetedTable(Generic[SessionT]):
         self._record_versions(session_id, new)
 
     def _resident(self, session_id: Hashable, state: SessionT) -> SessionT:
-        # Caller holds the lock. Unpark the session's parked objects, making room first; a
+        # Caller holds the lock. Unpark the session's parked objects, then make room for them:
+        # an unpark that fails (a damaged spool file) costs no other session anything. Either
         # failure leaves the session parked (and a retry can succeed).
         parked = self._parked.get(session_id)
         if not parked:
             return state
-        need: dict[str, int] = {}
-        for handle in _handles_of(parked.values()):
-            for device, nbytes in handle.nbytes_by_device.items():
-                need[device] = need.get(device, 0) + nbytes
-        self._make_room(session_id, need)
         try:
             new = state.unpark()
         except Exception as exc:
@@ -476,6 +477,11 @@ class BudgetedTable(Generic[SessionT]):
                 "retry once the cause is fixed, or `drop` it."
             )
             raise ParkingError(msg) from exc
+        need: dict[str, int] = {}
+        for handle in _handles_of(parked.values()):
+            for device, nbytes in handle.nbytes_by_device.items():
+                need[device] = need.get(device, 0) + nbytes
+        self._make_room(session_id, need)
         self._table[session_id] = new
         self._set_values(session_id, self._values_for(session_id, new))
         del self._parked[session_id]

@@ -62,7 +62,10 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
             only the session cap. Over budget, the least recently used sessions' parkable
             objects are parked first, then ``on_full`` applies.
         park_tier: Where the budget parks objects: ``"host"`` (default) or ``"disk"``.
-        spool_dir: The directory the disk tier spools into; a temporary one when None.
+        spool_dir: The root the disk tier spools into (the system temporary directory when
+            None). The manager writes into a locked subdirectory of its own, removed with the
+            manager; a disk-tier manager removes, when it is built, the subdirectories that
+            processes which ended without cleaning up (``kill -9``) left in the root.
 
     >>> import torch
     >>> from sessionstate import SessionState
@@ -450,7 +453,15 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
         >>> m.session_ids(), m.stats()["hits"]
         (['a', 'b'], 0)
         """
-        state = self.peek(session_id)
+        check_session_id(session_id)
+        with self._lock:
+            state = self._table.get(session_id)
+            if state is not None:
+                self._verify(session_id, state)
+                # A resident copy, made under the lock: a concurrent `get` that unparks the
+                # session (and releases its parked bytes) cannot come in between. The table
+                # keeps the parked record: saving does not make a session resident.
+                state = state.unpark()
         if state is None:
             msg = (
                 f"Cannot snapshot session {session_id!r}: this manager does not hold it (never "
@@ -460,7 +471,7 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
             raise SessionStateLostError(msg)
         # Metadata values are strings: a non-str id is stored as its repr.
         sid = session_id if isinstance(session_id, str) else repr(session_id)
-        save_state(state.unpark(), path, metadata={**(metadata or {}), "session_id": sid})
+        save_state(state, path, metadata={**(metadata or {}), "session_id": sid})
 
     def restore(
         self,

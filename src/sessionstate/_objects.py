@@ -281,9 +281,11 @@ def _parked_refusal(obj: ParkedObject, action: str) -> ParkedError:
 class ParkedObject(StateObject):
     """A `StateObject` whose storages a tier holds (see `StateObject.park`); not resident.
 
-    It has no tensor leaves, so byte accounting counts nothing for it; `nbytes_parked` says
-    what the tier holds. Every read or change raises `ParkedError`; `unpark` returns the
-    object as it was.
+    It has no tensor leaves, so byte accounting counts nothing for it but the engine-owned
+    leaves it keeps in place (``engine``: a `KVHandle`'s blocks stay in their pool, and stay
+    counted); `nbytes_parked` says what the tier holds. Every read or change raises
+    `ParkedError`, through any method or property of the parked kind (``concat``, ``stage``,
+    ``has_staged``, ``len(...)``); `unpark` returns the object as it was.
 
     Args:
         name: The parked object's name (for messages).
@@ -291,6 +293,7 @@ class ParkedObject(StateObject):
         handle: The tier's handle on the bytes.
         key: Where the object sits in the handle's tree when several objects were parked
             together (so storages they share stay shared); None when parked alone.
+        engine: The engine-owned leaves left in place (from the handle by default).
 
     >>> import torch
     >>> parked = TensorCache(name="feat").allocate().commit((torch.zeros(2),)).park()
@@ -302,8 +305,27 @@ class ParkedObject(StateObject):
     kind: str = static_field()
     handle: ParkedBytes = static_field(repr=False)
     key: str | None = static_field(default=None, repr=False)
+    engine: tuple[Any, ...] = field(
+        default=attrs.Factory(lambda self: self.handle.engine.get(self.key, ()), takes_self=True),
+        repr=False,
+    )
+    """The engine-owned leaves (`KVHandle`) the object held: never parked, so counted here."""
 
     parkable: ClassVar[bool] = False
+
+    def __getattr__(self, attribute: str) -> Any:
+        # Only reached for names the class lacks: the parked kind's own methods and properties
+        # (`concat`, `stage`, `has_staged`, ...) are refused as reads of a parked object.
+        if attribute.startswith("_"):
+            raise AttributeError(attribute)
+        raise _parked_refusal(self, f"use `{attribute}` of")
+
+    def __len__(self) -> int:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "take the length of")
+
+    def __bool__(self) -> bool:
+        return True
 
     @property
     def is_allocated(self) -> bool:
@@ -329,11 +351,11 @@ class ParkedObject(StateObject):
         """Refused: unpark first."""
         raise _parked_refusal(self, "allocate")
 
-    def commit(self, payload: Any, /) -> ParkedObject:
+    def commit(self, payload: Any = None, /) -> ParkedObject:
         """Refused: unpark first."""
         raise _parked_refusal(self, "commit to")
 
-    def view(self) -> Any:
+    def view(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: unpark first."""
         raise _parked_refusal(self, "view")
 

@@ -11,20 +11,43 @@ original's.
   copy, and the devices are synchronised before `park_tree` returns, so the caller may release
   the device memory as soon as it holds the handle (a device-to-host copy is not valid on the
   host until synchronised).
-- ``"disk"``: one snapshot file per parked tree (`save_state`) in a spool directory; unparking
-  loads it (`load_state`, checksummed) and `ParkedBytes.release` deletes it.
+- ``"disk"``: the tree's tensors in one snapshot file per parked tree (`save_state`) in a spool
+  directory; unparking loads it (`load_state`, checksummed). The file's owner is its handle:
+  `ParkedBytes.release` deletes it, and so does the handle's finalizer once nothing holds it.
+
+Engine-owned leaves (those reporting their own storages through
+``__sessionstate_storage_entries__``, such as a `KVHandle`) are never moved: they stay in
+memory, in place, and come back as the same objects, on their own pool. `ParkedBytes.engine`
+lists them so the byte accounting keeps counting what they hold.
+
+A spool directory that a process writes into is its own subdirectory of the spool root
+(`SpoolDir`), named ``sessionstate-spool-<pid>-<token>`` and holding a lock file locked for as
+long as the process holds the directory. `reclaim_spool` deletes the subdirectories whose lock
+is free: their process ended (even by ``kill -9``) without removing them.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import shutil
 import tempfile
-from collections.abc import Sequence
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: spool directories are not reclaimed
+    fcntl = None  # type: ignore[assignment]
+
+import contextlib
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
@@ -36,15 +59,48 @@ from sessionstate._snapshot import (
     save_state,
     storage_bytes,
 )
-from sessionstate._tree import PyTree, PyTreeSpec, tree_flatten_with_keys, tree_unflatten
+from sessionstate._tree import (
+    PyTree,
+    PyTreeSpec,
+    tree_flatten_with_keys,
+    tree_leaves,
+    tree_unflatten,
+)
 
-__all__ = ["TIERS", "ParkedBytes", "Tier", "check_tier", "park_tree"]
+__all__ = [
+    "TIERS",
+    "ParkedBytes",
+    "SpoolDir",
+    "Tier",
+    "check_tier",
+    "is_engine_leaf",
+    "park_tree",
+    "reclaim_spool",
+]
+
+logger = logging.getLogger("sessionstate")
 
 Tier = Literal["host", "disk"]
 TIERS: tuple[Tier, ...] = ("host", "disk")
 
 _names = itertools.count()
 _TENSOR: Any = object()  # marks a tensor leaf's place among the kept leaves
+_SPOOL_PREFIX = "sessionstate-spool-"
+_STAGING_PREFIX = f".{_SPOOL_PREFIX}staging-"
+_LOCK_NAME = ".lock"
+_STAGING_GRACE_S = 60.0  # a staging directory younger than this may still be taking its lock
+
+
+def is_engine_leaf(leaf: object, /) -> bool:
+    """Whether ``leaf`` reports engine-owned storages (a `KVHandle`): never moved by parking.
+
+    >>> import torch
+    >>> is_engine_leaf(torch.zeros(1)), is_engine_leaf(3)
+    (False, False)
+    """
+    return not isinstance(leaf, torch.Tensor) and hasattr(
+        type(leaf), "__sessionstate_storage_entries__"
+    )
 
 
 def check_tier(tier: object) -> Tier:
@@ -69,12 +125,22 @@ class ParkedBytes:
         label: What was parked, for messages (e.g. ``"object `cache` of session 'a'"``).
         nbytes: Bytes the tier holds (each storage once).
         nbytes_by_device: Bytes that unparking makes resident again, per device.
+        engine: The engine-owned leaves left in place, per top-level key of the parked tree
+            when it is a dict (how `SessionState.park` parks several objects), else under
+            None; they still hold their engine's memory and are counted where they are.
     """
 
     tier: Tier
 
-    def __init__(self, *, label: str, storages: Sequence[torch.UntypedStorage]) -> None:
+    def __init__(
+        self,
+        *,
+        label: str,
+        storages: Sequence[torch.UntypedStorage],
+        engine: Mapping[str | None, tuple[Any, ...]] | None = None,
+    ) -> None:
         self.label = label
+        self.engine: dict[str | None, tuple[Any, ...]] = dict(engine or {})
         by_device: dict[str, int] = {}
         for storage in storages:
             device = str(storage.device)
@@ -109,56 +175,177 @@ class ParkedBytes:
         raise NotImplementedError
 
 
+class _Flat:
+    """A tree split into its tensors and the rest (structure, other leaves kept in place)."""
+
+    def __init__(self, tree: PyTree, label: str) -> None:
+        keys, leaves, treespec = tree_flatten_with_keys(tree)
+        self.tensors = [
+            (k, x) for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)
+        ]
+        self.storages, self.views = _collect(self.tensors, label)
+        self.treespec: PyTreeSpec = treespec
+        self.leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.engine = _engine_leaves(tree)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> PyTree:
+        it = iter(tensors)
+        return tree_unflatten(self.treespec, [next(it) if x is _TENSOR else x for x in self.leaves])
+
+
+def _engine_leaves(tree: PyTree) -> dict[str | None, tuple[Any, ...]]:
+    if isinstance(tree, dict):
+        out = {
+            key: tuple(filter(is_engine_leaf, tree_leaves(value))) for key, value in tree.items()
+        }
+        return {key: leaves for key, leaves in out.items() if leaves}
+    leaves = tuple(filter(is_engine_leaf, tree_leaves(tree)))
+    return {None: leaves} if leaves else {}
+
+
 class _HostBytes(ParkedBytes):
     tier: Tier = "host"
 
     def __init__(self, tree: PyTree, *, label: str) -> None:
-        keys, leaves, treespec = tree_flatten_with_keys(tree)
-        tensors = [(k, x) for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)]
-        storages, views = _collect(tensors, label)
-        super().__init__(label=label, storages=storages)
-        self._treespec: PyTreeSpec = treespec
-        self._leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        self._views: list[ViewSpec] = views
-        self._devices = [s.device for s in storages]
-        self._buffers = copy_storages_to_host(storages)
+        flat = _Flat(tree, label)
+        super().__init__(label=label, storages=flat.storages, engine=flat.engine)
+        self._flat = flat
+        self._devices = [s.device for s in flat.storages]
+        self._buffers = copy_storages_to_host(flat.storages)
+        flat.storages, flat.tensors = [], []  # hold the host copies only
 
     def _restore(self) -> PyTree:
         storages = copy_storages_to_devices(self._buffers, self._devices)
-        tensors = iter(rebuild_views(storages, self._views))
-        leaves = [next(tensors) if x is _TENSOR else x for x in self._leaves]
-        return tree_unflatten(self._treespec, leaves)
+        return self._flat.rebuild(rebuild_views(storages, self._flat.views))
 
 
 class _DiskBytes(ParkedBytes):
     tier: Tier = "disk"
 
     def __init__(self, tree: PyTree, *, label: str, spool_dir: str | os.PathLike[str]) -> None:
-        keys, leaves, _ = tree_flatten_with_keys(tree)
-        tensors = [(k, x) for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)]
-        storages, _ = _collect(tensors, label)
-        super().__init__(label=label, storages=storages)
+        flat = _Flat(tree, label)
+        super().__init__(label=label, storages=flat.storages, engine=flat.engine)
+        tensors = [t for _, t in flat.tensors]
+        flat.storages, flat.tensors = [], []  # the file holds the tensors; keep the rest
+        self._flat = flat
         directory = Path(spool_dir)
-        directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"parked-{os.getpid()}-{next(_names)}.safetensors"
         try:
-            save_state(tree, self.path)
+            directory.mkdir(parents=True, exist_ok=True)
+            save_state(tensors, self.path)
         except OSError as exc:
             msg = (
                 f"Cannot park {label} to disk: writing `{self.path}` failed ({exc}). Free space "
                 "in the spool directory, point the manager at another one, or use the host tier."
             )
             raise OSError(msg) from exc
-        except TypeError as exc:
-            msg = f"Cannot park {label} to disk: {exc}"
-            raise TypeError(msg) from None
+        # The handle owns its file: released, or collected with nobody holding it, it goes.
+        self._remove = weakref.finalize(self, _unlink, str(self.path))
 
     def _restore(self) -> PyTree:
-        return load_state(self.path)
+        return self._flat.rebuild(load_state(self.path))
 
     def release(self) -> None:
         super().release()
-        self.path.unlink(missing_ok=True)
+        self._remove()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class SpoolDir:
+    """A spool directory this process owns: a locked subdirectory of a spool root.
+
+    Created as ``<root>/sessionstate-spool-<pid>-<token>`` holding a lock file that stays
+    locked while the `SpoolDir` lives (so while the process lives: the kernel drops the lock
+    when it dies, even by ``kill -9``). Creating one first reclaims what dead processes left
+    in ``root`` (`reclaim_spool`). The directory and its files are removed when the `SpoolDir`
+    is collected, or at interpreter exit.
+
+    >>> import tempfile
+    >>> spool = SpoolDir(tempfile.mkdtemp())
+    >>> spool.path.name.startswith("sessionstate-spool-")
+    True
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        reclaim_spool(root)
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=root))
+        fd = _lock(staging / _LOCK_NAME)
+        try:
+            path = root / f"{_SPOOL_PREFIX}{os.getpid()}-{staging.name[len(_STAGING_PREFIX) :]}"
+            os.rename(staging, path)  # the lock is on the file: it moves with the directory
+        except BaseException:
+            _remove_spool(str(staging), fd)
+            raise
+        self.path = path
+        self._finalizer = weakref.finalize(self, _remove_spool, str(path), fd)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def remove(self) -> None:
+        """Delete the directory and every file in it now."""
+        self._finalizer()
+
+
+def _lock(path: Path) -> int | None:
+    if fcntl is None:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _remove_spool(path: str, fd: int | None) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # under the lock: nobody reclaims it meanwhile
+    if fd is not None:
+        os.close(fd)
+
+
+def reclaim_spool(root: str | os.PathLike[str], /) -> list[str]:
+    """Delete the spool subdirectories in ``root`` that no live process holds; return them.
+
+    A subdirectory is reclaimed when its lock file can be locked (its process ended without
+    removing it). Directories of live processes, and anything else in ``root``, are left alone.
+    Not on POSIX (no ``fcntl``), nothing is reclaimed.
+
+    >>> import tempfile
+    >>> reclaim_spool(tempfile.mkdtemp())
+    []
+    """
+    if fcntl is None:  # pragma: no cover - not POSIX
+        return []
+    reclaimed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return reclaimed
+    for entry in entries:
+        staging = entry.name.startswith(_STAGING_PREFIX)
+        if not (staging or entry.name.startswith(_SPOOL_PREFIX)):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if staging and time.time() - entry.stat().st_mtime < _STAGING_GRACE_S:
+                continue  # its process may be about to lock it
+            fd = os.open(os.path.join(entry.path, _LOCK_NAME), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # held: its process is alive
+            continue
+        _remove_spool(entry.path, fd)
+        reclaimed.append(entry.path)
+        logger.info("Removed the spool directory %s, left by a process that ended.", entry.path)
+    return reclaimed
 
 
 def _collect(
@@ -220,14 +407,25 @@ def copy_storages_to_devices(
     return out
 
 
+_default_spools: dict[int, SpoolDir] = {}  # per process id: a forked child makes its own
+_default_lock = threading.Lock()
+
+
 def default_spool_dir() -> str:
-    """A new private temporary directory for disk-tier files.
+    """This process's spool directory in the system temporary directory (one per process).
+
+    Created on first use (a `SpoolDir`, reclaiming what dead processes left there) and
+    removed at interpreter exit.
 
     >>> import os
-    >>> os.path.isdir(default_spool_dir())
-    True
+    >>> os.path.isdir(default_spool_dir()), default_spool_dir() == default_spool_dir()
+    (True, True)
     """
-    return tempfile.mkdtemp(prefix="sessionstate-park-")
+    with _default_lock:
+        spool = _default_spools.get(os.getpid())
+        if spool is None or not spool.path.is_dir():
+            spool = _default_spools[os.getpid()] = SpoolDir(tempfile.gettempdir())
+        return str(spool.path)
 
 
 def park_tree(
@@ -243,10 +441,11 @@ def park_tree(
     Pure: ``tree`` is left unchanged (its storages are freed once nothing else holds them).
 
     Args:
-        tree: A pytree of plain dense tensors and other leaves (JSON values for the disk tier).
+        tree: A pytree of plain dense tensors and other leaves (kept in memory as they are).
         tier: ``"host"`` or ``"disk"``.
         label: Names what is parked in error messages.
-        spool_dir: The directory the disk tier writes to (a new temporary one when None).
+        spool_dir: The directory the disk tier writes to (this process's spool directory in
+            the system temporary directory when None, see `default_spool_dir`).
 
     Raises:
         UnsupportedTensorError: for a meta, sparse, nested or subclass tensor, naming its key.
