@@ -124,6 +124,46 @@ MUTANTS = (
     # -- snapshot mutants (issue 21) --
     # -- distributed mutants (issue 21) --
     # -- manager, budget and guard mutants (issue 21) --
+    Mutant(
+        "ledger-misses-earlier-overlap",
+        "the ledger misses a stored address range that starts before a new one",
+        "sessionstate/_ledger.py",
+        (
+            (
+                "lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest))",
+                "lo = bisect.bisect_left(spans, (start, start))",
+            ),
+        ),
+        ("tests/test_ledger_overlaps.py",),
+    ),
+    Mutant(
+        "budget-checks-first-device-only",
+        "the planner checks only the first device named in max_bytes",
+        "sessionstate/_budget.py",
+        (
+            (
+                "            for device, budget in self._max_bytes.items()\n"
+                "            if self._ledger.total(device) + extra.get(device, 0) > budget",
+                "            for device, budget in list(self._max_bytes.items())[:1]\n"
+                "            if self._ledger.total(device) + extra.get(device, 0) > budget",
+            ),
+        ),
+        ("tests/test_budget_devices.py",),
+    ),
+    Mutant(
+        "guard-floating-point-only",
+        "the guard records only floating-point tensors",
+        "sessionstate/_guard.py",
+        (
+            (
+                "            if version is not None:\n"
+                "                versions.append((index, leaf, version))",
+                "            if version is not None and leaf.is_floating_point():\n"
+                "                versions.append((index, leaf, version))",
+            ),
+        ),
+        ("tests/test_guard_dtypes.py",),
+    ),
     # -- model mutants (issue 21) --
 )
 

@@ -1,0 +1,88 @@
+"""The manager's ledger over storages that overlap without being one storage object (issue 21).
+
+Several `torch.from_numpy` views of one array are distinct storage objects over overlapping
+memory, and a tensor view of a KV pool overlaps the blocks a `KVHandle` reports. Put into a
+manager in every order, and dropped, the ledger must agree with an independent recount.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from sessionstate import KVPool, SessionState, SessionStateManager, TensorCache
+from sessionstate.testing import recount_nbytes_by_device
+
+
+def _values() -> dict[str, object]:
+    array = np.arange(20, dtype=np.float32)
+    pool = KVPool(4, block_tokens=2, token_shape=(2,))
+    handle = pool.append(pool.empty(), torch.ones(3, 2))
+    values: dict[str, object] = {
+        "whole": torch.from_numpy(array),
+        "head": torch.from_numpy(array[:8]),
+        "middle": torch.from_numpy(array[6:14]),
+        "pool_view": pool.storage[1:3],
+        "handle": handle,
+    }
+    whole, head, middle = (values[k] for k in ("whole", "head", "middle"))
+    assert isinstance(whole, torch.Tensor)
+    assert isinstance(head, torch.Tensor)
+    assert isinstance(middle, torch.Tensor)
+    # Three storage objects over one allocation: not one storage, but overlapping memory.
+    assert len({t.untyped_storage()._cdata for t in (whole, head, middle)}) == 3
+    assert middle.data_ptr() == whole.data_ptr() + 6 * 4
+    return values
+
+
+_AS: dict[str, Callable[[object], SessionState]] = {
+    "attr": lambda v: SessionState(attrs={"v": v}),
+    "object": lambda v: SessionState(
+        objects={"c": TensorCache(name="c").allocate().commit((v, None))}
+    ),
+}
+
+
+def _check(m: SessionStateManager, held: dict[str, SessionState]) -> None:
+    assert sorted(m.session_ids()) == sorted(held)  # type: ignore[type-var]
+    recount = recount_nbytes_by_device(list(held.values()))
+    stats = m.stats()
+    assert {k: v for k, v in stats.items() if k.startswith("nbytes:")} == {
+        f"nbytes:{device}": n for device, n in recount.items()
+    }
+    assert stats["total_nbytes"] == sum(recount.values())
+
+
+@pytest.mark.parametrize("kind", sorted(_AS))
+def test_overlapping_storages_in_every_order_match_a_recount(kind: str) -> None:
+    values = _values()
+    names = list(values)
+    for order in itertools.permutations(names):
+        m = SessionStateManager()
+        held: dict[str, SessionState] = {}
+        for name in order:
+            held[name] = _AS[kind](values[name])
+            m.put(name, held[name])
+            _check(m, held)
+        for name in order:  # the first put is the first dropped
+            assert m.drop(name)
+            del held[name]
+            _check(m, held)
+
+
+def test_replacing_a_value_by_an_overlapping_one_keeps_the_ledger_exact() -> None:
+    values = _values()
+    m = SessionStateManager()
+    held = {"a": SessionState(attrs={"v": values["middle"]})}
+    m.put("a", held["a"])
+    for name in ["whole", "head", "middle", "pool_view", "handle", "head"]:
+        held["b"] = SessionState(attrs={"v": values[name]})
+        m.put("b", held["b"])
+        _check(m, held)
+        held["a"] = SessionState(attrs={"v": values[name], "w": values["middle"]})
+        m.put("a", held["a"])
+        _check(m, held)
