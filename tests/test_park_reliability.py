@@ -319,3 +319,32 @@ def test_every_read_and_staged_operation_of_a_parked_object_raises_parked_error(
     assert tree_equal(parked.unpark(), kv)
     assert tree_equal(parked_ring.unpark(), ring)
     assert torch.equal(parked_ring.unpark().concat(), torch.arange(3.0))  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_that_drops_its_copy_leaves_the_parents_spool_files(
+    tmp_path: Path,
+) -> None:
+    m = SessionStateManager(max_bytes={"cpu": _size()}, park_tier="disk", spool_dir=tmp_path)
+    a = _record(fill=1)
+    m.put("a", a)
+    m.put("b", _record(fill=2))
+    (spool,) = tmp_path.iterdir()
+    files = sorted(spool.glob("parked-*.safetensors"))
+    assert len(files) == 1
+    pid = os.fork()
+    if pid == 0:  # the child's copy of the manager releases everything, then goes
+        code = 0
+        try:
+            m.clear()
+            del m  # noqa: F821
+            gc.collect()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert sorted(spool.glob("parked-*.safetensors")) == files
+    got = m.get("a")
+    assert got is not None
+    assert tree_equal(got, a)

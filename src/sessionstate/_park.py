@@ -240,7 +240,7 @@ class _DiskBytes(ParkedBytes):
             )
             raise OSError(msg) from exc
         # The handle owns its file: released, or collected with nobody holding it, it goes.
-        self._remove = weakref.finalize(self, _unlink, str(self.path))
+        self._remove = weakref.finalize(self, _unlink, str(self.path), os.getpid())
 
     def _restore(self) -> PyTree:
         return self._flat.rebuild(load_state(self.path))
@@ -250,7 +250,9 @@ class _DiskBytes(ParkedBytes):
         self._remove()
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child exiting leaves its parent's files alone
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
@@ -275,33 +277,36 @@ class SpoolDir:
         root.mkdir(parents=True, exist_ok=True)
         reclaim_spool(root)
         staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=root))
-        fd = _lock(staging / _LOCK_NAME)
+        fd = None
         try:
+            fd = _lock(staging / _LOCK_NAME)
             path = root / f"{_SPOOL_PREFIX}{os.getpid()}-{staging.name[len(_STAGING_PREFIX) :]}"
             os.rename(staging, path)  # the lock is on the file: it moves with the directory
         except BaseException:
-            _remove_spool(str(staging), fd)
+            _remove_spool(str(staging), fd, os.getpid())
             raise
         self.path = path
-        self._finalizer = weakref.finalize(self, _remove_spool, str(path), fd)
+        self._finalizer = weakref.finalize(self, _remove_spool, str(path), fd, os.getpid())
 
     def __fspath__(self) -> str:
         return str(self.path)
-
-    def remove(self) -> None:
-        """Delete the directory and every file in it now."""
-        self._finalizer()
 
 
 def _lock(path: Path) -> int | None:
     if fcntl is None:  # pragma: no cover - not POSIX
         return None
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: nobody can lock it to reclaim it either
+        os.close(fd)
+        return None
     return fd
 
 
-def _remove_spool(path: str, fd: int | None) -> None:
+def _remove_spool(path: str, fd: int | None, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child exiting leaves its parent's directory alone
+        return
     shutil.rmtree(path, ignore_errors=True)  # under the lock: nobody reclaims it meanwhile
     if fd is not None:
         os.close(fd)
@@ -342,7 +347,7 @@ def reclaim_spool(root: str | os.PathLike[str], /) -> list[str]:
         except OSError:
             os.close(fd)  # held: its process is alive
             continue
-        _remove_spool(entry.path, fd)
+        _remove_spool(entry.path, fd, os.getpid())
         reclaimed.append(entry.path)
         logger.info("Removed the spool directory %s, left by a process that ended.", entry.path)
     return reclaimed
