@@ -93,7 +93,7 @@ def test_parking_leaves_engine_handles_in_place_and_counted(tier: str, tmp_path:
     del a
     got = m.get("a")
     assert got is not None
-    back = got.object("kv").view()["kv"]  # type: ignore[attr-defined]
+    back = got.object("kv").view()["kv"]
     assert back is handle  # the same handle, on its own pool
     grown = pool.append(back, torch.full((1, 2), 9.0))
     assert torch.equal(grown.read(), torch.cat([torch.full((3, 2), 1.0), torch.full((1, 2), 9.0)]))
@@ -306,11 +306,12 @@ def test_every_read_and_staged_operation_of_a_parked_object_raises_parked_error(
             call()
     ring = LatentBuffer(name="ring", dim=0).allocate().commit(torch.arange(3.0))
     parked_ring = ring.park("host")
-    for action, call in [
+    reads: list[tuple[str, Any]] = [
         ("use `concat` of", lambda: parked_ring.concat()),
         ("take the length of", lambda: len(parked_ring)),
         ("view", lambda: parked_ring.view(last=1)),
-    ]:
+    ]
+    for action, call in reads:
         with pytest.raises(ParkedError, match=re.escape(_refusal(action, "LatentBuffer", "ring"))):
             call()
     assert bool(parked_ring)
@@ -337,7 +338,7 @@ def test_a_forked_child_that_drops_its_copy_leaves_the_parents_spool_files(
         code = 0
         try:
             m.clear()
-            del m  # noqa: F821
+            del m
             gc.collect()
         except BaseException:
             code = 1
