@@ -59,14 +59,14 @@ class FlakyWorker(SessionWorker):
     def arm(self, stage: str | None) -> None:
         self.fail = stage
 
-    def export_session(self, session_id: str) -> tuple[bytes, str]:
+    def export_session(self, session_id: str, *, epoch: int) -> tuple[bytes, str]:
         if self.fail == "export":
             msg = "export failed"
             raise RuntimeError(msg)
-        return super().export_session(session_id)
+        return super().export_session(session_id, epoch=epoch)
 
-    def import_session(self, session_id: str, data: bytes) -> Any:
-        ack = super().import_session(session_id, data)  # stored, then the acknowledgement fails
+    def import_session(self, session_id: str, data: bytes, *, epoch: int) -> Any:
+        ack = super().import_session(session_id, data, epoch=epoch)  # stored, then it fails
         if self.fail == "import":
             msg = "import failed"
             raise RuntimeError(msg)

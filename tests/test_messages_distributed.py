@@ -46,9 +46,9 @@ def test_worker_continuation_it_does_not_hold() -> None:
         "it again."
     )
     with pytest.raises(SessionStateLostError, match=re.escape(msg)):
-        worker.step("s", None, create=False)
+        worker.step("s", None, epoch=1, create=False)
     assert worker.stats().not_held == 1
-    worker.step("s", None, create=True)
+    worker.step("s", None, epoch=1, create=True)
     assert worker.stats().steps == 1
 
 
@@ -58,18 +58,18 @@ def test_worker_export_of_a_session_it_does_not_hold() -> None:
         "worker owns the session."
     )
     with pytest.raises(SessionStateLostError, match=re.escape(msg)):
-        SessionWorker("w0", _Counter).export_session("s")
+        SessionWorker("w0", _Counter).export_session("s", epoch=1)
 
 
 def test_worker_import_never_overwrites() -> None:
     worker = SessionWorker("w0", _Counter)
-    worker.step("s", None, create=True)
+    worker.step("s", None, epoch=1, create=True)
     msg = (
         "Worker 'w0' already holds session 's'; an import never overwrites a live record. "
         "Drop it there first, or migrate to another worker."
     )
     with pytest.raises(ValueError, match=re.escape(msg)):
-        worker.import_session("s", encode_record(SessionState(attrs={"x": 1})))
+        worker.import_session("s", encode_record(SessionState(attrs={"x": 1})), epoch=2)
     assert worker.manager.peek("s").attrs == {}  # type: ignore[union-attr]
 
 

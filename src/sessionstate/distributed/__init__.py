@@ -18,6 +18,7 @@ if importlib.util.find_spec("ray") is None:  # pragma: no cover - the extra is i
     raise ImportError(_msg)
 
 from sessionstate.distributed._episode import cluster_episode
+from sessionstate.distributed._outcomes import StaleEpochError, WorkerTimeoutError
 from sessionstate.distributed._ray import LOCAL_RAY_ENV, init_local_ray
 from sessionstate.distributed._router import (
     MigrationError,
@@ -45,8 +46,10 @@ __all__ = [
     "SessionPipeline",
     "SessionRestoredError",
     "SessionWorker",
+    "StaleEpochError",
     "StepReply",
     "WorkerStats",
+    "WorkerTimeoutError",
     "cluster_episode",
     "decode_record",
     "digest",

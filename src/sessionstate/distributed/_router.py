@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable
-from contextlib import suppress
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
@@ -16,6 +16,7 @@ from sessionstate.distributed._outcomes import (
     MigrationError,
     MigrationRecord,
     SessionRestoredError,
+    WorkerTimeoutError,
 )
 from sessionstate.distributed._worker import (
     ImportAck,
@@ -31,10 +32,12 @@ __all__ = ["MigrationError", "MigrationRecord", "Router", "SessionRestoredError"
 @attrs.define
 class _Session:
     owner: str
-    steps: int = 0
+    epoch: int
+    steps: int = 0  # steps its record holds: counted when a step's reply arrives
     snapshot_every: int | None = None
     snapshot: Any = None  # ObjectRef of the latest snapshot's bytes, never fetched here
     snapshot_steps: int = 0
+    pending: Any = None  # (reply ref, snapshot ref, worker) of a step that timed out
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
 
@@ -45,14 +48,23 @@ class Router:
     and there is no fallback. **Placement.** A new session goes to the live worker with the
     fewest resident bytes as last reported (each step's reply carries its worker's total),
     ties to the worker owning fewer sessions, then to the lower index.
-    **Migration** (`migrate`): the source exports the record's bytes into Ray's object store,
-    the destination imports them from there and acknowledges with their digest, then the
-    source drops the session and ownership switches. A failure at any point before the
-    switch leaves the source the owner with its record intact; calls for the session wait
-    until the migration ends. **Worker loss**: calls for a lost worker's sessions raise
+    **Fencing.** Every session has an epoch (`epoch`) that changes when it begins, migrates
+    or is restored; every operation sent to a worker carries it, and a worker refuses one
+    whose epoch is not the session's current one there, so a late message for an earlier
+    owner or an earlier life of the session is never applied.
+    **Migration** (`migrate`): the source exports the record's bytes into Ray's object store
+    and keeps the record (refusing steps at the old epoch), the destination imports them at a
+    new epoch and acknowledges with their digest; once the digest matches, ownership
+    switches, and then the source drops its copy. A failure before the switch (a timeout
+    included) drops the destination's copy and leaves the source the owner with its record
+    intact; calls for the session wait until the migration ends. **Timeouts**: a call that
+    takes longer than ``timeout`` raises `WorkerTimeoutError`; a step is counted when it
+    completes, so `steps` and `SessionRestoredError.steps_kept` stay exact.
+    **Worker loss**: calls for a lost worker's sessions raise
     `SessionStateLostError`, unless the session snapshots periodically
     (`set_snapshot_every`): then it is restored on another worker and the next call raises
-    `SessionRestoredError` saying how many steps were lost.
+    `SessionRestoredError` saying how many steps were lost. Losing the last live worker
+    loses every session, each with its own `SessionStateLostError`.
 
     Ray must be initialised first (`init_local_ray`, or ``ray.init(address=...)``).
 
@@ -114,14 +126,18 @@ class Router:
             self._handles[name] = actor.remote(name, factory, num_threads=num_threads)
         self._lock = threading.RLock()
         self._sessions: dict[Hashable, _Session] = {}
+        self._epoch_counter = itertools.count(1)  # one sequence for all: an epoch is never reused
         self._reported: dict[str, int] = dict.fromkeys(self._handles, 0)
         self._dead: set[str] = set()
-        self._lost: dict[Hashable, str] = {}
+        self._lost: dict[Hashable, str] = {}  # session -> the message saying how it was lost
         self._notices: dict[Hashable, SessionRestoredError] = {}
         self.migrations: list[MigrationRecord] = []
         # Surface a failing factory here, not at the first step.
         for name, handle in self._handles.items():
-            self._get(handle.stats.remote(), name)
+            try:
+                self._get(handle.stats.remote(), name, "stats")
+            except _WorkerLostError as lost:
+                raise lost.error from None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -135,9 +151,13 @@ class Router:
         return self._handles[self._check_worker(worker)]
 
     def owners(self) -> dict[Hashable, str]:
-        """Session id -> owning worker, for every live session, in order of first call."""
+        """Session id -> owning worker, for every live session on a live worker.
+
+        In order of first call. A session whose worker was lost is not listed (it was lost,
+        or restored elsewhere and listed there).
+        """
         with self._lock:
-            return {sid: s.owner for sid, s in self._sessions.items()}
+            return {sid: s.owner for sid, s in self._sessions.items() if s.owner not in self._dead}
 
     def owner(self, session_id: Hashable) -> str:
         """The worker that owns ``session_id``.
@@ -148,14 +168,44 @@ class Router:
         with self._lock:
             return self._require(session_id).owner
 
+    def epoch(self, session_id: Hashable) -> int:
+        """The epoch of ``session_id``: it changes when the session begins, migrates or is restored.
+
+        Every operation the router sends a worker carries it, and a worker refuses one whose
+        epoch is not the one it holds the session at (`StaleEpochError`).
+
+        Raises:
+            SessionStateLostError: if the router knows no live session by that id.
+        """
+        with self._lock:
+            return self._require(session_id).epoch
+
+    def steps(self, session_id: Hashable) -> int:
+        """How many steps of ``session_id`` its record holds, as the router counted them.
+
+        A step that timed out is counted once it completes; this waits for it first (up to
+        the router's ``timeout``), so the count is exact.
+
+        Raises:
+            SessionStateLostError: if the router knows no live session by that id.
+            WorkerTimeoutError: if a step that timed out is still running.
+            SessionRestoredError: if the session's worker was lost while that step ran.
+        """
+        with self._lock:
+            session = self._require(session_id)
+        with session.lock:
+            self._settle(session_id, session)
+            with self._lock:
+                return self._require(session_id).steps
+
     def stats(self) -> dict[str, WorkerStats]:
         """Every live worker's `WorkerStats`, by worker name."""
         out: dict[str, WorkerStats] = {}
         for name in self.workers:
             try:
-                stats = self._get(self._handles[name].stats.remote(), name)
-            except _actor_error():
-                self._worker_lost(name)
+                stats = self._get(self._handles[name].stats.remote(), name, "stats")
+            except _WorkerLostError as lost:
+                self._worker_lost(lost.worker)
                 continue
             out[name] = stats
             with self._lock:
@@ -191,48 +241,50 @@ class Router:
             SessionStateLostError: if the session's worker was lost and it had no snapshot
                 (or its worker no longer holds it). Drop it with `drop` to start it again.
             SessionRestoredError: once, after the session was restored from a snapshot.
+            WorkerTimeoutError: if the worker did not answer within ``timeout``. The step
+                may still complete there; it is counted if it does, and the next call for
+                the session waits for it first. Do not resend it before `steps` says it
+                was not applied.
         """
         with self._lock:
             session = self._session_for_call(session_id)
         with session.lock:
+            self._settle(session_id, session)
             with self._lock:
                 notice = self._notices.pop(session_id, None)
                 if notice is not None:
                     raise notice
                 self._require(session_id)
-                worker = session.owner
+                worker, epoch = session.owner, session.epoch
                 every = session.snapshot_every
                 snapshot = every is not None and (session.steps + 1) % every == 0
                 create = session.steps == 0
             handle = self._handles[worker]
+            if snapshot:
+                reply_ref, snap_ref = handle.step_and_snapshot.options(num_returns=2).remote(
+                    session_id, inputs, epoch=epoch, create=create
+                )
+            else:
+                reply_ref = handle.step.remote(session_id, inputs, epoch=epoch, create=create)
+                snap_ref = None
             try:
-                if snapshot:
-                    reply_ref, snap_ref = handle.step_and_snapshot.options(num_returns=2).remote(
-                        session_id, inputs, create=create
-                    )
-                else:
-                    reply_ref, snap_ref = (
-                        handle.step.remote(session_id, inputs, create=create),
-                        None,
-                    )
-                reply: StepReply = self._get(reply_ref, worker)
-            except _actor_error():
-                self._worker_lost(worker)
+                reply: StepReply = self._get(reply_ref, worker, "step", session_id)
+            except WorkerTimeoutError:
                 with self._lock:
-                    notice = self._notices.pop(session_id, None)
-                    if notice is not None:
-                        raise notice from None
-                    self._require(session_id)
+                    session.pending = (reply_ref, snap_ref, worker)
                 raise
-            with self._lock:
-                session.steps += 1
-                if snap_ref is not None:
-                    session.snapshot, session.snapshot_steps = snap_ref, session.steps
-                self._reported[worker] = reply.resident_nbytes
+            except _WorkerLostError as lost:
+                self._worker_lost(lost.worker)
+                raise self._loss_error(session_id) from None
+            self._count(session, worker, reply, snap_ref)
             return reply.output
 
     def drop(self, session_id: Hashable) -> bool:
-        """End ``session_id`` on its worker (or forget a lost one); returns whether it was known."""
+        """End ``session_id`` on its worker (or forget a lost one); returns whether it was known.
+
+        The drop goes to the owner at the session's epoch; a drop that times out still runs
+        there, after any call for the session in flight.
+        """
         with self._lock:
             session = self._sessions.get(session_id)
             lost = self._lost.pop(session_id, None) is not None
@@ -240,63 +292,99 @@ class Router:
         if session is None:
             return lost
         with session.lock:
-            if session.owner not in self._dead:
-                with suppress(*_actor_error()):
-                    self._get(
-                        self._handles[session.owner].drop_session.remote(session_id), session.owner
-                    )
             with self._lock:
+                # Forgotten first, so a worker loss found by the drop cannot restore it.
                 self._sessions.pop(session_id, None)
+                owner, epoch = session.owner, session.epoch
+            if owner not in self._dead:
+                try:
+                    self._get(
+                        self._handles[owner].drop_session.remote(session_id, epoch=epoch),
+                        owner,
+                        "drop_session",
+                        session_id,
+                    )
+                except WorkerTimeoutError:
+                    pass  # queued on the owner behind the session's calls; it runs in order
+                except _WorkerLostError as lost:
+                    self._worker_lost(lost.worker)
         return True
 
     def migrate(self, session_id: Hashable, destination: str) -> MigrationRecord:
-        """Move ``session_id`` to ``destination``: export, import and acknowledge, drop, switch.
+        """Move ``session_id`` to ``destination``: export, import, acknowledge, switch, release.
 
         The record's bytes go from the source to the destination through Ray's object
-        store; this process only handles their reference and digest.
+        store; this process only handles their reference and digest. The source keeps the
+        record, and refuses steps for it, until the destination's acknowledgement matches
+        the exported digest; then the owner and the epoch switch, and the source drops its
+        copy (a drop that times out still runs there, and its copy is fenced meanwhile).
 
         Raises:
-            MigrationError: if any stage fails; the source still owns the session then.
+            MigrationError: if the export, the import or the acknowledgement fails; the
+                message says where the session is (almost always: still on the source, with
+                its record intact, and the destination holds no copy).
             ValueError: if ``destination`` is not a live worker or already owns the session.
+            WorkerTimeoutError: if a step of the session that timed out is still running.
         """
         self._check_worker(destination)
         with self._lock:
             session = self._require(session_id)
         with session.lock:
+            self._settle(session_id, session)
             with self._lock:
                 self._require(session_id)
-                source = session.owner
-            if destination == source:
-                msg = (
-                    f"Session {session_id!r} is already on {destination!r}; pick another "
-                    f"destination among {self.workers}."
-                )
-                raise ValueError(msg)
+                source, epoch = session.owner, session.epoch
+                if destination == source:
+                    msg = (
+                        f"Session {session_id!r} is already on {destination!r}; pick another "
+                        f"destination among {self.workers}."
+                    )
+                    raise ValueError(msg)
+                new_epoch = next(self._epoch_counter)
             start = time.perf_counter()
             src, dst = self._handles[source], self._handles[destination]
             stage = "export"
             try:
-                data_ref, digest_ref = src.export_session.options(num_returns=2).remote(session_id)
-                expected = self._get(digest_ref, source)  # the export is done; bytes stay put
+                data_ref, digest_ref = src.export_session.options(num_returns=2).remote(
+                    session_id, epoch=epoch
+                )
+                expected = self._get(digest_ref, source, "export_session", session_id)
                 stage = "import"
                 ack: ImportAck = self._get(
-                    dst.import_session.remote(session_id, data_ref), destination
+                    dst.import_session.remote(session_id, data_ref, epoch=new_epoch),
+                    destination,
+                    "import_session",
+                    session_id,
                 )
                 stage = "acknowledge"
                 if ack.digest != expected:
-                    msg = f"digest {ack.digest[:12]} imported, {expected[:12]} exported"
-                    raise RuntimeError(msg)
-                stage = "drop at the source"
-                self._get(src.drop_session.remote(session_id), source)
+                    msg = (
+                        f"{destination!r} acknowledged digest {ack.digest[:12]}, "
+                        f"{source!r} exported {expected[:12]}"
+                    )
+                    raise _DigestMismatchError(msg)
             except Exception as exc:
-                self._abort(session_id, source, destination, stage, exc)
+                self._abort(session_id, source, destination, stage, exc, epoch, new_epoch)
+            # The acknowledgement is terminal: the destination holds the record at the new
+            # epoch. Switch first; only then may the source let its copy go.
             with self._lock:
-                session.owner = destination
-                self._reported[source] = max(0, self._reported[source] - ack.nbytes)
+                session.owner, session.epoch = destination, new_epoch
+                self._reported[source] = max(0, self._reported.get(source, 0) - ack.nbytes)
                 record = MigrationRecord(
                     session_id, source, destination, ack.nbytes, time.perf_counter() - start
                 )
                 self.migrations.append(record)
+            try:
+                self._get(
+                    src.drop_session.remote(session_id, epoch=epoch),
+                    source,
+                    "drop_session",
+                    session_id,
+                )
+            except WorkerTimeoutError:
+                pass  # it runs there in order; the copy is handed off and fenced until then
+            except _WorkerLostError as lost:
+                self._worker_lost(lost.worker)
             return record
 
     def rebalance(self, *, tolerance: float = 0.1) -> list[MigrationRecord]:
@@ -345,10 +433,57 @@ class Router:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _get(self, ref: Any, worker: str) -> Any:
-        import ray
+    def _get(
+        self, ref: Any, worker: str, operation: str, session_id: Hashable | None = None
+    ) -> Any:
+        import ray.exceptions
 
-        return ray.get(ref, timeout=self.timeout)
+        try:
+            return ray.get(ref, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            what = f"`{operation}`" + ("" if session_id is None else f" for {session_id!r}")
+            msg = (
+                f"Worker {worker!r} did not answer {what} within {self.timeout:g} s (the "
+                "router's `timeout`); the call may still be running there. A step is counted "
+                "only if it completes: the next call for the session waits for it first, and "
+                "`Router.steps` reports the steps applied. Raise `timeout` if calls take "
+                "this long."
+            )
+            raise WorkerTimeoutError(
+                msg,
+                session_id=session_id,
+                worker=worker,
+                operation=operation,
+                timeout=self.timeout,
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            raise _WorkerLostError(worker, exc) from exc
+
+    def _settle(self, session_id: Hashable, session: _Session) -> None:
+        """Wait for a step of the session that timed out, and count it if it completed."""
+        if session.pending is None:
+            return
+        reply_ref, snap_ref, worker = session.pending
+        try:
+            reply = self._get(reply_ref, worker, "step", session_id)
+        except _WorkerLostError as lost:
+            session.pending = None
+            self._worker_lost(lost.worker)
+            raise self._loss_error(session_id) from None
+        except WorkerTimeoutError:
+            raise
+        except Exception:  # the step failed on the worker: it stored nothing, so count nothing
+            session.pending = None
+            return
+        session.pending = None
+        self._count(session, worker, reply, snap_ref)
+
+    def _count(self, session: _Session, worker: str, reply: StepReply, snap_ref: Any) -> None:
+        with self._lock:
+            session.steps += 1
+            if snap_ref is not None:
+                session.snapshot, session.snapshot_steps = snap_ref, session.steps
+            self._reported[worker] = reply.resident_nbytes
 
     def _check_worker(self, worker: str) -> str:
         if worker not in self._handles or worker in self._dead:
@@ -362,30 +497,32 @@ class Router:
     def _session_for_call(self, session_id: Hashable) -> _Session:
         session = self._sessions.get(session_id)
         if session is None and session_id not in self._lost:
-            session = _Session(self._place())
+            session = _Session(self._place(), next(self._epoch_counter))
             self._sessions[session_id] = session
         if session is None:
-            self._require(session_id)
-        assert session is not None
+            raise self._loss_error(session_id)
         return session
 
     def _require(self, session_id: Hashable) -> _Session:
         session = self._sessions.get(session_id)
-        if session is not None:
-            return session
-        worker = self._lost.get(session_id)
-        if worker is not None:
-            msg = (
-                f"Session {session_id!r} was lost with worker {worker!r} (the worker died and "
-                "the session had no snapshot); its state is gone. Call `drop` on the router "
-                "to start it again, or set `set_snapshot_every` to survive a worker loss."
-            )
-        else:
+        if session is None:
+            raise self._loss_error(session_id)
+        return session
+
+    def _loss_error(self, session_id: Hashable) -> Exception:
+        """Why ``session_id`` cannot be called: its restore notice, or how it was lost."""
+        with self._lock:
+            notice = self._notices.pop(session_id, None)
+            if notice is not None:
+                return notice
+            lost = self._lost.get(session_id)
+            if lost is not None:
+                return SessionStateLostError(lost)
             msg = (
                 f"Session {session_id!r} is not known to this router; start it with `step`. "
                 f"Known sessions: {sorted(self._sessions, key=repr)}."
             )
-        raise SessionStateLostError(msg)
+            return SessionStateLostError(msg)
 
     def _place(self) -> str:
         live = self.workers
@@ -396,32 +533,86 @@ class Router:
         for s in self._sessions.values():
             if s.owner in owned:
                 owned[s.owner] += 1
-        return min(live, key=lambda n: (self._reported[n], owned[n], live.index(n)))
+        return min(live, key=lambda n: (self._reported.get(n, 0), owned[n], live.index(n)))
 
     def _abort(
-        self, session_id: Hashable, source: str, destination: str, stage: str, exc: Exception
-    ) -> None:
-        # Undo a completed import, so the destination holds no second copy.
-        with suppress(Exception):
-            self._get(self._handles[destination].drop_session.remote(session_id), destination)
-        if isinstance(exc, _actor_error()):
-            for worker in (source, destination):
-                if not self._alive(worker):
-                    self._worker_lost(worker)
-        cause = getattr(exc, "cause", None) or exc  # the worker's own error, not Ray's wrapper
+        self,
+        session_id: Hashable,
+        source: str,
+        destination: str,
+        stage: str,
+        exc: Exception,
+        epoch: int,
+        new_epoch: int,
+    ) -> NoReturn:
+        dead: set[str] = {exc.worker} if isinstance(exc, _WorkerLostError) else set()
+        if stage != "export" and destination not in dead:
+            # Undo an import that completed (or will: the drop runs after it, in order).
+            try:
+                self._get(
+                    self._handles[destination].drop_session.remote(session_id, epoch=new_epoch),
+                    destination,
+                    "drop_session",
+                    session_id,
+                )
+            except _WorkerLostError:
+                dead.add(destination)
+            except Exception:
+                pass  # a copy left behind is fenced: no call the router sends can reach it
+        if source not in dead:
+            # End the hand-off; the source is then known alive (or merely slow: the reclaim
+            # runs there before any later call for the session).
+            try:
+                self._get(
+                    self._handles[source].reclaim_session.remote(session_id, epoch=epoch),
+                    source,
+                    "reclaim_session",
+                    session_id,
+                )
+            except _WorkerLostError:
+                dead.add(source)
+            except WorkerTimeoutError:
+                pass
+        for worker in sorted(dead):
+            self._worker_lost(worker)
+        if isinstance(exc, _WorkerLostError):
+            cause: BaseException | None = exc.error
+            what = f"worker {exc.worker!r} died"
+        elif isinstance(exc, (WorkerTimeoutError, _DigestMismatchError)):
+            cause = None
+            what = (
+                str(exc)
+                if isinstance(exc, _DigestMismatchError)
+                else f"{exc.worker!r} did not answer `{exc.operation}` within {exc.timeout:g} s"
+            )
+        else:
+            cause = getattr(exc, "cause", None) or exc  # the worker's own error, not Ray's wrapper
+            what = f"{type(cause).__name__}: {cause}"
+        if source not in dead:
+            outcome = (
+                f"the session stays on {source!r} with its record intact. Retry, or pick "
+                "another destination."
+            )
+        else:
+            with self._lock:
+                notice = self._notices.get(session_id)
+            if notice is not None:
+                outcome = (
+                    f"{source!r} was lost, and the session was restored on "
+                    f"{notice.restored_on!r} from its snapshot after step {notice.steps_kept}; "
+                    "the next call for it raises `SessionRestoredError`."
+                )
+            else:
+                outcome = (
+                    f"{source!r} was lost, and the session with it; the next call for it "
+                    "raises `SessionStateLostError`. Call `drop` on the router to start it "
+                    "again, or set `set_snapshot_every` to survive a worker loss."
+                )
         msg = (
             f"Migrating session {session_id!r} from {source!r} to {destination!r} failed at "
-            f"the {stage} stage ({type(cause).__name__}: {cause}); the session stays on {source!r} "
-            "with its record intact. Retry, or pick another destination."
+            f"the {stage} stage ({what}); {outcome}"
         )
-        raise MigrationError(msg) from exc
-
-    def _alive(self, worker: str) -> bool:
-        try:
-            self._get(self._handles[worker].stats.remote(), worker)
-        except _actor_error():
-            return False
-        return True
+        raise MigrationError(msg) from cause if cause is not None else exc
 
     def _worker_lost(self, worker: str) -> None:
         with self._lock:
@@ -432,26 +623,62 @@ class Router:
             orphans = [sid for sid, s in self._sessions.items() if s.owner == worker]
             for sid in orphans:
                 session = self._sessions[sid]
+                session.pending = None  # its outcome died with the worker; the snapshot is exact
                 if session.snapshot_every is None or (session.snapshot is None and session.steps):
-                    del self._sessions[sid]
-                    self._lost[sid] = worker
+                    self._lose(
+                        sid,
+                        f"Session {sid!r} was lost with worker {worker!r} (the worker died and "
+                        "the session had no snapshot); its state is gone. Call `drop` on the "
+                        "router to start it again, or set `set_snapshot_every` to survive a "
+                        "worker loss.",
+                    )
                     continue
                 self._restore(sid, session, worker)
 
+    def _lose(self, session_id: Hashable, msg: str) -> None:
+        del self._sessions[session_id]
+        self._lost[session_id] = msg
+
     def _restore(self, session_id: Hashable, session: _Session, worker: str) -> None:
-        target = self._place()
+        while self.workers:
+            target = self._place()
+            epoch = next(self._epoch_counter)
+            if session.snapshot is not None:
+                try:
+                    self._get(
+                        self._handles[target].import_session.remote(
+                            session_id, session.snapshot, epoch=epoch
+                        ),
+                        target,
+                        "import_session",
+                        session_id,
+                    )
+                except _WorkerLostError as died:
+                    self._worker_lost(died.worker)
+                    continue
+                except WorkerTimeoutError:
+                    pass  # the import runs there before any later call for the session
+                except Exception as exc:
+                    cause = getattr(exc, "cause", None) or exc
+                    self._lose(
+                        session_id,
+                        f"Session {session_id!r} was lost with worker {worker!r} (the worker "
+                        f"died, and restoring its snapshot on {target!r} failed: "
+                        f"{type(cause).__name__}: {cause}); its state is gone. Call `drop` on "
+                        "the router to start it again.",
+                    )
+                    return
+            break
+        else:
+            self._lose(
+                session_id,
+                f"Session {session_id!r} was lost with worker {worker!r} (the worker died, and "
+                "no live worker was left to restore its snapshot on); its state is gone. "
+                "Every worker of this router is lost: start a new `Router`.",
+            )
+            return
         lost = session.steps - session.snapshot_steps
-        if session.snapshot is not None:
-            try:
-                self._get(
-                    self._handles[target].import_session.remote(session_id, session.snapshot),
-                    target,
-                )
-            except Exception:
-                del self._sessions[session_id]
-                self._lost[session_id] = worker
-                return
-        session.owner, session.steps = target, session.snapshot_steps
+        session.owner, session.epoch, session.steps = target, epoch, session.snapshot_steps
         msg = (
             f"Session {session_id!r} was lost with worker {worker!r} and restored on "
             f"{target!r} from its snapshot after step {session.snapshot_steps}; {lost} steps "
@@ -468,7 +695,14 @@ class Router:
         )
 
 
-def _actor_error() -> tuple[type[Exception], ...]:
-    import ray.exceptions
+class _WorkerLostError(Exception):
+    """A worker died during a call (internal: the router settles its sessions, then reports)."""
 
-    return (ray.exceptions.RayActorError,)
+    def __init__(self, worker: str, error: BaseException) -> None:
+        super().__init__(worker)
+        self.worker = worker
+        self.error = error
+
+
+class _DigestMismatchError(Exception):
+    """A destination acknowledged other bytes than the source exported (internal)."""

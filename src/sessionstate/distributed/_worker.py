@@ -12,6 +12,7 @@ import torch
 from sessionstate._config import ENV_ENABLE, OmniDiffusionConfig
 from sessionstate._errors import SessionStateLostError
 from sessionstate._manager import SessionStateManager
+from sessionstate.distributed._outcomes import StaleEpochError
 from sessionstate.distributed._transport import decode_record, digest, encode_record
 
 __all__ = [
@@ -104,6 +105,13 @@ class SessionWorker:
     Plain Python: `Router` runs it as a Ray actor (``ray.remote(SessionWorker)``), and it runs
     in-process as well, which is how the example below uses it.
 
+    **Fencing.** The worker holds each session at an epoch, set when the session begins here
+    (the first `step`, with ``create=True``) or is imported; every operation carries the
+    epoch its sender believes current, and one that does not match is refused with
+    `StaleEpochError` and changes nothing. An export hands the session off: the worker keeps
+    the record (its lease) but refuses further steps at that epoch until the migration ends,
+    with `drop_session` (it completed) or `reclaim_session` (it failed).
+
     Args:
         name: The worker's name in messages and statistics.
         factory: Builds the pipeline, in the worker's own process.
@@ -118,9 +126,9 @@ class SessionWorker:
     >>> from sessionstate.models.dreamzero import DreamZeroConfig
     >>> from sessionstate.models.dreamzero.episode import scripted_episode
     >>> (sid, obs), = scripted_episode(DreamZeroConfig.preset("tiny"), steps=1, sessions=1, seed=0)
-    >>> reply = src.step(sid, obs, create=True)
-    >>> data, sha = src.export_session(sid)
-    >>> dst.import_session(sid, data).digest == sha, src.drop_session(sid)
+    >>> reply = src.step(sid, obs, epoch=1, create=True)
+    >>> data, sha = src.export_session(sid, epoch=1)
+    >>> dst.import_session(sid, data, epoch=2).digest == sha, src.drop_session(sid, epoch=1)
     (True, True)
     >>> dst.stats().nbytes_by_session.keys(), src.stats().total_nbytes
     (dict_keys(['session-0']), 0)
@@ -147,23 +155,30 @@ class SessionWorker:
             )
             raise TypeError(msg)
         self.manager: SessionStateManager = manager
+        self._epochs: dict[Hashable, int] = {}
+        self._handed_off: set[Hashable] = set()
         self._steps = 0
         self._not_held = 0
 
-    def step(self, session_id: str, inputs: Any, *, create: bool) -> StepReply:
-        """Run one step of ``session_id``; ``create`` says whether it may start the session.
+    def step(self, session_id: str, inputs: Any, *, epoch: int, create: bool) -> StepReply:
+        """Run one step of ``session_id`` at ``epoch``; ``create`` says whether it may begin it.
+
+        A session begun here is held at ``epoch`` from then on.
 
         Raises:
             SessionStateLostError: if ``create`` is False and this worker does not hold the
                 session (a continuation is never silently restarted from scratch).
+            StaleEpochError: if the worker holds the session at another epoch, or has handed
+                it off to a migration; nothing runs.
 
         >>> w = SessionWorker("w0", DreamZeroFactory(preset="tiny"))
-        >>> w.step("s", None, create=False)
+        >>> w.step("s", None, epoch=1, create=False)
         Traceback (most recent call last):
         ...
         sessionstate._errors.SessionStateLostError: Worker 'w0' does not hold session 's'...
         """
-        if not create and session_id not in self.manager:
+        held = self._held(session_id)
+        if held is None and not create:
             self._not_held += 1
             msg = (
                 f"Worker {self.name!r} does not hold session {session_id!r} (evicted by its "
@@ -171,56 +186,80 @@ class SessionWorker:
                 "Drop the session at the router and start it again."
             )
             raise SessionStateLostError(msg)
+        if held is not None:
+            self._fence(session_id, epoch, "step", steps=True)
         output = self.pipeline.forward(inputs, session_id)
+        if held is None and session_id in self.manager:
+            self._epochs[session_id] = epoch
         self._steps += 1
         return StepReply(output, self.name, self.manager.stats()["total_nbytes"])
 
     def step_and_snapshot(
-        self, session_id: str, inputs: Any, *, create: bool
+        self, session_id: str, inputs: Any, *, epoch: int, create: bool
     ) -> tuple[StepReply, bytes]:
         """`step`, then the session's bytes after it (for restoring it elsewhere).
 
         >>> w = SessionWorker("w0", DreamZeroFactory(preset="tiny"))
-        >>> w.step_and_snapshot("s", None, create=False)
+        >>> w.step_and_snapshot("s", None, epoch=1, create=False)
         Traceback (most recent call last):
         ...
         sessionstate._errors.SessionStateLostError: Worker 'w0' does not hold session 's'...
         """
-        reply = self.step(session_id, inputs, create=create)
+        reply = self.step(session_id, inputs, epoch=epoch, create=create)
         return reply, encode_record(self.manager.require(session_id))
 
-    def export_session(self, session_id: str) -> tuple[bytes, str]:
+    def export_session(self, session_id: str, *, epoch: int) -> tuple[bytes, str]:
         """The bytes of the session's latest record and their digest; the record stays here.
+
+        The session is handed off: this worker keeps its record, and refuses steps at
+        ``epoch``, until `drop_session` or `reclaim_session` ends the migration.
 
         Raises:
             SessionStateLostError: if this worker does not hold the session.
+            StaleEpochError: if the worker holds the session at another epoch.
 
-        >>> SessionWorker("w0", DreamZeroFactory()).export_session("s")
+        >>> SessionWorker("w0", DreamZeroFactory()).export_session("s", epoch=1)
         Traceback (most recent call last):
         ...
         sessionstate._errors.SessionStateLostError: Worker 'w0' cannot export session 's'...
         """
-        state = self.manager.peek(session_id)
+        state = self.manager.peek(session_id) if self._held(session_id) is not None else None
         if state is None:
             msg = (
                 f"Worker {self.name!r} cannot export session {session_id!r}: it does not hold "
                 "it. Ask the router which worker owns the session."
             )
             raise SessionStateLostError(msg)
+        self._fence(session_id, epoch, "export_session", steps=False)
         # A record with parked objects travels resident: the bytes of its tier stay here.
         data = encode_record(state.unpark())
+        self._handed_off.add(session_id)
         return data, digest(data)
 
-    def import_session(self, session_id: str, data: bytes) -> ImportAck:
-        """Store the record in ``data`` as ``session_id``; the acknowledgement carries its digest.
+    def reclaim_session(self, session_id: str, *, epoch: int) -> bool:
+        """End a failed migration's hand-off: steps at ``epoch`` run here again.
+
+        Returns whether the worker holds the session at ``epoch`` (False: nothing changed).
+
+        >>> SessionWorker("w0", DreamZeroFactory()).reclaim_session("s", epoch=1)
+        False
+        """
+        if self._held(session_id) != epoch:
+            return False
+        self._handed_off.discard(session_id)
+        return True
+
+    def import_session(self, session_id: str, data: bytes, *, epoch: int) -> ImportAck:
+        """Store the record in ``data`` as ``session_id`` at ``epoch``; the ack carries its digest.
 
         Raises:
             ValueError: if this worker already holds the session (an import never overwrites).
+            SnapshotError: if ``data`` is not an intact snapshot of a `SessionState`.
 
         >>> from sessionstate import SessionState
         >>> from sessionstate.distributed import encode_record
         >>> w = SessionWorker("w0", DreamZeroFactory())
-        >>> w.import_session("s", encode_record(SessionState())).worker
+        >>> w.import_session("s", encode_record(SessionState()), epoch=1).worker
         'w0'
         """
         if session_id in self.manager:
@@ -230,15 +269,34 @@ class SessionWorker:
             )
             raise ValueError(msg)
         self.manager.put(session_id, decode_record(data))
+        self._epochs[session_id] = epoch
+        self._handed_off.discard(session_id)
         return ImportAck(session_id, self.name, digest(data), len(data))
 
-    def drop_session(self, session_id: str) -> bool:
-        """Forget the session; returns whether it was held.
+    def drop_session(self, session_id: str, *, epoch: int) -> bool:
+        """Forget the session held at ``epoch``; returns whether it was held.
 
-        >>> SessionWorker("w0", DreamZeroFactory()).drop_session("s")
+        Raises:
+            StaleEpochError: if the worker holds the session at another epoch; nothing is
+                dropped.
+
+        >>> SessionWorker("w0", DreamZeroFactory()).drop_session("s", epoch=1)
         False
         """
+        if self._held(session_id) is None:
+            return False
+        self._fence(session_id, epoch, "drop_session", steps=False)
+        self._epochs.pop(session_id, None)
+        self._handed_off.discard(session_id)
         return self.manager.drop(session_id)
+
+    def epoch(self, session_id: str) -> int | None:
+        """The epoch this worker holds ``session_id`` at, or None if it does not hold it.
+
+        >>> SessionWorker("w0", DreamZeroFactory()).epoch("s") is None
+        True
+        """
+        return self._held(session_id)
 
     def stats(self) -> WorkerStats:
         """Resident bytes per session and in total, calls served, continuations not held.
@@ -256,3 +314,33 @@ class SessionWorker:
             self._steps,
             self._not_held,
         )
+
+    def _held(self, session_id: Hashable) -> int | None:
+        if session_id not in self.manager:  # never held, dropped, or evicted by the cap
+            self._epochs.pop(session_id, None)
+            self._handed_off.discard(session_id)
+            return None
+        return self._epochs.get(session_id)
+
+    def _fence(self, session_id: Hashable, epoch: int, operation: str, *, steps: bool) -> None:
+        held = self._held(session_id)
+        if held == epoch and not (steps and session_id in self._handed_off):
+            return
+        if held == epoch:
+            why = (
+                "it exported the session at that epoch to a migration and holds the record "
+                "only until the migration ends"
+            )
+        elif held is None:
+            why = "it holds the session at no epoch (it was stored here outside the router)"
+        else:
+            why = (
+                f"it holds the session at epoch {held} (the session began, moved or was "
+                "restored since the call was sent)"
+            )
+        msg = (
+            f"Worker {self.name!r} refused `{operation}` for session {session_id!r} at epoch "
+            f"{epoch}: {why}, so nothing was applied. Send calls through the router, which "
+            "knows each session's owner and current epoch."
+        )
+        raise StaleEpochError(msg, session_id=session_id, worker=self.name, sent=epoch, held=held)

@@ -1,0 +1,329 @@
+"""Ray scale-out under faults: timeouts at every stage, corrupt bytes, a lying acknowledgement,
+dead sources, and losing the last worker.
+
+One local Ray cluster for the module; one shared two-worker router for the tests that leave it
+as they found it, and one three-worker router that the worker-loss test kills one by one. A
+fault is armed on one worker (a delay longer than the router's timeout, or a corruption) and
+disarmed by a call queued behind it, so every test ends with its faults finished.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from sessionstate import (  # noqa: E402
+    SessionState,
+    SessionStateLostError,
+    SessionStateManager,
+    SnapshotError,
+)
+from sessionstate.distributed import (  # noqa: E402
+    MigrationError,
+    Router,
+    SessionRestoredError,
+    SessionWorker,
+    WorkerTimeoutError,
+    init_local_ray,
+)
+
+# The pipeline and the worker are defined here; workers receive them by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+DELAY = 1.0  # seconds an armed stage sleeps on its worker
+SHORT = 0.25  # the router's timeout while a delay is armed
+
+
+class CounterPipeline:
+    """A session holds a call count and a payload tensor whose size the first call sets."""
+
+    def __init__(self) -> None:
+        self.manager = SessionStateManager()
+
+    def forward(self, inputs: int, session_id: str) -> int:
+        state = self.manager.get(session_id)
+        if state is None:
+            state = SessionState(attrs={"count": 0, "payload": torch.zeros(inputs)})
+        count = state.attrs["count"] + 1
+        self.manager.put(session_id, state.with_attrs(count=count))
+        return int(count)
+
+
+class FaultyWorker(SessionWorker):
+    """Sleeps at, or corrupts, the armed stage (the fence arguments pass through untouched)."""
+
+    fault: str | None = None
+    delay: float = 0.0
+
+    def arm(self, fault: str | None, delay: float = 0.0) -> None:
+        self.fault, self.delay = fault, delay
+
+    def _pause(self, stage: str) -> None:
+        if self.fault == stage:
+            time.sleep(self.delay)
+
+    def step(self, session_id: str, inputs: Any, **fence: Any) -> Any:
+        self._pause("step")
+        return super().step(session_id, inputs, **fence)
+
+    def export_session(self, session_id: str, **fence: Any) -> tuple[bytes, str]:
+        self._pause("export")
+        data, sha = super().export_session(session_id, **fence)
+        if self.fault == "corrupt":  # a storage byte: the header, and so the digest, still match
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        return data, sha
+
+    def import_session(self, session_id: str, data: bytes, **fence: Any) -> Any:
+        self._pause("import")
+        ack = super().import_session(session_id, data, **fence)
+        self._pause("acknowledge")  # stored; the acknowledgement is late
+        if self.fault == "wrong-digest":
+            ack = attrs.evolve(ack, digest="0" * 64)
+        return ack
+
+    def drop_session(self, session_id: str, **fence: Any) -> bool:
+        self._pause("drop")
+        return super().drop_session(session_id, **fence)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    init_local_ray(num_cpus=2, object_store_mib=200)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def toy(cluster: None) -> Iterator[Router]:
+    router = Router(CounterPipeline, workers=2, worker_class=FaultyWorker, timeout=60)
+    yield router
+    router.shutdown()
+
+
+def _get(ref: Any) -> Any:
+    return ray.get(ref, timeout=60)
+
+
+@contextmanager
+def armed(
+    router: Router, worker: str, fault: str, *, delay: float = 0.0, timeout: float | None = None
+) -> Iterator[None]:
+    _get(router.handle(worker).arm.remote(fault, delay))
+    previous = router.timeout
+    if timeout is not None:
+        router.timeout = timeout
+    try:
+        yield
+    finally:
+        router.timeout = previous
+        _get(router.handle(worker).arm.remote(None))  # runs after the armed call finished
+
+
+def _holders(router: Router, session_id: str) -> list[str]:
+    return [name for name, s in router.stats().items() if session_id in s.nbytes_by_session]
+
+
+def _other(router: Router, session_id: str) -> str:
+    return next(w for w in router.workers if w != router.owner(session_id))
+
+
+def _intact(sid: str, source: str, destination: str, stage: str, what: str) -> str:
+    return (
+        f"Migrating session {sid!r} from {source!r} to {destination!r} failed at the {stage} "
+        f"stage ({what}); the session stays on {source!r} with its record intact. Retry, or "
+        "pick another destination."
+    )
+
+
+@pytest.mark.parametrize("stage", ["export", "import", "acknowledge", "drop"])
+def test_a_migration_timing_out_at_any_stage_leaves_exactly_one_owner_with_its_record(
+    toy: Router, stage: str
+) -> None:
+    sid = f"slow-{stage}"
+    for i in range(3):
+        assert toy.step(sid, 64) == i + 1
+    source, destination = toy.owner(sid), _other(toy, sid)
+    slow = source if stage in ("export", "drop") else destination
+    with armed(toy, slow, stage, delay=DELAY, timeout=SHORT):
+        if stage == "drop":
+            # The acknowledgement was terminal: the migration completed, the source's late
+            # drop of its copy is not a failure.
+            assert toy.migrate(sid, destination).destination == destination
+        else:
+            operation = "export_session" if stage == "export" else "import_session"
+            what = f"{slow!r} did not answer `{operation}` within {SHORT:g} s"
+            shown = "export" if stage == "export" else "import"
+            with pytest.raises(
+                MigrationError, match=re.escape(_intact(sid, source, destination, shown, what))
+            ):
+                toy.migrate(sid, destination)
+    owner = destination if stage == "drop" else source
+    assert toy.owner(sid) == owner
+    assert toy.step(sid, 64) == 4  # the record is intact and the session usable
+    assert _holders(toy, sid) == [owner]
+    assert toy.drop(sid)
+    assert _holders(toy, sid) == []
+
+
+def test_a_timed_out_step_raises_a_library_error_and_is_counted_when_it_completes(
+    toy: Router,
+) -> None:
+    sid = "slow-step"
+    toy.step(sid, 8)
+    toy.step(sid, 8)
+    owner = toy.owner(sid)
+    with (
+        armed(toy, owner, "step", delay=DELAY, timeout=SHORT),
+        pytest.raises(WorkerTimeoutError) as info,
+    ):
+        toy.step(sid, 8)
+    assert not isinstance(info.value, ray.exceptions.GetTimeoutError)
+    assert str(info.value) == (
+        f"Worker {owner!r} did not answer `step` for 'slow-step' within 0.25 s (the router's "
+        "`timeout`); the call may still be running there. A step is counted only if it "
+        "completes: the next call for the session waits for it first, and `Router.steps` "
+        "reports the steps applied. Raise `timeout` if calls take this long."
+    )
+    assert (info.value.session_id, info.value.worker, info.value.operation) == (
+        sid,
+        owner,
+        "step",
+    )
+    assert toy.steps(sid) == 3  # it completed on the worker, and the router counted it
+    assert toy.step(sid, 8) == 4
+    assert toy.steps(sid) == 4
+    toy.drop(sid)
+
+
+def test_corrupt_bytes_through_a_migration_import_raise_snapshot_error(toy: Router) -> None:
+    sid = "corrupt"
+    toy.step(sid, 64)
+    toy.step(sid, 64)
+    source, destination = toy.owner(sid), _other(toy, sid)
+    head = (
+        f"Migrating session {sid!r} from {source!r} to {destination!r} failed at the import "
+        "stage (SnapshotError: "
+    )
+    tail = f"); the session stays on {source!r} with its record intact. Retry, or pick another "
+    tail += "destination."
+    with (
+        armed(toy, source, "corrupt"),
+        pytest.raises(MigrationError, match=re.escape(head) + ".*" + re.escape(tail)) as info,
+    ):
+        toy.migrate(sid, destination)
+    assert isinstance(info.value.__cause__, SnapshotError)
+    assert "CRC-32" in str(info.value.__cause__)
+    assert toy.owner(sid) == source
+    assert _holders(toy, sid) == [source]  # nothing was stored at the destination
+    assert toy.step(sid, 64) == 3
+    toy.drop(sid)
+
+
+def test_a_wrong_digest_fails_the_migration_at_the_acknowledge_stage(toy: Router) -> None:
+    sid = "liar"
+    toy.step(sid, 64)
+    source, destination = toy.owner(sid), _other(toy, sid)
+    head = (
+        f"Migrating session {sid!r} from {source!r} to {destination!r} failed at the "
+        f"acknowledge stage ({destination!r} acknowledged digest 000000000000, {source!r} "
+        "exported "
+    )
+    tail = f"); the session stays on {source!r} with its record intact. Retry, or pick another "
+    tail += "destination."
+    with (
+        armed(toy, destination, "wrong-digest"),
+        pytest.raises(MigrationError, match=re.escape(head) + "[0-9a-f]{12}" + re.escape(tail)),
+    ):
+        toy.migrate(sid, destination)
+    assert toy.owner(sid) == source
+    assert _holders(toy, sid) == [source]  # the destination's copy was dropped
+    assert toy.step(sid, 64) == 2
+    toy.drop(sid)
+
+
+def test_drops_reach_the_owner_and_leave_no_worker_holding_the_sessions(toy: Router) -> None:
+    sids = [f"drop-{i}" for i in range(6)]
+    for i, sid in enumerate(sids):
+        toy.step(sid, 16 * (i + 1))
+    assert {toy.owner(sid) for sid in sids} == set(toy.workers)  # both workers hold some
+    toy.migrate(sids[0], _other(toy, sids[0]))  # and one moved before its drop
+    for sid in sids:
+        assert toy.drop(sid)
+    held = {sid for s in toy.stats().values() for sid in s.nbytes_by_session}
+    assert held.isdisjoint(sids)
+    assert set(toy.owners()).isdisjoint(sids)
+    assert not toy.drop(sids[0])  # already gone
+
+
+def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
+    cluster: None,
+) -> None:
+    router = Router(CounterPipeline, workers=3, worker_class=FaultyWorker, timeout=60)
+    try:
+        homes = {"snap": "worker-0", "plain": "worker-1", "late": "worker-2", "late2": "worker-2"}
+        sizes = {"snap": 16, "plain": 1 << 16, "late": 16, "late2": 16}
+        for sid in ("snap", "late", "late2"):
+            router.set_snapshot_every(sid, 1)
+        for sid, home in homes.items():
+            router.step(sid, sizes[sid])
+            if router.owner(sid) != home:
+                router.migrate(sid, home)
+            router.step(sid, sizes[sid])  # its worker reports its bytes: placement sees them
+
+        # A step that times out but completes is counted: steps_kept stays exact.
+        with (
+            armed(router, "worker-0", "step", delay=DELAY, timeout=SHORT),
+            pytest.raises(WorkerTimeoutError),
+        ):
+            router.step("snap", 16)
+        assert router.step("snap", 16) == 4
+
+        ray.kill(router.handle("worker-0"))
+        restored = (
+            "Migrating session 'snap' from 'worker-0' to 'worker-1' failed at the export stage "
+            "(worker 'worker-0' died); 'worker-0' was lost, and the session was restored on "
+            "'worker-2' from its snapshot after step 4; the next call for it raises "
+            "`SessionRestoredError`."
+        )
+        with pytest.raises(MigrationError, match=re.escape(restored)):
+            router.migrate("snap", "worker-1")
+        with pytest.raises(SessionRestoredError) as notice:
+            router.step("snap", 16)
+        assert (notice.value.steps_kept, notice.value.steps_lost) == (4, 0)
+        assert router.step("snap", 16) == notice.value.steps_kept + 1  # no step applied twice
+
+        ray.kill(router.handle("worker-1"))
+        lost = (
+            "Migrating session 'plain' from 'worker-1' to 'worker-2' failed at the export stage "
+            "(worker 'worker-1' died); 'worker-1' was lost, and the session with it; the next "
+            "call for it raises `SessionStateLostError`. Call `drop` on the router to start it "
+            "again, or set `set_snapshot_every` to survive a worker loss."
+        )
+        with pytest.raises(MigrationError, match=re.escape(lost)):
+            router.migrate("plain", "worker-2")
+        with pytest.raises(SessionStateLostError, match=re.escape("Session 'plain' was lost")):
+            router.step("plain", 16)
+
+        ray.kill(router.handle("worker-2"))  # the last live worker, holding three snapshots
+        for sid in ("late", "snap", "late2"):
+            gone = (
+                f"Session {sid!r} was lost with worker 'worker-2' (the worker died, and no live "
+                "worker was left to restore its snapshot on); its state is gone. Every worker "
+                "of this router is lost: start a new `Router`."
+            )
+            with pytest.raises(SessionStateLostError, match=re.escape(gone)):
+                router.step(sid, 16)
+        assert router.owners() == {}
+        assert router.workers == []
+    finally:
+        router.shutdown()
