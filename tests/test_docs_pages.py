@@ -1,0 +1,70 @@
+"""Every docs page's code runs as written: each page's ```python blocks, in order, as one script.
+
+A page is read as a reader follows it: from the top, each block seeing what the blocks above
+it defined, in a fresh working directory that holds a copy of the clone's ``configs/`` (the
+pages name those files by their path from the repository root), with no
+``OMNI_DIFFUSION_*`` variable set. A block that raises fails its page's test, and so does a
+page whose code asserts nothing. Every fence that opens Python code is a plain ```python
+fence, so no block is left out of the run by a fence the pattern does not match.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
+FENCE = re.compile(r"^```(\S*)(.*)$", flags=re.M)
+
+
+def _blocks(page: Path) -> list[str]:
+    """The page's python blocks, each padded with blank lines to sit at its line on the page."""
+    text = page.read_text(encoding="utf-8")
+    return ["\n" * text.count("\n", 0, m.start(1)) + m.group(1) for m in BLOCK.finditer(text)]
+
+
+PAGES = sorted(p.name for p in DOCS.glob("*.md") if _blocks(p))
+
+
+def test_the_pages_with_code_are_found() -> None:
+    # The run below is parametrised by these; an empty or shrunken list would test nothing.
+    for name in ("snapshots.md", "scaling-out.md", "budget.md", "your-own-model.md"):
+        assert name in PAGES
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DOCS.glob("*.md")))
+def test_every_python_fence_is_an_executed_one(name: str) -> None:
+    text = (DOCS / name).read_text(encoding="utf-8")
+    fences = FENCE.findall(text)
+    python = [lang + rest for lang, rest in fences if lang.lower() in {"python", "py", "pycon"}]
+    assert all(f == "python" for f in python), (
+        f"{name} opens Python code with {python!r}; only a plain ```python fence is run by "
+        "this test, so write the block as one."
+    )
+    assert len(_blocks(DOCS / name)) == python.count("python")
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_the_page_runs_as_written(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    page = DOCS / name
+    for var in [v for v in os.environ if v.startswith("OMNI_DIFFUSION_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks(page)
+    assert any(re.search(r"^\s*assert ", b, flags=re.M) for b in blocks), (
+        f"{name}'s code asserts nothing; end it with an assert of what it shows."
+    )
+    namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    for block in blocks:  # one script: each block sees what the ones above it defined
+        exec(compile(block, str(page), "exec"), namespace)
