@@ -100,6 +100,19 @@ def test_parking_leaves_engine_handles_in_place_and_counted(tier: str, tmp_path:
     _stats_match_recount(m)
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_object_parked_alone_keeps_its_engine_handle_counted(tier: str, tmp_path: Path) -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=(2,))
+    handle = pool.append(pool.empty(), torch.ones(3, 2))
+    cache = TensorCache(name="kv").allocate().commit({"kv": handle, "x": torch.zeros(2)})
+    parked = cache.park(tier, spool_dir=tmp_path)  # type: ignore[arg-type]
+    assert parked.engine == (handle,)
+    assert nbytes_by_device(parked) == handle.nbytes_by_device() == {"cpu": 2 * pool.block_nbytes}
+    back = parked.unpark()
+    assert back.view()["kv"] is handle
+    assert tree_equal(back, cache)
+
+
 # -- item 8: a failed unpark evicts nothing ------------------------------------------------------
 
 
