@@ -171,10 +171,12 @@ for name in BUCKETS:
 # ## Per bucket
 #
 # The same bytes, by bucket, each storage counted once per bucket. The state objects
-# differ between the paths by the encoder output alone. The attributes are the same on
-# both, and dominated, at this geometry as at the deploy one, by the Wan encoder's
-# causal-conv cache `vae_enc_feat_map`: an attribute, because nothing the manager could
-# do to it is useful, whatever its size.
+# differ between the paths by the encoder output alone, and are dominated, at this
+# geometry as at the deploy one, by the Wan encoder's causal-conv cache
+# `vae_enc_feat_map`: a state object (a `TensorCache`), because the byte budget can park
+# it, whatever its size. The attributes are the same on both paths and small (under
+# 82 KiB here, most of it `vae_pending_body_frames`); the engine-owned `kv_cache` is
+# neither bucket and is left out of these two panels.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.5))
@@ -216,9 +218,9 @@ show(fig)
 # We kept all 60 versions of the managed session. A commit stores a reference to the new
 # chunk next to references to the chunks already held, so consecutive versions share
 # every chunk but the newest, and all 60 versions together hold far less than 60 copies
-# would. What they do not share is the attribute replaced wholesale at every body chunk,
-# `vae_enc_feat_map`: each replacement is a new cache, so most of what the 60 versions
-# hold together is the 15 or so caches the session went through. None of the versions
+# would. What they do not share is the state object replaced wholesale at every body
+# chunk, `vae_enc_feat_map`: each replacement is a new cache, so most of what the 60
+# versions hold together is the 15 or so caches the session went through. None of the versions
 # changed after it was made.
 
 # %%

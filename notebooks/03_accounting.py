@@ -183,7 +183,7 @@ for name in committed["values"]:  # the committed table predates `kv_cache`
 s: npt.NDArray[np.int64] = np.arange(1, N + 1)
 fig, ax = plt.subplots(figsize=(WIDTH, 4))
 feat_mib = held["managed"]["vae_enc_feat_map"] / MiB
-ax.plot(s, np.full(N, feat_mib), label="vae_enc_feat_map (attr)")
+ax.plot(s, np.full(N, feat_mib), label="vae_enc_feat_map (object)")
 ax.plot(s, latent_frames(s) * per_video_frame / MiB, label="video_latents_across_time")
 ax.plot(s, encoded_frames(s) * per_encoded_frame / MiB, label="vae_encoder_out, bespoke")
 ax.plot(
