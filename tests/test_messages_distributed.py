@@ -9,7 +9,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from sessionstate import SessionState, SessionStateLostError, SessionStateManager  # noqa: E402
-from sessionstate.distributed import Router, SessionWorker, encode_record  # noqa: E402
+from sessionstate.distributed import (  # noqa: E402
+    Router,
+    SessionWorker,
+    StaleEpochError,
+    encode_record,
+)
 
 
 class _Counter:
@@ -87,3 +92,62 @@ def test_router_needs_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with pytest.raises(RuntimeError, match=re.escape(msg)):
         Router(_Counter)
+
+
+def _refused(operation: str, sent: int, why: str) -> str:
+    return (
+        f"Worker 'w0' refused `{operation}` for session 's' at epoch {sent}: {why}, so nothing "
+        "was applied. Send calls through the router, which knows each session's owner and "
+        "current epoch."
+    )
+
+
+def test_worker_refuses_a_stale_epoch() -> None:
+    worker = SessionWorker("w0", _Counter)
+    worker.import_session("s", encode_record(SessionState(attrs={"x": 1})), epoch=7)
+    moved = (
+        "it holds the session at epoch 7 (the session began, moved or was restored since the "
+        "call was sent)"
+    )
+    with pytest.raises(StaleEpochError, match=re.escape(_refused("step", 3, moved))) as info:
+        worker.step("s", None, epoch=3, create=False)
+    assert (info.value.session_id, info.value.worker, info.value.sent, info.value.held) == (
+        "s",
+        "w0",
+        3,
+        7,
+    )
+    with pytest.raises(StaleEpochError, match=re.escape(_refused("step", 3, moved))):
+        worker.step("s", None, epoch=3, create=True)  # a late begin restarts nothing
+    with pytest.raises(StaleEpochError, match=re.escape(_refused("export_session", 3, moved))):
+        worker.export_session("s", epoch=3)
+    with pytest.raises(StaleEpochError, match=re.escape(_refused("drop_session", 3, moved))):
+        worker.drop_session("s", epoch=3)
+    assert not worker.reclaim_session("s", epoch=3)
+    assert worker.manager.peek("s").attrs == {"x": 1}  # type: ignore[union-attr]
+    assert worker.stats().steps == 0
+
+
+def test_worker_refuses_steps_for_a_session_it_handed_off() -> None:
+    worker = SessionWorker("w0", _Counter)
+    worker.step("s", None, epoch=1, create=True)
+    worker.export_session("s", epoch=1)
+    handed_off = (
+        "it exported the session at that epoch to a migration and holds the record only until "
+        "the migration ends"
+    )
+    with pytest.raises(StaleEpochError, match=re.escape(_refused("step", 1, handed_off))):
+        worker.step("s", None, epoch=1, create=False)
+    assert worker.reclaim_session("s", epoch=1)  # the migration failed: steps run again
+    worker.step("s", None, epoch=1, create=False)
+    assert worker.stats().steps == 2
+    assert worker.drop_session("s", epoch=1)
+    assert worker.epoch("s") is None
+
+
+def test_worker_refuses_a_session_stored_outside_the_router() -> None:
+    worker = SessionWorker("w0", _Counter)
+    worker.manager.put("s", SessionState())
+    outside = "it holds the session at no epoch (it was stored here outside the router)"
+    with pytest.raises(StaleEpochError, match=re.escape(_refused("step", 1, outside))):
+        worker.step("s", None, epoch=1, create=False)

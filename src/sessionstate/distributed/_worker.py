@@ -177,8 +177,8 @@ class SessionWorker:
         ...
         sessionstate._errors.SessionStateLostError: Worker 'w0' does not hold session 's'...
         """
-        held = self._held(session_id)
-        if held is None and not create:
+        begin = self._held(session_id) is None and session_id not in self.manager
+        if begin and not create:
             self._not_held += 1
             msg = (
                 f"Worker {self.name!r} does not hold session {session_id!r} (evicted by its "
@@ -186,10 +186,10 @@ class SessionWorker:
                 "Drop the session at the router and start it again."
             )
             raise SessionStateLostError(msg)
-        if held is not None:
+        if not begin:
             self._fence(session_id, epoch, "step", steps=True)
         output = self.pipeline.forward(inputs, session_id)
-        if held is None and session_id in self.manager:
+        if begin and session_id in self.manager:
             self._epochs[session_id] = epoch
         self._steps += 1
         return StepReply(output, self.name, self.manager.stats()["total_nbytes"])
@@ -223,7 +223,7 @@ class SessionWorker:
         ...
         sessionstate._errors.SessionStateLostError: Worker 'w0' cannot export session 's'...
         """
-        state = self.manager.peek(session_id) if self._held(session_id) is not None else None
+        state = self.manager.peek(session_id)
         if state is None:
             msg = (
                 f"Worker {self.name!r} cannot export session {session_id!r}: it does not hold "
@@ -283,7 +283,8 @@ class SessionWorker:
         >>> SessionWorker("w0", DreamZeroFactory()).drop_session("s", epoch=1)
         False
         """
-        if self._held(session_id) is None:
+        if session_id not in self.manager:
+            self._held(session_id)  # forgets its epoch
             return False
         self._fence(session_id, epoch, "drop_session", steps=False)
         self._epochs.pop(session_id, None)
