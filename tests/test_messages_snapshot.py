@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,17 @@ from sessionstate import (
 
 
 def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged)."""
+    """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged).
+
+    The document's CRC-32 is written again, so the edit reaches the checks behind it.
+    """
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     document = json.loads(header["__metadata__"]["sessionstate"])
     edit(document)
-    header["__metadata__"]["sessionstate"] = json.dumps(document)
+    text = json.dumps(document)
+    header["__metadata__"]["sessionstate"] = text
+    header["__metadata__"]["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
     encoded = json.dumps(header).encode()
     return struct.pack("<Q", len(encoded)) + encoded + data[8 + n :]
 
@@ -110,11 +116,11 @@ def test_plain_safetensors_file(tmp_path: Path) -> None:
 
 def test_newer_format_version() -> None:
     def newer(doc: dict[str, Any]) -> None:
-        doc["format_version"] = 3
+        doc["format_version"] = 4
         doc["library_version"] = "9.0"
 
     msg = (
-        "Snapshot (bytes) uses snapshot format version 3, newer than this library reads (2; it "
+        "Snapshot (bytes) uses snapshot format version 4, newer than this library reads (3; it "
         "was written by sessionstate 9.0); upgrade sessionstate to load it."
     )
     with pytest.raises(SnapshotError, match=re.escape(msg)):

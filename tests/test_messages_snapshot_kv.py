@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,12 +27,17 @@ NAME = "sessionstate._kvpool:KVHandle"
 
 
 def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged)."""
+    """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged).
+
+    The document's CRC-32 is written again, so the edit reaches the checks behind it.
+    """
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     document = json.loads(header["__metadata__"]["sessionstate"])
     edit(document)
-    header["__metadata__"]["sessionstate"] = json.dumps(document)
+    text = json.dumps(document)
+    header["__metadata__"]["sessionstate"] = text
+    header["__metadata__"]["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
     encoded = json.dumps(header).encode()
     return struct.pack("<Q", len(encoded)) + encoded + data[8 + n :]
 

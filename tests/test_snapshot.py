@@ -192,7 +192,7 @@ def test_file_opens_with_plain_safetensors(tmp_path: Path) -> None:
         assert sorted(f.keys()) == ["storage.0", "storage.1"]
         document = json.loads(f.metadata()["sessionstate"])
         stored = [f.get_tensor(f"storage.{i}") for i in range(2)]
-    assert document["format_version"] == 1  # no leaf saved by its class: older readers read it
+    assert document["format_version"] == 3
     assert document["library_version"] == ss.__version__
     assert document["torch_version"] == torch.__version__
     assert document["metadata"] == {"who": "test"}
@@ -292,7 +292,7 @@ def test_inspect_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     m.snapshot("cam-1", path, metadata={"note": "hello"})
     assert main(["inspect", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["format_version"] == 1
+    assert report["format_version"] == 3
     assert report["metadata"] == {"note": "hello", "session_id": "cam-1"}
     assert report["root"] == "SessionState()"
     rows = {row["name"]: row for row in report["values"]}

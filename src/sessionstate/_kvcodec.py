@@ -141,7 +141,12 @@ def _handle_problem(fact: Any, pools: Sequence[KVPool], held: Sequence[int]) -> 
 
 
 def _pool_from_snapshot(pool_type: type[KVPool], i: int, saved: Any) -> KVPool:
-    """A standalone pool holding the saved blocks of pool ``i`` of a snapshot payload."""
+    """A standalone pool holding the saved blocks of pool ``i`` of a snapshot payload.
+
+    The pool holds exactly the saved blocks, so it takes no more memory than the snapshot's
+    storage of them (the blocks must not overlap: an expanded view of one block would declare
+    blocks the file does not hold); a saved pool of no blocks gets one block.
+    """
     data = saved.get("blocks") if isinstance(saved, Mapping) else None
     name, bt = (saved.get("name"), saved.get("block_tokens")) if data is not None else (0, 0)
     shape = saved.get("token_shape") if data is not None else None
@@ -151,25 +156,46 @@ def _pool_from_snapshot(pool_type: type[KVPool], i: int, saved: Any) -> KVPool:
         and type(bt) is int
         and bt > 0
         and isinstance(shape, list)
-        and all(type(n) is int for n in shape)
+        and all(type(n) is int and n >= 0 for n in shape)
         and data.dim() == 2 + len(shape)
         and tuple(data.shape[1:]) == (bt, *shape)
         and saved.get("dtype") == str(data.dtype).removeprefix("torch.")
     )
     if not ok:
-        raise ValueError(f"pool {i} is not a valid saved KV pool: {saved!r:.120}")
+        raise ValueError(f"pool {i} is not a valid saved KV pool: {_describe(saved)}")
     assert isinstance(data, torch.Tensor)
     assert isinstance(shape, list)
     assert isinstance(name, str)
     assert isinstance(bt, int)
+    if not data.is_contiguous():
+        msg = (
+            f"pool {i} ({name!r}) declares {data.shape[0]} blocks as a view with strides "
+            f"{data.stride()} that overlaps itself, more blocks than the file holds"
+        )
+        raise ValueError(msg)
     n = int(data.shape[0])
-    pool = pool_type(
-        max(n, 1),
-        block_tokens=bt,
-        token_shape=shape,
-        dtype=data.dtype,
-        device=data.device,
-        name=name,
-    )
+    try:
+        pool = pool_type(
+            max(n, 1),
+            block_tokens=bt,
+            token_shape=shape,
+            dtype=data.dtype,
+            device=data.device,
+            name=name,
+        )
+    except RuntimeError as exc:  # one block of a saved pool with none: too large to allocate
+        msg = f"pool {i} ({name!r}) has blocks of shape {(bt, *shape)} that cannot be allocated"
+        raise ValueError(msg) from exc
     pool.storage[:n].copy_(data)
     return pool
+
+
+def _describe(saved: Any) -> str:
+    """A saved pool for a message: its keys and values, tensors by shape and dtype only."""
+    if not isinstance(saved, Mapping):
+        return f"{saved!r:.80}"
+    parts = []
+    for k, v in saved.items():
+        shown = f"tensor{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{v!r:.40}"
+        parts.append(f"{k!r}: {shown}")
+    return "{" + ", ".join(parts) + "}"

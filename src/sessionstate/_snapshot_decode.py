@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, overload
+from typing import IO, Any, TypeGuard, overload
 
+import attrs
 import torch
 
-from sessionstate._checks import is_int
 from sessionstate._errors import SnapshotError
+from sessionstate._frozen import FrozenDict
 from sessionstate._snapshot_format import (
     _CHUNK,
     _DTYPES,
+    _MAX_DIMS,
     _MAX_HEADER,
+    _MAX_INT,
     _R,
+    CHECKSUM_KEY,
     FORMAT_VERSION,
+    MAX_DEPTH,
     METADATA_KEY,
     ViewSpec,
     _checksum,
+    _refusal,
     _root,
+    document_checksum,
     rebuild_views,
     resolve_leaf_class,
     resolve_record,
@@ -33,6 +42,72 @@ from sessionstate._snapshot_format import (
 
 def _fail(source: str, problem: str, fix: str) -> SnapshotError:
     return SnapshotError(f"Snapshot {source} {problem}; {fix}.")
+
+
+_WRITE_AGAIN = "write it again"
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _parse_json(source: str, text: str | bytes, what: str, not_json: tuple[str, str]) -> Any:
+    """``text`` parsed, refusing what `json.loads` would take loosely or crash on."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique)
+    except _DuplicateKeyError as exc:
+        raise _fail(
+            source,
+            f"has the key {exc.key[:60]!r} twice in one object of its {what}, so it is "
+            "ambiguous which one holds",
+            _WRITE_AGAIN,
+        ) from None
+    except RecursionError:
+        raise _fail(source, f"has a {what} nested too deeply to read", _WRITE_AGAIN) from None
+    except json.JSONDecodeError:
+        raise _fail(source, *not_json) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # e.g. an int of 5,000 digits
+        raise _fail(source, f"has a {what} that cannot be read ({exc})", _WRITE_AGAIN) from None
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    """An exact int in ``[0, 2**62]``: never a bool, a float or a string."""
+    return type(value) is int and 0 <= value <= _MAX_INT
+
+
+@attrs.frozen
+class _Storage:
+    nbytes: int
+    device: str
+    crc32: int
+    start: int  # of its bytes, relative to the data section
+
+
+@attrs.frozen
+class Document:
+    """A snapshot's header, checked: every number in range, every reference valid.
+
+    Attributes:
+        raw: The JSON document as parsed.
+        storages: Per storage: its size, device, CRC-32 and place in the data section.
+        views: Each tensor leaf as a view of one storage, checked to fit it.
+        data_start: The offset of the data section in the file.
+    """
+
+    raw: dict[str, Any]
+    storages: tuple[_Storage, ...]
+    views: tuple[ViewSpec, ...]
+    data_start: int
 
 
 class _Reader:
@@ -70,11 +145,15 @@ class _Reader:
                 "write it again (an interrupted copy leaves a short file)",
             )
         try:
-            header = json.loads(self.stream.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _fail(
-                self.source, "is not a safetensors file (its header is not JSON)", not_snapshot
-            ) from None
+            text = self.stream.read(n).decode()
+        except UnicodeDecodeError:
+            text = "\x00"  # not JSON either
+        header = _parse_json(
+            self.source,
+            text,
+            "safetensors header",
+            ("is not a safetensors file (its header is not JSON)", not_snapshot),
+        )
         if not isinstance(header, dict):
             raise _fail(
                 self.source,
@@ -96,18 +175,18 @@ class _Reader:
             done += got
 
 
-def read_header(
-    source: str, stream: IO[bytes], size: int
-) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """Parse and validate a snapshot's container header and JSON document.
+def read_header(source: str, stream: IO[bytes], size: int) -> Document:
+    """Parse and check a snapshot's container header and JSON document; read no storage.
 
-    Returns:
-        ``(document, tensor entries, data start)``: the JSON document, the safetensors entry of
-        each storage tensor by name, and the offset of the data section.
+    Everything a loader later trusts is checked here: the document's CRC-32 (version 3 on),
+    the version, every storage's size, device and place in the file (inside it, not
+    overlapping another), every view (it fits its storage) and the structure of the tree
+    (node kinds, references, nesting depth). A loader therefore never allocates more than
+    the file's storages hold.
 
     Raises:
-        SnapshotError: for a file that is not a snapshot, a newer format version, or one that
-            is truncated.
+        SnapshotError: for a file that is not a snapshot, from a newer format version,
+            truncated, corrupt, or malformed in any way, naming the value and the fix.
     """
     reader = _Reader(source, stream, size)
     header, data_start = reader.header()
@@ -120,54 +199,282 @@ def read_header(
             "session snapshot",
             "load plain safetensors files with `safetensors.torch.load_file`",
         )
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError:
-        raise _fail(
-            source, f"has a `{METADATA_KEY}` metadata entry that is not JSON", "write it again"
-        ) from None
+    assert isinstance(meta, dict)
+    document = _parse_json(
+        source,
+        text,
+        f"`{METADATA_KEY}` document",
+        (f"has a `{METADATA_KEY}` metadata entry that is not JSON", "write it again"),
+    )
     version = document.get("format_version") if isinstance(document, dict) else None
-    if not is_int(version):
-        raise _fail(source, f"has no valid `format_version` (got {version!r})", "write it again")
+    if not _is_count(version) or version < 1:
+        raise _fail(source, f"has no valid `format_version` (got {version!r:.60})", _WRITE_AGAIN)
+    assert isinstance(document, dict)
     if version > FORMAT_VERSION:
         writer = document.get("library_version", "unknown")
         raise _fail(
             source,
             f"uses snapshot format version {version}, newer than this library reads "
-            f"({FORMAT_VERSION}; it was written by sessionstate {writer})",
+            f"({FORMAT_VERSION}; it was written by sessionstate {writer!s:.40})",
             "upgrade sessionstate to load it",
         )
-    storages = document.get("storages")
-    if not isinstance(storages, list):
-        raise _fail(source, "has no storage list in its document", "write it again")
-    entries: dict[str, Any] = {}
-    data_size = size - data_start
-    for i, described in enumerate(storages):
+    # Checked whenever present (a flipped bit may have lowered the version), required from
+    # version 3 on.
+    stored = meta.get(CHECKSUM_KEY)
+    if stored is None and version >= 3:
+        raise _fail(
+            source,
+            f"has no `{CHECKSUM_KEY}` checksum of its document, which format version "
+            f"{version} requires",
+            "restore it from an intact copy, or write it again",
+        )
+    if stored is not None and stored != document_checksum(text):
+        raise _fail(
+            source,
+            f"is corrupt: its JSON document fails its CRC-32 check (stored {stored!r:.20}, "
+            f"computed {document_checksum(text)})",
+            "restore it from an intact copy",
+        )
+    storages = _storages(source, document, header, data_start, size)
+    views = _views(source, document, storages)
+    _check_tree(source, document, len(views))
+    return Document(document, storages, views, data_start)
+
+
+def _storages(
+    source: str, document: dict[str, Any], header: dict[str, Any], data_start: int, size: int
+) -> tuple[_Storage, ...]:
+    described = document.get("storages")
+    if not isinstance(described, list):
+        raise _fail(
+            source, f"has no storage list in its document (got {described!r:.60})", _WRITE_AGAIN
+        )
+    out: list[_Storage] = []
+    for i, d in enumerate(described):
         name = f"storage.{i}"
         entry = header.get(name)
-        nbytes = described.get("nbytes") if isinstance(described, dict) else None
+        nbytes = d.get("nbytes") if isinstance(d, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
         ok = (
             isinstance(entry, dict)
             and entry.get("dtype") == "U8"
-            and isinstance(nbytes, int)
-            and entry.get("shape") == [nbytes]
-            and isinstance(entry.get("data_offsets"), list)
-            and len(entry["data_offsets"]) == 2
-            and entry["data_offsets"][1] - entry["data_offsets"][0] == nbytes
+            and _is_count(nbytes)
+            and isinstance(shape, list)
+            and len(shape) == 1
+            and _is_count(shape[0])
+            and shape[0] == nbytes
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+            and offsets[1] - offsets[0] == nbytes
         )
         if not ok:
-            raise _fail(source, f"has no valid tensor `{name}` for storage {i}", "write it again")
-        assert isinstance(entry, dict)
-        end = entry["data_offsets"][1]
-        if end > data_size:
+            raise _fail(
+                source,
+                f"has no valid tensor `{name}` for storage {i} (entry {entry!r:.80}, "
+                f"described as {d!r:.80}): sizes and offsets must be ints from 0",
+                _WRITE_AGAIN,
+            )
+        assert isinstance(d, dict)
+        assert isinstance(offsets, list)
+        assert isinstance(nbytes, int)
+        start, end = offsets
+        if data_start + end > size:
             raise _fail(
                 source,
                 f"is truncated: storage {i} ends at byte {data_start + end} but the file has "
                 f"{size} bytes",
                 "write it again (an interrupted copy leaves a short file)",
             )
-        entries[name] = entry
-    return document, entries, data_start
+        device = d.get("device")
+        problem = _device_problem(device)
+        if problem is not None:
+            raise _fail(
+                source,
+                f"holds storage {i} for device {device!r:.40}, {problem}",
+                "write it again, or pass `device=` only at load",
+            )
+        crc = d.get("crc32")
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            raise _fail(
+                source, f"has no valid CRC-32 for storage {i} (got {crc!r:.40})", _WRITE_AGAIN
+            )
+        assert isinstance(device, str)
+        out.append(_Storage(nbytes=nbytes, device=device, crc32=crc, start=start))
+    # Disjoint ranges: a file's bytes back one storage at most, so what is allocated is at most
+    # the file's size.
+    ranges = sorted((s.start, s.start + s.nbytes, i) for i, s in enumerate(out) if s.nbytes)
+    for (_, end, i), (start, _, j) in itertools.pairwise(ranges):
+        if start < end:
+            raise _fail(
+                source,
+                f"is inconsistent: storages {min(i, j)} and {max(i, j)} overlap in its data "
+                "section (each byte of the file backs one storage at most)",
+                _WRITE_AGAIN,
+            )
+    return tuple(out)
+
+
+def _views(
+    source: str, document: dict[str, Any], storages: Sequence[_Storage]
+) -> tuple[ViewSpec, ...]:
+    raw = document.get("views")
+    if not isinstance(raw, list):
+        raise _fail(source, f"has no view list in its document (got {raw!r:.60})", _WRITE_AGAIN)
+    return tuple(_view(source, i, v, storages) for i, v in enumerate(raw))
+
+
+def _view(source: str, i: int, raw: Any, storages: Sequence[_Storage]) -> ViewSpec:
+    def invalid(why: str) -> SnapshotError:
+        return _fail(
+            source, f"has an invalid description of view {i}: {raw!r:.120} ({why})", _WRITE_AGAIN
+        )
+
+    if not isinstance(raw, dict):
+        raise invalid("not an object")
+    storage, dtype = raw.get("storage"), raw.get("dtype")
+    shape, stride, offset = raw.get("shape"), raw.get("stride"), raw.get("offset")
+    conj, neg = raw.get("conj", False), raw.get("neg", False)
+    if type(storage) is not int or not 0 <= storage < len(storages):
+        raise invalid(f"`storage` must be the index of one of its {len(storages)} storages")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise invalid(f"`dtype` must be one of {sorted(_DTYPES)}")
+    for name, dims in (("shape", shape), ("stride", stride)):
+        if not isinstance(dims, list) or len(dims) > _MAX_DIMS:
+            raise invalid(f"`{name}` must be a list of at most {_MAX_DIMS} ints")
+        if not all(_is_count(n) for n in dims):
+            raise invalid(f"`{name}` must hold ints from 0 to 2**62")
+    assert isinstance(shape, list)
+    assert isinstance(stride, list)
+    if len(shape) != len(stride):
+        raise invalid("`shape` and `stride` differ in length")
+    if not _is_count(offset):
+        raise invalid("`offset` must be an int from 0 to 2**62")
+    if type(conj) is not bool or type(neg) is not bool:
+        raise invalid("`conj` and `neg` must be true or false")
+    if math.prod(shape) > _MAX_INT:
+        raise invalid("it holds more than 2**62 elements")
+    view = ViewSpec(
+        storage=storage,
+        dtype=_DTYPES[dtype],
+        shape=tuple(shape),
+        stride=tuple(stride),
+        offset=offset,
+        conj=conj,
+        neg=neg,
+    )
+    needed, held = view.nbytes_needed(), storages[storage].nbytes
+    if needed > held:
+        raise _fail(
+            source,
+            f"is inconsistent: view {i} (shape {view.shape}, stride {view.stride}, offset "
+            f"{view.offset}, {dtype}) needs {needed} bytes of storage {storage}, "
+            f"which holds {held}",
+            _WRITE_AGAIN,
+        )
+    return view
+
+
+_JSON_KINDS = {"bool": bool, "int": int, "str": str}
+_DICT_KEYS = (str, int, bool)
+
+
+class _TreeCheck:
+    """Checks the structure of a document's tree and leaf payloads before anything is built."""
+
+    def __init__(self, source: str, views: int, version: int) -> None:
+        self.source = source
+        self.views = views
+        self.version = version
+
+    def bad(self, key: str, what: str) -> SnapshotError:
+        return _fail(self.source, f"has an invalid node at `{_root(key)}` ({what})", _WRITE_AGAIN)
+
+    def node(self, node: Any, key: str, depth: int = 0) -> None:
+        if depth > MAX_DEPTH:
+            raise self.bad(key[:200], f"nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict):
+            raise self.bad(key, f"{node!r:.60}")
+        kind = node.get("type")
+        if kind == "none":
+            return
+        if kind in _JSON_KINDS:
+            value = node.get("value")
+            if type(value) is not _JSON_KINDS[kind]:
+                raise self.bad(key, f"{kind} holding {value!r:.60}")
+            return
+        if kind == "float":
+            value = node.get("value")
+            if type(value) not in (int, float) and value not in ("nan", "inf", "-inf"):
+                raise self.bad(key, f"float holding {value!r:.60}")
+            return
+        if kind == "tensor":
+            i = node.get("view")
+            if type(i) is not int or not 0 <= i < self.views:
+                raise self.bad(key, f"tensor view {i!r:.60} of {self.views}")
+            return
+        if kind in ("tuple", "list"):
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise self.bad(key, f"{kind} without items")
+            for i, child in enumerate(items):
+                self.node(child, f"{key}[{i}]", depth + 1)
+            return
+        if kind == "dict" or (kind == "frozendict" and self.version >= 3):
+            self.pairs(node, key, depth)
+            return
+        if kind == "record":
+            name, fields, statics = node.get("class"), node.get("fields"), node.get("static")
+            if not isinstance(name, str):
+                raise self.bad(key, f"record of class {name!r:.60}")
+            if not isinstance(fields, dict) or not isinstance(statics, dict):
+                raise self.bad(key, f"record `{name:.80}` without fields")
+            twice = fields.keys() & statics.keys()
+            if twice:
+                raise self.bad(key, f"record `{name:.80}` gives field `{min(twice):.40}` twice")
+            for field_name, child in (*fields.items(), *statics.items()):
+                self.node(child, f"{key}.{field_name}", depth + 1)
+            return
+        if kind == "leaf":
+            name, i = node.get("class"), node.get("index")
+            if not isinstance(name, str) or type(i) is not int or i < 0:
+                raise self.bad(key, f"leaf of class {name!r:.60} at index {i!r:.20}")
+            return
+        raise self.bad(key, f"unknown node type {kind!r:.40}")
+
+    def pairs(self, node: dict[str, Any], key: str, depth: int) -> None:
+        pairs = node.get("items")
+        if not isinstance(pairs, list):
+            raise self.bad(key, f"{node.get('type')} without items")
+        seen: set[Any] = set()
+        for pair in pairs:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise self.bad(key, f"dict item {pair!r:.60}")
+            k = pair[0]
+            if type(k) not in _DICT_KEYS:
+                raise self.bad(key, f"dict key {k!r:.60}, which is not a str, int or bool")
+            if k in seen:
+                raise self.bad(key, f"dict key {k!r:.60} given twice")
+            seen.add(k)
+            self.node(pair[1], f"{key}[{k!r}]", depth + 1)
+
+
+def _check_tree(source: str, document: dict[str, Any], views: int) -> None:
+    check = _TreeCheck(source, views, document["format_version"])
+    if "tree" not in document:
+        raise _fail(source, "has no tree in its document", _WRITE_AGAIN)
+    check.node(document["tree"], "")
+    leaves = document.get("leaves", {})
+    if not isinstance(leaves, dict):
+        raise _fail(source, f"has an invalid leaf section {leaves!r:.60}", _WRITE_AGAIN)
+    for name, payload in leaves.items():
+        check.node(payload, f"<{name}>")
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict) or not all(type(v) is str for v in metadata.values()):
+        raise _fail(
+            source, f"has metadata that is not a map of strings: {metadata!r:.80}", _WRITE_AGAIN
+        )
 
 
 def _load(
@@ -177,24 +484,19 @@ def _load(
     device: torch.device | str | None,
     expect: type | None,
 ) -> Any:
-    document, entries, data_start = read_header(source, stream, size)
+    header = read_header(source, stream, size)
     reader = _Reader(source, stream, size)
     storages: list[torch.UntypedStorage] = []
-    for i, described in enumerate(document["storages"]):
-        entry = entries[f"storage.{i}"]
-        data = torch.empty(described["nbytes"], dtype=torch.uint8)
-        reader.read_into(data_start + entry["data_offsets"][0], data)
-        if _checksum(data) != described.get("crc32"):
+    for i, described in enumerate(header.storages):
+        data = torch.empty(described.nbytes, dtype=torch.uint8)
+        reader.read_into(header.data_start + described.start, data)
+        if _checksum(data) != described.crc32:
             raise _fail(
                 source,
-                f"is corrupt: storage {i} ({described['nbytes']} bytes) fails its CRC-32 check",
+                f"is corrupt: storage {i} ({described.nbytes} bytes) fails its CRC-32 check",
                 "restore it from an intact copy",
             )
-        target = (
-            torch.device(device)
-            if device is not None
-            else torch.device(described.get("device", "cpu"))
-        )
+        target = torch.device(device) if device is not None else torch.device(described.device)
         if target.type != "cpu":
             try:
                 data = data.to(target)
@@ -205,12 +507,9 @@ def _load(
                     "pass `device=` to load it elsewhere, e.g. `device='cpu'`",
                 ) from None
         storages.append(data.untyped_storage())
-    views = [_view(source, i, v, storages) for i, v in enumerate(document.get("views", []))]
-    tensors = rebuild_views(storages, views)
-    leaves = document.get("leaves", {})
-    if not isinstance(leaves, dict):
-        raise _fail(source, f"has an invalid leaf section {leaves!r:.60}", "write it again")
-    root = _Decoder(source, tensors, leaves).node(document.get("tree"), "")
+    tensors = rebuild_views(storages, header.views)
+    document = header.raw
+    root = _Decoder(source, tensors, document.get("leaves", {})).node(document["tree"], "")
     if expect is not None and not isinstance(root, expect):
         raise _fail(
             source,
@@ -220,42 +519,17 @@ def _load(
     return root
 
 
-def _view(source: str, i: int, raw: Any, storages: Sequence[torch.UntypedStorage]) -> ViewSpec:
+def _device_problem(device: Any) -> str | None:
+    """Why ``device`` names no device a storage can be loaded to, or None."""
+    if not isinstance(device, str):
+        return "which is not a device string such as 'cpu' or 'cuda:0'"
     try:
-        view = ViewSpec(
-            storage=int(raw["storage"]),
-            dtype=_DTYPES[raw["dtype"]],
-            shape=tuple(int(n) for n in raw["shape"]),
-            stride=tuple(int(s) for s in raw["stride"]),
-            offset=int(raw["offset"]),
-            conj=bool(raw.get("conj", False)),
-            neg=bool(raw.get("neg", False)),
-        )
-    except (KeyError, TypeError, ValueError):
-        raise _fail(
-            source, f"has an invalid description of view {i}: {raw!r:.120}", "write it again"
-        ) from None
-    valid = (
-        0 <= view.storage < len(storages)
-        and len(view.shape) == len(view.stride)
-        and view.offset >= 0
-        and all(n >= 0 for n in view.shape)
-        and all(s >= 0 for s in view.stride)
-    )
-    if not valid:
-        raise _fail(
-            source, f"has an invalid description of view {i}: {raw!r:.120}", "write it again"
-        )
-    needed, held = view.nbytes_needed(), storages[view.storage].nbytes()
-    if needed > held:
-        raise _fail(
-            source,
-            f"is inconsistent: view {i} (shape {view.shape}, stride {view.stride}, offset "
-            f"{view.offset}, {raw['dtype']}) needs {needed} bytes of storage {view.storage}, "
-            f"which holds {held}",
-            "write it again",
-        )
-    return view
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        return "which is not a device string such as 'cpu' or 'cuda:0'"
+    if parsed.type == "meta":
+        return "which holds no data, so no snapshot storage comes from it"
+    return None
 
 
 class _Decoder:
@@ -272,59 +546,35 @@ class _Decoder:
             self.source, f"has an invalid node at `{_root(key)}` ({what})", "write it again"
         )
 
-    def node(self, node: Any, key: str) -> Any:
-        if not isinstance(node, dict):
-            raise self.bad(key, f"{node!r:.60}")
-        kind = node.get("type")
+    def node(self, node: dict[str, Any], key: str) -> Any:
+        # The structure was checked with the header (`_TreeCheck`): every node here is valid.
+        kind = node["type"]
         if kind == "none":
             return None
         if kind in ("bool", "int", "str"):
-            value = node.get("value")
-            if type(value).__name__ != kind:
-                raise self.bad(key, f"{kind} holding {value!r:.60}")
-            return value
+            return node["value"]
         if kind == "float":
-            value = node.get("value")
-            if is_int(value) or isinstance(value, float):
-                return float(value)
-            if value in ("nan", "inf", "-inf"):
-                return float(value)
-            raise self.bad(key, f"float holding {value!r:.60}")
+            return float(node["value"])
         if kind == "tensor":
-            i = node.get("view")
-            if not isinstance(i, int) or not 0 <= i < len(self.tensors):
-                raise self.bad(key, f"tensor view {i!r}")
-            return self.tensors[i]
+            return self.tensors[node["view"]]
         if kind in ("tuple", "list"):
-            items = node.get("items")
-            if not isinstance(items, list):
-                raise self.bad(key, f"{kind} without items")
-            values = [self.node(v, f"{key}[{i}]") for i, v in enumerate(items)]
+            values = [self.node(v, f"{key}[{i}]") for i, v in enumerate(node["items"])]
             return tuple(values) if kind == "tuple" else values
-        if kind == "dict":
-            pairs = node.get("items")
-            if not isinstance(pairs, list):
-                raise self.bad(key, "dict without items")
-            out: dict[Any, Any] = {}
-            for pair in pairs:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise self.bad(key, f"dict item {pair!r:.60}")
-                out[pair[0]] = self.node(pair[1], f"{key}[{pair[0]!r}]")
-            return out
+        if kind in ("dict", "frozendict"):
+            out = {k: self.node(v, f"{key}[{k!r}]") for k, v in node["items"]}
+            return out if kind == "dict" else FrozenDict(out)
         if kind == "record":
             return self.record(node, key)
-        if kind == "leaf":
-            return self.leaf(node, key)
-        raise self.bad(key, f"unknown node type {kind!r}")
+        return self.leaf(node, key)
 
     def leaf(self, node: dict[str, Any], key: str) -> Any:
-        name, i = node.get("class"), node.get("index")
-        if not isinstance(name, str) or name not in self.payloads:
+        name, i = node["class"], node["index"]
+        if name not in self.payloads:
             raise self.bad(key, f"leaf of class {name!r:.60} without a payload")
         restored = self.restored.get(name)
         if restored is None:
             restored = self.restored[name] = self.restore(name)
-        if type(i) is not int or not 0 <= i < len(restored):
+        if not i < len(restored):
             raise self.bad(key, f"leaf index {i!r:.60} of class `{name}`")
         return restored[i]
 
@@ -359,8 +609,16 @@ class _Decoder:
         return restored
 
     def record(self, node: dict[str, Any], key: str) -> Any:
-        name = node.get("class")
-        cls = resolve_record(name) if isinstance(name, str) else None
+        name = node["class"]
+        cls = resolve_record(name)
+        refused = _refusal(cls) if cls is not None else None
+        if refused is not None:
+            raise _fail(
+                self.source,
+                f"holds a `{name}` at `{_root(key)}`, which is never valid snapshot content: "
+                f"{refused}",
+                "write the snapshot again from the unparked record",
+            )
         if cls is None:
             raise _fail(
                 self.source,
@@ -369,13 +627,8 @@ class _Decoder:
                 "import the module that defines it before loading (only registered record "
                 "classes are rebuilt; a loader imports no module outside `sessionstate`)",
             )
-        fields, statics = node.get("fields"), node.get("static")
-        if not isinstance(fields, dict) or not isinstance(statics, dict):
-            raise self.bad(key, f"record `{name}` without fields")
         kwargs: dict[str, Any] = {}
-        for field_name, child in fields.items():
-            kwargs[field_name] = self.node(child, f"{key}.{field_name}")
-        for field_name, child in statics.items():
+        for field_name, child in (*node["fields"].items(), *node["static"].items()):
             kwargs[field_name] = self.node(child, f"{key}.{field_name}")
         try:
             return cls(**kwargs)

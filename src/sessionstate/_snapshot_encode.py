@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,15 +17,19 @@ from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 
 from sessionstate._checks import describe
+from sessionstate._frozen import FrozenDict
 from sessionstate._snapshot_format import (
-    _PLAIN_FORMAT_VERSION,
+    CHECKSUM_KEY,
     FORMAT_VERSION,
+    MAX_DEPTH,
     METADATA_KEY,
     _checksum,
     _is_record,
     _is_snapshot_leaf,
+    _refusal,
     _root,
     collect_storages,
+    document_checksum,
     record_name,
     storage_bytes,
 )
@@ -52,7 +58,14 @@ class _Encoder:
             out[name] = self.node(payload, f"<{name}>")
         return out
 
-    def node(self, value: Any, key: str, *, statics: bool = False) -> Any:
+    def node(self, value: Any, key: str, *, statics: bool = False, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            msg = (
+                f"Cannot snapshot the value at `{_root(key)[:200]}`: it is nested deeper than "
+                f"{MAX_DEPTH} levels of containers and records, the most a snapshot holds. "
+                "Flatten the structure (e.g. a dict of tensors instead of nested lists)."
+            )
+            raise ValueError(msg)
         if value is None:
             return {"type": "none"}
         cls = type(value)
@@ -67,9 +80,12 @@ class _Encoder:
                 self.tensors.append((key, value))
             return {"type": "tensor", "view": i}
         if cls is tuple or cls is list:
-            items = [self.node(v, f"{key}[{i}]", statics=statics) for i, v in enumerate(value)]
+            items = [
+                self.node(v, f"{key}[{i}]", statics=statics, depth=depth + 1)
+                for i, v in enumerate(value)
+            ]
             return {"type": cls.__name__, "items": items}
-        if cls is dict:
+        if cls is dict or cls is FrozenDict:
             pairs = []
             for k, v in value.items():
                 if type(k) not in (str, int, bool):
@@ -78,10 +94,18 @@ class _Encoder:
                         f"{type(k).__name__}; snapshot dict keys must be str, int or bool."
                     )
                     raise TypeError(msg)
-                pairs.append([k, self.node(v, f"{key}[{k!r}]", statics=statics)])
-            return {"type": "dict", "items": pairs}
+                pairs.append([k, self.node(v, f"{key}[{k!r}]", statics=statics, depth=depth + 1)])
+            return {"type": "dict" if cls is dict else "frozendict", "items": pairs}
         if _is_record(cls):
-            return self.record(value, key)
+            refused = _refusal(cls)
+            if refused is not None:
+                msg = (
+                    f"Cannot snapshot the {cls.__qualname__} at `{_root(key)}`, which is never "
+                    f"valid snapshot content: {refused}. Unpark it first (`obj.unpark()`; "
+                    "`SessionStateManager.snapshot` unparks a session)."
+                )
+                raise TypeError(msg)
+            return self.record(value, key, depth)
         if not statics and not self.sealed and _is_snapshot_leaf(cls):
             i = self._leaf_index.get(id(value))
             if i is None:
@@ -103,7 +127,7 @@ class _Encoder:
         )
         raise TypeError(msg)
 
-    def record(self, value: Any, key: str) -> dict[str, Any]:
+    def record(self, value: Any, key: str, depth: int) -> dict[str, Any]:
         cls = type(value)
         fields: dict[str, Any] = {}
         statics: dict[str, Any] = {}
@@ -114,9 +138,9 @@ class _Encoder:
             path = f"{key}.{a.name.lstrip('_') or a.name}"
             child = getattr(value, a.name)
             if a.metadata.get("pytree_node", True):
-                fields[name] = self.node(child, path)
+                fields[name] = self.node(child, path, depth=depth + 1)
             else:
-                statics[name] = self.node(child, path, statics=True)
+                statics[name] = self.node(child, path, statics=True, depth=depth + 1)
         return {"type": "record", "class": record_name(cls), "fields": fields, "static": statics}
 
 
@@ -148,7 +172,7 @@ def _encode(
 
     document = {
         "format": "sessionstate.snapshot",
-        "format_version": FORMAT_VERSION if leaves else _PLAIN_FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,
         "library_version": sessionstate.__version__,
         "torch_version": torch.__version__,
         "metadata": dict(metadata or {}),
@@ -158,7 +182,8 @@ def _encode(
     }
     if leaves:
         document["leaves"] = leaves
-    return tensors, {METADATA_KEY: json.dumps(document, separators=(",", ":"))}
+    text = json.dumps(document, separators=(",", ":"))
+    return tensors, {METADATA_KEY: text, CHECKSUM_KEY: document_checksum(text)}
 
 
 def save_state(
@@ -167,9 +192,16 @@ def save_state(
     """Write ``state`` to ``path`` as one safetensors snapshot file.
 
     Each distinct storage is written once; every tensor leaf is recorded as a view of one, so
-    aliases survive a round trip. The file is written next to ``path`` and renamed into place,
-    so ``path`` never holds a partial snapshot. Tensors on any real device are saved (their
-    device is recorded); autograd history and ``requires_grad`` are not.
+    aliases survive a round trip. The file is written under a name of its own next to ``path``
+    and renamed into place, so ``path`` holds either its previous content or the whole new
+    snapshot, never a partial one, even if the save fails midway; saves to one path from
+    several threads or processes each write their own file, and the last rename wins. Tensors
+    on any real device are saved (their device is recorded); autograd history and
+    ``requires_grad`` are not.
+
+    A record is immutable: a tensor it holds must not be written in place while it is saved.
+    Such a write races the save, and the file then fails its CRC-32 check at load
+    (`SnapshotError`) instead of holding a torn record.
 
     Args:
         state: A record (a `SessionState`, any `record`), or a tuple, list or dict of them,
@@ -179,8 +211,11 @@ def save_state(
 
     Raises:
         UnsupportedTensorError: for a meta, sparse, nested or subclass tensor.
-        TypeError: for a leaf that is neither a tensor nor a JSON value, naming its key path.
+        TypeError: for a leaf that is neither a tensor nor a JSON value, naming its key path,
+            or a `ParkedObject` (unpark it first).
+        ValueError: for a tree nested deeper than `MAX_DEPTH` levels.
         StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
+        OSError: if the file cannot be written (``path`` is then left as it was).
 
     >>> import os, tempfile, torch
     >>> from sessionstate import SessionState, load_state, tree_equal
@@ -192,12 +227,14 @@ def save_state(
     """
     tensors, meta = _encode(state, metadata)
     target = Path(path)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    # A name no other save uses (two threads or processes saving to one path must not share
+    # a partial file), created by safetensors with the usual permissions.
+    partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.partial")
     try:
         _st_save_file(tensors, str(partial), metadata=meta)
         os.replace(partial, target)
     finally:
-        if partial.exists():
+        with contextlib.suppress(FileNotFoundError):
             partial.unlink()
 
 

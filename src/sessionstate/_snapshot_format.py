@@ -15,17 +15,26 @@ from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
 from sessionstate._tree import NAMESPACE
 
-FORMAT_VERSION = 2
-"""The newest snapshot format this library writes; it reads this version and older ones.
+FORMAT_VERSION = 3
+"""The snapshot format this library writes; it reads this version and every older one.
 
-Version 2 adds leaves saved by a registered class (`register_snapshot_leaf`); a snapshot
-without one is written as version 1.
+Version 1 holds the structure and a CRC-32 per storage. Version 2 adds leaves saved by a
+registered class (`register_snapshot_leaf`). Version 3 adds a CRC-32 of the JSON document
+itself (under `CHECKSUM_KEY`) and `FrozenDict` nodes (a session's dict attributes); every
+snapshot this library writes is version 3.
 """
-
-_PLAIN_FORMAT_VERSION = 1
 
 METADATA_KEY = "sessionstate"
 """The safetensors metadata key holding the snapshot's JSON document."""
+
+CHECKSUM_KEY = "sessionstate.crc32"
+"""The safetensors metadata key holding the CRC-32 of the JSON document (version 3 on)."""
+
+MAX_DEPTH = 200
+"""The deepest nesting of containers and records a snapshot may hold (written or read)."""
+
+_MAX_INT = 2**62  # sizes, offsets, strides and element counts: far below torch's int64
+_MAX_DIMS = 64
 
 _IMPORTABLE_PREFIX = "sessionstate."
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
@@ -244,6 +253,15 @@ def _checksum(data: torch.Tensor) -> int:
     return zlib.crc32(data.numpy().data)
 
 
+def document_checksum(text: str, /) -> str:
+    """The CRC-32 of a snapshot's JSON document, as stored under `CHECKSUM_KEY`.
+
+    >>> document_checksum("{}")
+    '2745614147'
+    """
+    return str(zlib.crc32(text.encode()))
+
+
 # -- record names ---------------------------------------------------------------------------------
 
 
@@ -275,6 +293,15 @@ is named ``module:qualname``.
 
 _STABLE_BY_LOCATION: dict[str, str] = {where: name for name, where in SNAPSHOT_NAMES.items()}
 
+NEVER_SNAPSHOTTED: Mapping[str, str] = {
+    # location -> why (completes "... is never valid snapshot content: <why>").
+    "sessionstate._objects:ParkedObject": "its bytes are held by a park tier, outside the record",
+}
+"""Library record classes that are never valid snapshot content, by location, and why.
+
+Saving one is refused with `TypeError`; a file naming one is refused with `SnapshotError`.
+"""
+
 
 def _location(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -292,6 +319,11 @@ def record_name(cls: type, /) -> str:
     """
     where = _location(cls)
     return _STABLE_BY_LOCATION.get(where, where)
+
+
+def _refusal(cls: type) -> str | None:
+    """Why a record of ``cls`` can never be in a snapshot, or None."""
+    return NEVER_SNAPSHOTTED.get(_location(cls))
 
 
 def _is_record(cls: type) -> bool:

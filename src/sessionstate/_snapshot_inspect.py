@@ -33,10 +33,11 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
     """
     with open(path, "rb") as stream:
         size = os.fstat(stream.fileno()).st_size
-        document, _, _ = read_header(f"`{os.fspath(path)}`", stream, size)
+        # Checked there as for a load: every reference below is valid.
+        document = read_header(f"`{os.fspath(path)}`", stream, size).raw
     storages = document["storages"]
-    views = document.get("views", [])
-    tree = document.get("tree", {})
+    views = document["views"]
+    tree = document["tree"]
     leaves = document.get("leaves", {})
     seen: set[int] = set()
 
@@ -60,14 +61,16 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     fields = tree.get("fields", {}) if tree.get("type") == "record" else {}
     buckets = [
-        (b, fields[b]) for b in ("objects", "attrs") if fields.get(b, {}).get("type") == "dict"
+        (b, fields[b])
+        for b in ("objects", "attrs")
+        if fields.get(b, {}).get("type") in ("dict", "frozendict")
     ]
     if len(buckets) == 2:  # a SessionState: one row per named value
         for bucket, node in buckets:
             rows.extend(row(str(k), bucket, child) for k, child in node["items"])
     elif tree.get("type") == "record":
         rows.extend(row(k, "field", child) for k, child in fields.items())
-    elif tree.get("type") == "dict":
+    elif tree.get("type") in ("dict", "frozendict"):
         rows.extend(row(str(k), "key", child) for k, child in tree["items"])
     else:
         rows.append(row("<root>", "root", tree))
@@ -97,7 +100,7 @@ def _view_indices(node: Any, leaves: Mapping[str, Any] | None = None) -> list[in
         return [node["view"]]
     if kind in ("tuple", "list"):
         return [i for child in node["items"] for i in _view_indices(child, leaves)]
-    if kind == "dict":
+    if kind in ("dict", "frozendict"):
         return [i for _, child in node["items"] for i in _view_indices(child, leaves)]
     if kind == "record":
         return [i for child in node["fields"].values() for i in _view_indices(child, leaves)]
@@ -121,7 +124,7 @@ def _structure(
         items = node["items"]
         tensors = len(_view_indices(node, leaves))
         return f"{kind} of {len(items)}" + (f" ({tensors} tensors)" if tensors else "")
-    if kind == "dict":
+    if kind in ("dict", "frozendict"):
         return f"dict of {len(node['items'])}"
     if kind == "record":
         name = str(node["class"]).rpartition(":")[2]

@@ -17,26 +17,38 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
+
+    # Everything shown comes from the file: plain text, never rich markup (a value named
+    # "[/bold]" must print as such, not be interpreted).
+    def row(table: Table, *cells: str) -> None:
+        table.add_row(*(Text(cell) for cell in cells))
 
     console = Console()
-    about = Table("field", "value", title=f"Snapshot {report['file']}")
-    about.add_row("root", report["root"])
-    about.add_row("format_version", str(report["format_version"]))
-    about.add_row("library_version", str(report["library_version"]))
-    about.add_row("torch_version", str(report["torch_version"]))
-    about.add_row("file size", fmt_bytes(report["file_nbytes"]))
-    about.add_row("storages", str(len(report["storages"])))
+    about = Table("field", "value", title=escape(f"Snapshot {report['file']}"))
+    row(about, "root", report["root"])
+    row(about, "format_version", str(report["format_version"]))
+    row(about, "library_version", str(report["library_version"]))
+    row(about, "torch_version", str(report["torch_version"]))
+    row(about, "file size", fmt_bytes(report["file_nbytes"]))
+    row(about, "storages", str(len(report["storages"])))
     for device, nbytes in sorted(report["nbytes"].items()):
-        about.add_row(f"nbytes:{device}", fmt_bytes(nbytes))
+        row(about, f"nbytes:{device}", fmt_bytes(nbytes))
     for key, value in report["metadata"].items():
-        about.add_row(f"metadata:{key}", value)
+        row(about, f"metadata:{key}", value)
     console.print(about)
     values = Table("value", "bucket", "structure", "tensors", "bytes", title="Values")
-    for row in report["values"]:
-        held = ", ".join(f"{fmt_bytes(n)} ({d})" for d, n in sorted(row["nbytes"].items()))
-        values.add_row(
-            row["name"], row["bucket"], row["structure"], str(row["tensors"]), held or "-"
+    for value in report["values"]:
+        held = ", ".join(f"{fmt_bytes(n)} ({d})" for d, n in sorted(value["nbytes"].items()))
+        row(
+            values,
+            value["name"],
+            value["bucket"],
+            value["structure"],
+            str(value["tensors"]),
+            held or "-",
         )
     console.print(values)
     return 0
