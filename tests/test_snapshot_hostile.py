@@ -36,6 +36,7 @@ from sessionstate import (
 )
 from sessionstate._frozen import FrozenDict
 from sessionstate._snapshot import inspect_snapshot
+from sessionstate._snapshot_format import MAX_DEPTH
 from sessionstate.cli import main
 
 # -- crafting files --------------------------------------------------------------------------------
@@ -331,13 +332,13 @@ def test_a_nesting_bomb_deeper_than_json_can_parse_is_refused() -> None:
 
 def test_a_tree_nested_deeper_than_the_limit_is_refused() -> None:
     deep: dict[str, Any] = {"type": "none"}
-    for _ in range(ss._snapshot_format.MAX_DEPTH + 5):
+    for _ in range(MAX_DEPTH + 5):
         deep = {"type": "list", "items": [deep]}
 
     def edit(doc: dict[str, Any]) -> None:
         doc["tree"] = deep
 
-    key = "[0]" * (ss._snapshot_format.MAX_DEPTH + 1)
+    key = "[0]" * (MAX_DEPTH + 1)
     _refused(
         rewrite(dumps_state(_state()), edit),
         f"Snapshot (bytes) has an invalid node at `{key[:200]}` (nested deeper than 200 "
@@ -347,9 +348,9 @@ def test_a_tree_nested_deeper_than_the_limit_is_refused() -> None:
 
 def test_saving_a_tree_nested_deeper_than_the_limit_is_refused() -> None:
     deep: Any = None
-    for _ in range(ss._snapshot_format.MAX_DEPTH + 1):
+    for _ in range(MAX_DEPTH + 1):
         deep = [deep]
-    key = "[0]" * (ss._snapshot_format.MAX_DEPTH + 1)
+    key = "[0]" * (MAX_DEPTH + 1)
     msg = (
         f"Cannot snapshot the value at `{key[:200]}`: it is nested deeper than 200 levels of "
         "containers and records, the most a snapshot holds. Flatten the structure (e.g. a "

@@ -2,7 +2,10 @@
 
 Run only to add a new version's files; never regenerate existing ones::
 
-    python tests/data/make_golden.py tests/data/snapshots/<version>
+    python tests/data/make_golden.py tests/data/snapshots/<library version> [BUILDER ...]
+
+Each file is named ``<builder>_v<format version>.safetensors``; a file that exists is never
+written again (a new format version of the same library version gets files of its own).
 
 A golden file is a snapshot written by the library at that version. `tests/test_golden_snapshots.py`
 loads every committed one with today's code and compares it with what the builders below build
@@ -25,6 +28,7 @@ import attrs
 import torch
 
 import sessionstate as ss
+from sessionstate._snapshot import FORMAT_VERSION
 
 DZ_STEPS = 2
 """DreamZero steps run before the snapshot: the second leaves a half-filled VAE body chunk."""
@@ -176,19 +180,20 @@ def cosmos3_session(
 
 
 BUILDERS = {
-    "plain_v1": plain_session,
-    "kv_v2": kv_session,
-    "dreamzero_v2": dreamzero_session,
-    "cosmos3_v1": cosmos3_session,
+    "plain": plain_session,
+    "kv": kv_session,
+    "dreamzero": dreamzero_session,
+    "cosmos3": cosmos3_session,
 }
-"""File stem -> builder. The stem names the format version the file must have."""
+"""Builder name (the stem of its files, before ``_v<format version>``) -> builder."""
 
 
-def main(outdir: Path) -> None:
-    """Write one file per builder into ``outdir``; refuse to overwrite an existing one."""
+def main(outdir: Path, names: list[str]) -> None:
+    """Write a file per builder (or those named) into ``outdir``; never overwrite one."""
     outdir.mkdir(parents=True, exist_ok=True)
-    for stem, build in BUILDERS.items():
-        path = outdir / f"{stem}.safetensors"
+    for name in names or list(BUILDERS):
+        build = BUILDERS[name]
+        path = outdir / f"{name}_v{FORMAT_VERSION}.safetensors"
         if path.exists():
             msg = f"{path} exists; golden files are never regenerated. Write a new version's."
             raise SystemExit(msg)
@@ -198,4 +203,4 @@ def main(outdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])
