@@ -165,6 +165,31 @@ MUTANTS = (
         ("tests/test_guard_dtypes.py",),
     ),
     # -- model mutants (issue 21) --
+    Mutant(
+        "cosmos3-manager-without-budget",
+        "Cosmos3's manager is built without the byte budget (the drift of issue 20)",
+        "sessionstate/models/cosmos3/_managed.py",
+        (
+            (
+                "            Cosmos3Session, settings, model.device\n",
+                '            Cosmos3Session, __import__("attrs").evolve(settings, max_bytes=None),'
+                " model.device\n",
+            ),
+        ),
+        ("tests/test_two_model_contract.py",),
+    ),
+    Mutant(
+        "cosmos3-bespoke-table-always-evicts",
+        "Cosmos3's bespoke session table ignores on_full and always evicts",
+        "sessionstate/models/cosmos3/_bespoke.py",
+        (
+            (
+                "            max_sessions,\n            on_full,\n",
+                '            max_sessions,\n            "evict",\n',
+            ),
+        ),
+        ("tests/test_two_model_contract.py",),
+    ),
 )
 
 

@@ -1,6 +1,6 @@
 """The bespoke Cosmos3 path: mutable `Cosmos3State` objects changed in place.
 
-As upstream: a capped OrderedDict of sessions (`BespokeSessionTable`), and the encode-once
+As upstream: a capped OrderedDict of sessions (the kit's `SessionTable`), and the encode-once
 conditioning (the reasoner's K/V of both guidance branches, the RoPE tables) on the
 transformer instance, as its ``cached_kv`` fields. One instance serves every session, so its
 cache belongs to whichever session wrote it last. With ``session_keyed=True`` the cache
@@ -12,23 +12,24 @@ after another one ran reads the other session's K/V: the interleaving hazard.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 import torch
 
-from sessionstate import KVPair, SessionStateLostError, nbytes_by_device
+from sessionstate import KVPair
+from sessionstate.models._kit import SessionTable
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
     Cosmos3Request,
+    lost_continuation,
     prompt_changed,
     unknown_session,
 )
 from sessionstate.models.cosmos3.networks import GenerationBlock, GenerationTransformer
 from sessionstate.models.cosmos3.state import Cosmos3State
 
-__all__ = ["BespokePath", "BespokeSessionTable", "instance_cache"]
+__all__ = ["BespokePath", "instance_cache"]
 
 
 def instance_cache(transformer: GenerationTransformer) -> tuple[dict[str, KVPair], ...]:
@@ -44,71 +45,46 @@ def instance_cache(transformer: GenerationTransformer) -> tuple[dict[str, KVPair
     return tuple(dict(b.cached_kv) for b in blocks if isinstance(b, GenerationBlock))
 
 
-class BespokeSessionTable:
-    """Session id to mutable state, least recently used first, capped as upstream.
-
-    Counts hits, misses and evictions the way the manager counts them.
-
-    Args:
-        max_sessions: The cap; a new session beyond it evicts the least recently used one.
-        context_chunks: How many context chunks a new session's state keeps.
-
-    >>> table = BespokeSessionTable(1, 2)
-    >>> first = table.state("a")
-    >>> table.state("a") is first, table.counts
-    (True, {'hits': 1, 'misses': 1, 'evictions': 0})
-    """
-
-    def __init__(self, max_sessions: int, context_chunks: int) -> None:
-        self.states: OrderedDict[Hashable, Cosmos3State] = OrderedDict()
-        self.max_sessions = max_sessions
-        self.context_chunks = context_chunks
-        self.counts = {"hits": 0, "misses": 0, "evictions": 0}
-
-    def state(self, session_id: Hashable) -> Cosmos3State:
-        """The session's state to step: held (now most recently used), or new."""
-        states = self.states
-        state = states.get(session_id)
-        if state is None:
-            self.counts["misses"] += 1
-            state = Cosmos3State(self.context_chunks)
-            states[session_id] = state
-            if len(states) > self.max_sessions:
-                states.popitem(last=False)
-                self.counts["evictions"] += 1
-        else:
-            self.counts["hits"] += 1
-            states.move_to_end(session_id)
-        return state
-
-
 class BespokePath:
     """Sessions as mutable `Cosmos3State` objects, the K/V on the transformer instance.
 
     Args:
         model: The networks and geometry.
         max_sessions: The table's cap.
+        on_full: What a new session does at the cap.
         session_keyed: Whether the instance cache remembers the session it was encoded for
             and re-encodes for any other (see the module docs).
 
     >>> from sessionstate.models.cosmos3 import Cosmos3Config
     >>> from sessionstate.models.cosmos3._model import Cosmos3Model
     >>> model = Cosmos3Model(Cosmos3Config.preset("tiny"), "cpu", "cpu")
-    >>> BespokePath(model, 4, session_keyed=True).stats()["max_sessions"]
+    >>> BespokePath(model, 4, "evict", session_keyed=True).stats()["max_sessions"]
     4
     """
 
-    def __init__(self, model: Cosmos3Model, max_sessions: int, *, session_keyed: bool) -> None:
+    def __init__(
+        self, model: Cosmos3Model, max_sessions: int, on_full: str, *, session_keyed: bool
+    ) -> None:
         self.model = model
-        self.table = BespokeSessionTable(max_sessions, model.cfg.context_chunks)
+        chunks = model.cfg.context_chunks
+        self.table = SessionTable(
+            "Cosmos3",
+            lambda: Cosmos3State(chunks),
+            max_sessions,
+            on_full,
+            lost=lost_continuation,
+            unknown=unknown_session,
+        )
         self.session_keyed = session_keyed
 
-    def forward(self, request: Cosmos3Request, session_id: Hashable) -> Cosmos3Output:
+    def forward(
+        self, request: Cosmos3Request, session_id: Hashable, begin: bool | None
+    ) -> Cosmos3Output:
         """One step of ``session_id``; see `Cosmos3Pipeline.forward`."""
         model = self.model
         nets = model.nets
         tr = nets.transformer
-        state = self.table.state(session_id)
+        state = self.table.state(session_id, begin)
         texts = model.texts(request)
         if self.session_keyed and tr.cached_kv_key != session_id:
             tr.clear_cached_kv()
@@ -142,7 +118,7 @@ class BespokePath:
 
     def drop_session(self, session_id: Hashable) -> bool:
         """End a session; returns whether it was held."""
-        return self.table.states.pop(session_id, None) is not None
+        return self.table.drop(session_id)
 
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
@@ -154,9 +130,7 @@ class BespokePath:
         ``text_kv`` and ``rope_freqs`` are the transformer instance's cache (shared by every
         session: what the next step of any session would read).
         """
-        if session_id not in self.table.states:
-            raise SessionStateLostError(unknown_session(session_id))
-        s = self.table.states[session_id]
+        s = self.table.held(session_id)
         tr = self.model.nets.transformer
         return {
             "text_kv": instance_cache(tr),
@@ -170,22 +144,10 @@ class BespokePath:
 
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every chunk generated for the session, joined along time (None if none)."""
-        if session_id not in self.table.states:
-            raise SessionStateLostError(unknown_session(session_id))
-        chunks = self.table.states[session_id].video_latents
+        chunks = self.table.held(session_id).video_latents
         return torch.cat(chunks, dim=2) if chunks else None
 
     def stats(self) -> dict[str, int]:
         """The manager's `stats()` keys, computed by hand (the sessions' values plus the
         instance's cache, each storage once)."""
-        states = self.table.states
-        held = [self.session_values(sid) for sid in states]
-        totals = nbytes_by_device(held) if held else {}
-        out = {
-            "sessions": len(states),
-            "max_sessions": self.table.max_sessions,
-            **self.table.counts,
-        }
-        out["total_nbytes"] = sum(totals.values())
-        out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
-        return out
+        return self.table.stats(self.session_values)

@@ -12,11 +12,13 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from sessionstate import KVPair, SessionStateLostError, SessionStateManager, SessionStateSettings
+from sessionstate import KVPair, SessionStateManager, SessionStateSettings
+from sessionstate.models._kit import build_manager, managed_forward, resident
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
     Cosmos3Request,
+    lost_continuation,
     prompt_changed,
     unknown_session,
 )
@@ -30,7 +32,7 @@ class ManagedPath:
 
     Args:
         model: The networks and geometry.
-        settings: The resolved session-state settings (the cap and the immutability guard).
+        settings: The resolved session-state settings (cap, ``on_full``, budget, guard).
 
     >>> from sessionstate import resolve_session_state_config
     >>> from sessionstate.models.cosmos3 import Cosmos3Config
@@ -43,19 +45,22 @@ class ManagedPath:
 
     def __init__(self, model: Cosmos3Model, settings: SessionStateSettings) -> None:
         self.model = model
-        self.manager = SessionStateManager[Cosmos3Session](
-            settings.max_sessions, check_immutable=settings.check_immutable
+        self.manager: SessionStateManager[Cosmos3Session] = build_manager(
+            Cosmos3Session, settings, model.device
         )
 
-    def forward(self, request: Cosmos3Request, session_id: Hashable) -> Cosmos3Output:
+    def forward(
+        self, request: Cosmos3Request, session_id: Hashable, begin: bool | None
+    ) -> Cosmos3Output:
         """One step of ``session_id``; see `Cosmos3Pipeline.forward`."""
-        state = self.manager.get(session_id)
-        if state is None:
-            state = self.new_session()
-        state, out = self.step(state, request)
-        # Published only after the whole step succeeded.
-        self.manager.put(session_id, state)
-        return out
+        return managed_forward(
+            self.manager,
+            session_id,
+            begin,
+            new=self.new_session,
+            step=lambda state: self.step(state, request),
+            lost=lost_continuation,
+        )
 
     def new_session(self) -> Cosmos3Session:
         """An empty session for this model's geometry."""
@@ -83,10 +88,8 @@ class ManagedPath:
         return self.manager.stats()
 
     def _peek(self, session_id: Hashable) -> Cosmos3Session:
-        state = self.manager.peek(session_id)
-        if state is None:
-            raise SessionStateLostError(unknown_session(session_id))
-        return state
+        # A parked session is read through a resident copy; the stored record stays parked.
+        return resident(self.manager, session_id, unknown_session)
 
     def step(
         self, state: Cosmos3Session, request: Cosmos3Request

@@ -22,6 +22,7 @@ __all__ = [
     "Cosmos3Output",
     "Cosmos3Request",
     "KVSource",
+    "lost_continuation",
     "prompt_changed",
     "unknown_session",
 ]
@@ -56,6 +57,19 @@ def unknown_session(session_id: Hashable) -> str:
     return (
         f"Cosmos3 session {session_id!r} is not held (never started, dropped or evicted); "
         "call `forward(request, session_id)` to start it."
+    )
+
+
+def lost_continuation(session_id: Hashable) -> str:
+    """The message for ``forward(..., begin=False)`` of a session that is not held.
+
+    >>> lost_continuation("a").startswith("Cannot continue Cosmos3 session 'a'")
+    True
+    """
+    return (
+        f"Cannot continue Cosmos3 session {session_id!r}: it is not held (never started, "
+        "dropped or evicted), so its state is lost. Start it again with "
+        f"`forward(request, {session_id!r}, begin=True)`, or raise the session cap."
     )
 
 

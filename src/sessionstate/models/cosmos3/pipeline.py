@@ -66,6 +66,13 @@ class Cosmos3Pipeline:
     >>> out = pipe.forward(Cosmos3Request("a red car", torch.zeros(4)), "cam-0")
     >>> pipe.managed, tuple(out.video_latents.shape), out.reset
     (True, (1, 4, 2, 4, 4), 'session')
+
+    Every session-state setting holds on both paths alike: what a new session does at the cap
+    (``on_full``: evict the least recently used session, or refuse the new one with
+    `SessionAdmissionError`), from the deploy config's ``session_state_on_full`` and
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL``; the first eviction logs a warning naming
+    the evicted session. The managed path also honours the byte budget, the park tier and the
+    spool directory.
     """
 
     def __init__(
@@ -88,7 +95,7 @@ class Cosmos3Pipeline:
             self.cfg = config
             self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
         else:
-            self.cfg = Cosmos3Config.from_dict(config.model)
+            self.cfg = config.parse_model(Cosmos3Config.from_dict)
             self.settings = resolve_session_state_config(config, environ)
         self.device = torch.device(device)
         self.host_device = torch.device(host_device)
@@ -102,7 +109,10 @@ class Cosmos3Pipeline:
             self._path = self._managed = ManagedPath(self._model, self.settings)
         else:
             self._path = self._bespoke = BespokePath(
-                self._model, max_bespoke_sessions, session_keyed=bespoke_session_keyed
+                self._model,
+                max_bespoke_sessions,
+                self.settings.on_full,
+                session_keyed=bespoke_session_keyed,
             )
 
     @property
@@ -158,12 +168,52 @@ class Cosmos3Pipeline:
         """Whether this pipeline runs the manager-backed path."""
         return self.manager is not None
 
+    @property
+    def on_full(self) -> str:
+        """What a new session does at the cap, on either path: ``"evict"`` or ``"refuse"``.
+
+        >>> from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline
+        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL": "refuse"}
+        >>> Cosmos3Pipeline(Cosmos3Config.preset("tiny"), environ=env).on_full
+        'refuse'
+        """
+        return self.settings.on_full
+
     # -- entry point ---------------------------------------------------------------------------
 
-    def forward(self, request: Cosmos3Request, session_id: Hashable = "default") -> Cosmos3Output:
-        """Run one streaming step (one generated chunk) of ``session_id`` (any hashable value)."""
+    def forward(
+        self,
+        request: Cosmos3Request,
+        session_id: Hashable = "default",
+        *,
+        begin: bool | None = None,
+    ) -> Cosmos3Output:
+        """Run one streaming step (one generated chunk) of ``session_id``.
+
+        Args:
+            request: The prompts and control of this step.
+            session_id: The session to step: any hashable value, as a dict key.
+            begin: ``True`` starts the session, or restarts it from scratch if it is held;
+                ``False`` continues it and never starts one; ``None`` (default) continues a
+                held session and starts one that is not.
+
+        Raises:
+            SessionStateLostError: if ``begin=False`` and the session is not held (never
+                started, dropped or evicted); nothing is created.
+            SessionAdmissionError: if the session is new, the cap is reached and
+                ``on_full`` is ``"refuse"``; nothing is stored or evicted.
+
+        >>> import torch
+        >>> from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline, Cosmos3Request
+        >>> pipe = Cosmos3Pipeline(Cosmos3Config.preset("tiny"))
+        >>> request = Cosmos3Request("a red car", torch.zeros(4))
+        >>> pipe.forward(request, "cam-0", begin=True).reset
+        'session'
+        >>> pipe.forward(request, "cam-0", begin=False).reset is None
+        True
+        """
         check_session_id(session_id)
-        return self._path.forward(request, session_id)
+        return self._path.forward(request, session_id, begin)
 
     def new_session(self) -> Cosmos3Session:
         """An empty managed session for this pipeline's geometry."""
@@ -181,6 +231,7 @@ class Cosmos3Pipeline:
 
     def drop_session(self, session_id: Hashable) -> bool:
         """End a session on either path; returns whether it was held."""
+        check_session_id(session_id)
         return self._path.drop_session(session_id)
 
     def session_ids(self) -> list[Hashable]:
@@ -193,6 +244,7 @@ class Cosmos3Pipeline:
         On the bespoke path ``text_kv`` and ``rope_freqs`` are the transformer instance's
         cache (shared by every session: what the next step of any session would read).
         """
+        check_session_id(session_id)
         return self._path.session_values(session_id)
 
     def instance_cache(self) -> tuple[dict[str, KVPair], ...]:
@@ -201,6 +253,7 @@ class Cosmos3Pipeline:
 
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every chunk generated for the session, joined along time (None if none)."""
+        check_session_id(session_id)
         return self._path.video_latents(session_id)
 
     def stats(self) -> dict[str, int]:

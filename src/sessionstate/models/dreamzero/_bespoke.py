@@ -1,19 +1,17 @@
 """The bespoke DreamZero path: mutable `DreamZeroState` objects changed in place.
 
-As upstream: a capped OrderedDict of sessions (`BespokeSessionTable`), and a forward that
+As upstream: a capped OrderedDict of sessions (the kit's `SessionTable`), and a forward that
 writes each step's results into the session's state object.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
 from collections.abc import Hashable
 
 import attrs
 import torch
 
-from sessionstate import SessionAdmissionError, SessionStateLostError, nbytes_by_device
+from sessionstate.models._kit import SessionTable
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._model import (
     BODY_FRAMES,
@@ -26,85 +24,11 @@ from sessionstate.models.dreamzero._model import (
 from sessionstate.models.dreamzero.state import DreamZeroState, reset_reason
 from sessionstate.models.dreamzero.transform import Observation, stitch_views
 
-__all__ = ["BespokePath", "BespokeSessionTable"]
-
-logger = logging.getLogger("sessionstate")
-
-
-class BespokeSessionTable:
-    """Session id to mutable state, least recently used first, capped as upstream.
-
-    Counts hits, misses and evictions the way the manager counts them, and warns once on the
-    first eviction.
-
-    Args:
-        max_sessions: The cap.
-        on_full: At the cap, ``"evict"`` the least recently used session or ``"refuse"`` the
-            new one with `SessionAdmissionError`.
-
-    >>> table = BespokeSessionTable(1, "evict")
-    >>> first = table.state("a", None)
-    >>> table.state("a", None) is first, table.counts
-    (True, {'hits': 1, 'misses': 1, 'evictions': 0})
-    """
-
-    def __init__(self, max_sessions: int, on_full: str) -> None:
-        self.states: OrderedDict[Hashable, DreamZeroState] = OrderedDict()
-        self.max_sessions = max_sessions
-        self.on_full = on_full
-        self.counts = {"hits": 0, "misses": 0, "evictions": 0}
-        self._warned_eviction = False
-
-    def state(self, session_id: Hashable, begin: bool | None) -> DreamZeroState:
-        """The session's state to step: held, or new (``begin`` as `DreamZeroPipeline.forward`).
-
-        Raises:
-            SessionStateLostError: if ``begin`` is False and the session is not held.
-            SessionAdmissionError: if the session is new, the table is full and ``on_full``
-                is ``"refuse"``.
-        """
-        states = self.states
-        state = None if begin else states.get(session_id)
-        if state is not None:
-            self.counts["hits"] += 1
-            states.move_to_end(session_id)
-            return state
-        state = DreamZeroState()
-        if begin and session_id in states:  # a restart replaces the held state
-            states[session_id] = state
-            states.move_to_end(session_id)
-            return state
-        if not begin:  # counted as the manager's `get` counts it
-            self.counts["misses"] += 1
-        if begin is False:
-            raise SessionStateLostError(lost_continuation(session_id))
-        if self.on_full == "refuse" and len(states) >= self.max_sessions:
-            msg = (
-                f"Cannot admit DreamZero session {session_id!r}: the bespoke session table "
-                f"holds {self.max_sessions} sessions (its cap) and "
-                "`on_full='refuse'`. Drop a finished session first with `drop_session`, or "
-                "raise the cap."
-            )
-            raise SessionAdmissionError(msg)
-        states[session_id] = state
-        if len(states) > self.max_sessions:
-            evicted, _ = states.popitem(last=False)
-            self.counts["evictions"] += 1
-            if not self._warned_eviction:
-                self._warned_eviction = True
-                logger.warning(
-                    "DreamZero session %r was evicted by the bespoke session cap (%d) although "
-                    "nobody ended it; its state is lost. End finished sessions explicitly with "
-                    "`drop_session(session_id)`, or raise the cap. Warned once per pipeline; "
-                    "`stats()['evictions']` counts every eviction.",
-                    evicted,
-                    self.max_sessions,
-                )
-        return state
+__all__ = ["BespokePath"]
 
 
 class BespokePath:
-    """Sessions as mutable `DreamZeroState` objects in a `BespokeSessionTable`.
+    """Sessions as mutable `DreamZeroState` objects in a capped `SessionTable`.
 
     Args:
         model: The networks and geometry.
@@ -120,7 +44,14 @@ class BespokePath:
 
     def __init__(self, model: DreamZeroModel, max_sessions: int, on_full: str) -> None:
         self.model = model
-        self.table = BespokeSessionTable(max_sessions, on_full)
+        self.table = SessionTable(
+            "DreamZero",
+            DreamZeroState,
+            max_sessions,
+            on_full,
+            lost=lost_continuation,
+            unknown=unknown_session,
+        )
 
     def forward(
         self, obs: Observation, session_id: Hashable, begin: bool | None
@@ -130,7 +61,7 @@ class BespokePath:
 
     def drop_session(self, session_id: Hashable) -> bool:
         """End a session; returns whether it was held."""
-        return self.table.states.pop(session_id, None) is not None
+        return self.table.drop(session_id)
 
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
@@ -138,35 +69,20 @@ class BespokePath:
 
     def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds, by name (without touching LRU order)."""
-        if session_id not in self.table.states:
-            raise SessionStateLostError(unknown_session(session_id))
-        return self.table.states[session_id].values()
+        return self.table.held(session_id).values()
 
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every latent chunk generated for the session, joined along time (None if none)."""
-        self.session_values(session_id)  # raises for a session that is not held
-        return self.table.states[session_id].get_concatenated_video_latents()
+        return self.table.held(session_id).get_concatenated_video_latents()
 
     def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
         """Empty the session's accumulated video latents; marks it most recently used."""
-        state = self.table.states.get(session_id)
-        if state is None:
-            raise SessionStateLostError(unknown_session(session_id))
-        state.video_latents_across_time = []
+        self.table.held(session_id).video_latents_across_time = []
         self.table.states.move_to_end(session_id)
 
     def stats(self) -> dict[str, int]:
         """The manager's `stats()` keys, computed by hand."""
-        states = self.table.states
-        totals = nbytes_by_device([s.values() for s in states.values()])
-        out = {
-            "sessions": len(states),
-            "max_sessions": self.table.max_sessions,
-            **self.table.counts,
-        }
-        out["total_nbytes"] = sum(totals.values())
-        out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
-        return out
+        return self.table.stats(self.session_values)
 
     def _forward(self, state: DreamZeroState, obs: Observation) -> DreamZeroOutput:
         model = self.model

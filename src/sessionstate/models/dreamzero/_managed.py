@@ -15,11 +15,11 @@ import torch
 from sessionstate import (
     KVPool,
     LatentBuffer,
-    SessionStateLostError,
     SessionStateManager,
     SessionStateSettings,
     TensorCache,
 )
+from sessionstate.models._kit import build_manager, managed_forward, resident
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._model import (
     BODY_FRAMES,
@@ -40,13 +40,6 @@ from sessionstate.models.dreamzero.state import (
 from sessionstate.models.dreamzero.transform import Observation, stitch_views
 
 __all__ = ["ManagedPath"]
-
-
-def _device_key(device: torch.device) -> str:
-    # Tensors report CUDA devices with their index; a budget must name it the same way.
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
 
 
 def _committer(chunk: torch.Tensor) -> Callable[[LatentBuffer], LatentBuffer]:
@@ -75,14 +68,8 @@ class ManagedPath:
 
     def __init__(self, model: DreamZeroModel, settings: SessionStateSettings) -> None:
         self.model = model
-        budget = settings.max_bytes
-        self.manager = SessionStateManager[DreamZeroSession](
-            settings.max_sessions,
-            on_full=settings.on_full,
-            check_immutable=settings.check_immutable,
-            max_bytes={_device_key(model.device): budget} if isinstance(budget, int) else budget,
-            park_tier=settings.park_tier,
-            spool_dir=settings.spool_dir,
+        self.manager: SessionStateManager[DreamZeroSession] = build_manager(
+            DreamZeroSession, settings, model.device
         )
         # Engine-owned: the path owns the pool, records hold handles to its blocks.
         self.kv_pool: KVPool = kv_cache.build_kv_pool(
@@ -93,18 +80,16 @@ class ManagedPath:
         self, obs: Observation, session_id: Hashable, begin: bool | None
     ) -> DreamZeroOutput:
         """One step of ``session_id``; see `DreamZeroPipeline.forward`."""
-        state = None if begin else self.manager.get(session_id)
-        if state is None:
-            if begin is False:
-                raise SessionStateLostError(lost_continuation(session_id))
-            state = self.new_session()
-        # A failed step returns the KV blocks it took, so the pool is as it was too.
-        with self.kv_pool.transaction():
-            state, out = self.step(state, obs)
-            # Published only after the whole step succeeded: a failed step leaves the
-            # stored record (or the absence of one) exactly as it was.
-            self.manager.put(session_id, state)
-        return out
+        return managed_forward(
+            self.manager,
+            session_id,
+            begin,
+            new=self.new_session,
+            step=lambda state: self.step(state, obs),
+            lost=lost_continuation,
+            # A failed step returns the KV blocks it took, so the pool is as it was too.
+            guard=self.kv_pool.transaction(),
+        )
 
     def new_session(self) -> DreamZeroSession:
         """An empty session for this model's geometry."""
@@ -120,11 +105,7 @@ class ManagedPath:
 
     def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds, by name (without touching LRU order)."""
-        state = self.manager.peek(session_id)
-        if state is None:
-            raise SessionStateLostError(unknown_session(session_id))
-        # A parked session is read through a resident copy; the stored record stays parked.
-        return state.unpark().values()
+        return resident(self.manager, session_id, unknown_session).values()
 
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every latent chunk generated for the session, joined along time (None if none)."""
@@ -134,11 +115,9 @@ class ManagedPath:
 
     def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
         """Empty the session's accumulated video latents; marks it most recently used."""
-        state = self.manager.peek(session_id)
-        if state is None:
-            raise SessionStateLostError(unknown_session(session_id))
         # A parked session is unparked to change it; `put` applies the budget again.
-        state = state.unpark().update_object("video_latents_across_time", lambda b: b.reset())
+        state = resident(self.manager, session_id, unknown_session)
+        state = state.update_object("video_latents_across_time", lambda b: b.reset())
         self.manager.put(session_id, state)
 
     def stats(self) -> dict[str, int]:
