@@ -68,3 +68,59 @@ def test_the_page_runs_as_written(
     namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     for block in blocks:  # one script: each block sees what the ones above it defined
         exec(compile(block, str(page), "exec"), namespace)
+
+
+def _nav_pages() -> list[str]:
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:\n", 1)[1]
+    return re.findall(r"^  - [^:]+: (\S+\.md)$", nav.split("\n\n", 1)[0], flags=re.M)
+
+
+def test_where_to_go_next_links_every_page_in_the_nav() -> None:
+    pages = _nav_pages()
+    assert {"install.md", "porting.md", "troubleshooting.md", "cuda.md", "changelog.md"} <= set(
+        pages
+    )
+    assert sorted(pages) == sorted(p.name for p in DOCS.glob("*.md"))  # no page left out
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    section = index.split("## Where to go next", 1)[1].split("\n## ", 1)[0]
+    linked = set(re.findall(r"\]\(([\w-]+\.md)[)#]", section))
+    assert linked == set(pages) - {"index.md"}
+
+
+def test_the_api_reference_renders_every_public_name_once() -> None:
+    import sessionstate as ss
+
+    api = (DOCS / "api.md").read_text(encoding="utf-8")
+    rendered = re.findall(r"^::: sessionstate\.(\w+)$", api, flags=re.M)
+    subpackages = ["distributed", "testing"]  # rendered whole, in their own sections
+    public = sorted(set(ss.__all__) - {"__version__"})
+    assert sorted(n for n in rendered if n not in subpackages) == public, (
+        "each public name on the API page exactly once"
+    )
+    assert sorted(n for n in rendered if n in subpackages) == subpackages
+    # Grouped by topic, not one alphabetical list.
+    for topic in ("Records", "State objects", "manager", "budget", "Snapshots", "KV", "Testing"):
+        assert re.search(rf"^## .*{topic}", api, flags=re.M), topic
+
+
+def test_troubleshooting_names_every_public_error_class() -> None:
+    import sessionstate as ss
+    import sessionstate.distributed as dist
+
+    page = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `(\w+Error)` \(", page, flags=re.M))
+    errors = {n for n in ss.__all__ if n.endswith("Error")}
+    errors |= {n for n in dist.__all__ if n.endswith("Error")}
+    assert len(errors) >= 17
+    for name in errors:  # each is an exception class, and has its row of cause and fix
+        module = ss if name in ss.__all__ else dist
+        assert issubclass(getattr(module, name), Exception)
+    assert rows == errors
+
+
+def test_the_changelog_page_includes_the_repositorys_changelog() -> None:
+    page = (DOCS / "changelog.md").read_text(encoding="utf-8")
+    assert '--8<-- "CHANGELOG.md"' in page
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "pymdownx.snippets:" in config
+    assert "check_paths: true" in config  # a missing CHANGELOG.md fails the strict build
