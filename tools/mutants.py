@@ -122,7 +122,130 @@ MUTANTS = (
         ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
     ),
     # -- snapshot mutants (issue 21) --
+    Mutant(
+        "save-writes-in-place",
+        "save_state writes straight into the target file instead of a partial file renamed",
+        "sessionstate/_snapshot_encode.py",
+        (
+            (
+                "    try:\n"
+                "        _st_save_file(tensors, str(partial), metadata=meta)\n"
+                "        os.replace(partial, target)\n"
+                "    finally:\n"
+                "        with contextlib.suppress(FileNotFoundError):\n"
+                "            partial.unlink()\n",
+                "    _st_save_file(tensors, str(target), metadata=meta)\n",
+            ),
+        ),
+        (
+            "tests/test_snapshot_hostile.py::"
+            "test_a_save_failing_midway_leaves_the_previous_file_and_nothing_else",
+        ),
+    ),
+    Mutant(
+        "loads-skips-storage-crc",
+        "a snapshot loaded from bytes (loads_state: restore, migration) skips the storage CRC-32",
+        "sessionstate/_snapshot_decode.py",
+        (
+            (
+                "        if _checksum(data) != described.crc32:",
+                '        if source != "(bytes)" and _checksum(data) != described.crc32:',
+            ),
+        ),
+        (
+            "tests/test_snapshot_hostile.py::"
+            "test_corrupt_storage_bytes_through_loads_state_give_snapshot_error",
+        ),
+    ),
+    Mutant(
+        "header-crc-skipped",
+        "the loader never checks the CRC-32 of a snapshot's JSON document",
+        "sessionstate/_snapshot_decode.py",
+        (
+            (
+                "    if stored is not None and stored != document_checksum(text):",
+                "    if False:",
+            ),
+        ),
+        (
+            "tests/test_snapshot_hostile.py::"
+            "test_a_changed_value_in_the_header_fails_its_checksum",
+            "tests/test_snapshot_hostile.py::"
+            "test_random_header_bit_flips_never_load_a_different_record",
+        ),
+    ),
     # -- distributed mutants (issue 21) --
+    Mutant(
+        "migration-import-skips-crc",
+        "the loader skips the CRC-32 check for in-memory bytes (the migration import path)",
+        "sessionstate/_snapshot_decode.py",
+        (
+            (
+                "        if _checksum(data) != described.crc32:",
+                '        if source != "(bytes)" and _checksum(data) != described.crc32:',
+            ),
+        ),
+        (
+            "tests/test_distributed_faults.py::"
+            "test_corrupt_bytes_through_a_migration_import_raise_snapshot_error",
+        ),
+    ),
+    Mutant(
+        "migration-ack-unchecked",
+        "the router never compares the destination's digest with the source's",
+        "sessionstate/distributed/_router.py",
+        (("                if ack.digest != expected:", "                if False:"),),
+        (
+            "tests/test_distributed_faults.py::"
+            "test_a_wrong_digest_fails_the_migration_at_the_acknowledge_stage",
+        ),
+    ),
+    Mutant(
+        "drop-to-placement",
+        "the router sends drop to the placement choice instead of the owner",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "self._handles[owner].drop_session.remote(session_id, epoch=epoch),",
+                "self._handles[self._place()].drop_session.remote(session_id, epoch=epoch),",
+            ),
+        ),
+        (
+            "tests/test_distributed_faults.py::"
+            "test_drops_reach_the_owner_and_leave_no_worker_holding_the_sessions",
+        ),
+    ),
+    Mutant(
+        "export-keeps-serving",
+        "a worker keeps stepping a session it exported to a migration",
+        "sessionstate/distributed/_worker.py",
+        (("        self._handed_off.add(session_id)\n", ""),),
+        ("tests/test_distributed_fencing.py",),
+    ),
+    Mutant(
+        "worker-ignores-epochs",
+        "a worker applies an operation whatever epoch it carries",
+        "sessionstate/distributed/_worker.py",
+        (
+            (
+                "        held = self._held(session_id)\n        if held == epoch and",
+                "        held = epoch = self._held(session_id)\n        if held == epoch and",
+            ),
+        ),
+        ("tests/test_distributed_fencing.py",),
+    ),
+    Mutant(
+        "placement-ignores-room",
+        "the router places a new session on a worker that reported no room",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "roomy = [name for name in live if self._room.get(name, True)] or live",
+                "roomy = live",
+            ),
+        ),
+        ("tests/test_distributed_placement.py",),
+    ),
     # -- manager, budget and guard mutants (issue 21) --
     Mutant(
         "ledger-misses-earlier-overlap",
