@@ -334,9 +334,17 @@ class DreamZeroNetworks:
         return torch.cat(outs, dim=2).clamp(-1.0, 1.0)
 
 
+_NO_CPU_POOL = frozenset({torch.bfloat16, torch.float16})
+"""Dtypes `avg_pool3d` has no CPU kernel for."""
+
+
 def _patch_tokens(x: torch.Tensor) -> torch.Tensor:
     # (1, C, T, h, w) -> (T * h/2 * w/2, C): 2x2 patches, averaged, one token per patch.
-    pooled = torch.nn.functional.avg_pool3d(x, kernel_size=(1, 2, 2))
+    if x.device.type == "cpu" and x.dtype in _NO_CPU_POOL:
+        # CPU has no reduced-precision avg_pool3d kernel: average in float32, round once.
+        pooled = torch.nn.functional.avg_pool3d(x.float(), kernel_size=(1, 2, 2)).to(x.dtype)
+    else:
+        pooled = torch.nn.functional.avg_pool3d(x, kernel_size=(1, 2, 2))
     return pooled.flatten(2)[0].transpose(0, 1).contiguous()
 
 
