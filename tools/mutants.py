@@ -168,8 +168,7 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_snapshot_hostile.py::"
-            "test_a_changed_value_in_the_header_fails_its_checksum",
+            "tests/test_snapshot_hostile.py::test_a_changed_value_in_the_header_fails_its_checksum",
             "tests/test_snapshot_hostile.py::"
             "test_random_header_bit_flips_never_load_a_different_record",
         ),

@@ -10,14 +10,22 @@ document under the key ``sessionstate``.
 
 Loading never unpickles: records are rebuilt through their constructors (their validators
 run), and only classes registered as records in this process are used. The one import a
-loader may make is of a module under ``sessionstate.`` named in the file (the library's own
-models); any other record class must have been imported by the caller first.
+loader may make is of a module under ``sessionstate.`` (a library class's location in
+`SNAPSHOT_NAMES`, or a name under the package); any other record class must have been
+imported by the caller first.
 
 A leaf that is neither a tensor nor a JSON value (an engine's handle to memory it owns, such
 as a `KVHandle`) is saved by value when its class is registered with `register_snapshot_leaf`:
 the class turns all its leaves in one snapshot into one payload of tensors and JSON values,
-stored like the rest, and rebuilds them from it at load. Such a file is format version 2; a
-file without one stays version 1, which older libraries read.
+stored like the rest, and rebuilds them from it at load.
+
+A file is format version 3 (`FORMAT_VERSION`): the JSON document carries a CRC-32 of its own
+(`CHECKSUM_KEY`), so a changed byte anywhere in the structure is refused as the storages'
+are. Files of versions 1 and 2 load unchanged (committed ones are under ``tests/data/``).
+Before anything is allocated, every number in the header is checked exactly (ints, never
+bools, floats or strings; in range; storages inside the file and not overlapping), so a
+loader never allocates more than the file's storages hold; a hostile file gets a
+`SnapshotError` naming the value, never a raw error.
 
 The storage walk (`collect_storages`) and the rebuild (`rebuild_views`) are the library's one
 way to move a record's bytes: whatever moves storages elsewhere and back uses them.
@@ -32,6 +40,7 @@ from __future__ import annotations
 from sessionstate._snapshot_decode import load_state, loads_state, read_header
 from sessionstate._snapshot_encode import dumps_state, save_state
 from sessionstate._snapshot_format import (
+    CHECKSUM_KEY,
     FORMAT_VERSION,
     SNAPSHOT_NAMES,
     ViewSpec,
@@ -46,6 +55,7 @@ from sessionstate._snapshot_format import (
 from sessionstate._snapshot_inspect import inspect_snapshot
 
 __all__ = [
+    "CHECKSUM_KEY",
     "FORMAT_VERSION",
     "SNAPSHOT_NAMES",
     "ViewSpec",
