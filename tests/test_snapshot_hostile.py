@@ -614,3 +614,27 @@ def test_threads_saving_to_one_path_never_collide(tmp_path: Path) -> None:
     loaded = load_state(path, expect=SessionState)
     assert any(tree_equal(loaded, s) for s in states)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
+def test_a_tensor_written_in_place_during_a_save_fails_its_checksum_at_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The documented race: a record is immutable, so writing into one of its tensors while it
+    # is saved is the caller's bug. The file then refuses to load; it never holds a torn record.
+    path = tmp_path / "s.safetensors"
+    x = torch.zeros(4)
+    state = SessionState(attrs={"x": x})
+    write = ss._snapshot_encode._st_save_file
+
+    def racing_write(tensors: Any, filename: str, metadata: Any = None) -> None:
+        x.add_(1)  # another thread, between the checksum and the write
+        write(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(ss._snapshot_encode, "_st_save_file", racing_write)
+    save_state(state, path)
+    msg = (
+        f"Snapshot `{path}` is corrupt: storage 0 (16 bytes) fails its CRC-32 check; restore it "
+        "from an intact copy."
+    )
+    with pytest.raises(SnapshotError, match=re.escape(msg)):
+        load_state(path)
