@@ -46,8 +46,10 @@ class Router:
 
     **Affinity.** A session is owned by exactly one worker; every call for it goes there,
     and there is no fallback. **Placement.** A new session goes to the live worker with the
-    fewest resident bytes as last reported (each step's reply carries its worker's total),
-    ties to the worker owning fewer sessions, then to the lower index.
+    fewest resident bytes as last reported (each step's reply carries its worker's total,
+    from the ledger its budget checks), ties to the worker owning fewer sessions, then to the
+    lower index; a worker that reported no room (at its session cap, or at its byte budget on
+    a device) is passed over while another has room.
     **Fencing.** Every session has an epoch (`epoch`) that changes when it begins, migrates
     or is restored; every operation sent to a worker carries it, and a worker refuses one
     whose epoch is not the session's current one there, so a late message for an earlier
@@ -128,6 +130,7 @@ class Router:
         self._sessions: dict[Hashable, _Session] = {}
         self._epoch_counter = itertools.count(1)  # one sequence for all: an epoch is never reused
         self._reported: dict[str, int] = dict.fromkeys(self._handles, 0)
+        self._room: dict[str, bool] = dict.fromkeys(self._handles, True)
         self._dead: set[str] = set()
         self._lost: dict[Hashable, str] = {}  # session -> the message saying how it was lost
         self._notices: dict[Hashable, SessionRestoredError] = {}
@@ -210,6 +213,7 @@ class Router:
             out[name] = stats
             with self._lock:
                 self._reported[name] = stats.total_nbytes
+                self._room[name] = stats.room
         return out
 
     # -- calls ---------------------------------------------------------------------------------
@@ -298,12 +302,13 @@ class Router:
                 owner, epoch = session.owner, session.epoch
             if owner not in self._dead:
                 try:
-                    self._get(
+                    if self._get(
                         self._handles[owner].drop_session.remote(session_id, epoch=epoch),
                         owner,
                         "drop_session",
                         session_id,
-                    )
+                    ):
+                        self._room[owner] = True  # one session fewer: it has room again
                 except WorkerTimeoutError:
                     pass  # queued on the owner behind the session's calls; it runs in order
                 except _WorkerLostError as lost:
@@ -484,6 +489,7 @@ class Router:
             if snap_ref is not None:
                 session.snapshot, session.snapshot_steps = snap_ref, session.steps
             self._reported[worker] = reply.resident_nbytes
+            self._room[worker] = reply.room
 
     def _check_worker(self, worker: str) -> str:
         if worker not in self._handles or worker in self._dead:
@@ -533,7 +539,8 @@ class Router:
         for s in self._sessions.values():
             if s.owner in owned:
                 owned[s.owner] += 1
-        return min(live, key=lambda n: (self._reported.get(n, 0), owned[n], live.index(n)))
+        roomy = [name for name in live if self._room.get(name, True)] or live
+        return min(roomy, key=lambda n: (self._reported.get(n, 0), owned[n], live.index(n)))
 
     def _abort(
         self,

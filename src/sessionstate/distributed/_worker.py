@@ -41,11 +41,16 @@ class SessionPipeline(Protocol):
 
 @attrs.frozen
 class StepReply:
-    """What a worker returns for one step: the output and its own resident bytes after it."""
+    """What a worker returns for one step: the output, its resident bytes and room after it.
+
+    ``room`` says whether the worker can take one more session: below its session cap and
+    below the budget (``max_bytes``) on every budgeted device.
+    """
 
     output: Any
     worker: str
     resident_nbytes: int
+    room: bool = True
 
 
 @attrs.frozen
@@ -63,7 +68,12 @@ class WorkerStats:
     """A worker's resident sessions and bytes, and how many calls it served.
 
     ``not_held`` counts continuation calls for a session the worker did not hold (each one
-    raised `SessionStateLostError`); a router with strict affinity never causes one.
+    raised `SessionStateLostError`); a router with strict affinity never causes one. The byte
+    figures come from the worker manager's ledger, the one its budget checks:
+    ``total_nbytes`` and ``nbytes_by_device`` are resident bytes (engine bytes included, each
+    block once), ``engine_nbytes`` the engine's share of them, ``parked_nbytes`` what its park
+    tiers hold. ``room`` says whether it can take one more session (below ``max_sessions``
+    and below ``max_bytes`` on every budgeted device).
     """
 
     worker: str
@@ -71,6 +81,13 @@ class WorkerStats:
     total_nbytes: int
     steps: int
     not_held: int
+    nbytes_by_device: dict[str, int] = attrs.field(factory=dict)
+    parked_nbytes: int = 0
+    engine_nbytes: int = 0
+    sessions: int = 0
+    max_sessions: int = 0
+    max_bytes: dict[str, int] | None = None
+    room: bool = True
 
 
 @attrs.frozen
@@ -192,7 +209,8 @@ class SessionWorker:
         if begin and session_id in self.manager:
             self._epochs[session_id] = epoch
         self._steps += 1
-        return StepReply(output, self.name, self.manager.stats()["total_nbytes"])
+        stats = self.manager.stats()
+        return StepReply(output, self.name, stats["total_nbytes"], self._room(stats))
 
     def step_and_snapshot(
         self, session_id: str, inputs: Any, *, epoch: int, create: bool
@@ -308,12 +326,26 @@ class SessionWorker:
         by_session = {
             sid: sum(nbytes.values()) for sid, nbytes in self.manager.nbytes_by_session().items()
         }
+        stats = self.manager.stats()
         return WorkerStats(
             self.name,
             by_session,
-            self.manager.stats()["total_nbytes"],
+            stats["total_nbytes"],
             self._steps,
             self._not_held,
+            nbytes_by_device=_per_device(stats, "nbytes:"),
+            parked_nbytes=sum(_per_device(stats, "nbytes_parked:").values()),
+            engine_nbytes=sum(_per_device(stats, "engine_nbytes:").values()),
+            sessions=stats["sessions"],
+            max_sessions=stats["max_sessions"],
+            max_bytes=self.manager.max_bytes,
+            room=self._room(stats),
+        )
+
+    def _room(self, stats: dict[str, int]) -> bool:
+        budget = self.manager.max_bytes or {}
+        return stats["sessions"] < stats["max_sessions"] and all(
+            stats.get(f"nbytes:{device}", 0) < limit for device, limit in budget.items()
         )
 
     def _held(self, session_id: Hashable) -> int | None:
@@ -345,3 +377,7 @@ class SessionWorker:
             "knows each session's owner and current epoch."
         )
         raise StaleEpochError(msg, session_id=session_id, worker=self.name, sent=epoch, held=held)
+
+
+def _per_device(stats: dict[str, int], prefix: str) -> dict[str, int]:
+    return {key[len(prefix) :]: value for key, value in stats.items() if key.startswith(prefix)}
