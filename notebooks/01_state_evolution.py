@@ -147,18 +147,29 @@ show(fig, "state_evolution.png")
 
 # %%
 names = [n for n in BUCKETS if any(row["managed"][n] or row["bespoke"][n] for row in log)]
-fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.5), sharey=True)
+# Ten lines on a log axis: each value gets a colour, a line style and a marker of its own.
+MARKERS, LINES = "os^vDPX*h<>", ("-", "--", "-.", ":")
+fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 4.8), sharey=True, layout="constrained")
 for ax, path in zip(axes, ("managed", "bespoke"), strict=True):
     mark_resets(ax)
     for i, name in enumerate(names):
         # Zero bytes (an empty value) break the line rather than drop off the log axis.
         y = [row[path][name] or float("nan") for row in log]
-        ax.plot(steps, y, f"C{i}", label=name, lw=1)
+        ls, marker = LINES[i % len(LINES)], MARKERS[i % len(MARKERS)]
+        ax.plot(
+            steps,
+            y,
+            f"C{i % 10}",
+            ls=ls,
+            marker=marker,
+            ms=4,
+            markevery=(i % 6, 6),
+            lw=1,
+            label=name,
+        )
     ax.set(title=path, xlabel="step", yscale="log")
 axes[0].set_ylabel("bytes")
-fig.legend(
-    *axes[0].get_legend_handles_labels(), loc="lower center", ncols=3, bbox_to_anchor=(0.5, -0.22)
-)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3)
 show(fig)
 
 # %%

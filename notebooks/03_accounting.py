@@ -171,7 +171,7 @@ for path in predicted:
 predicted["bespoke"]["vae_encoder_out"] = per_encoded_frame * encoded_frames(N)
 
 print(f"{'value':26} {'predicted 400':>14} {'committed 400':>14}   (managed / bespoke)")
-for name in committed["values"]:  # the committed table predates `kv_cache`
+for name in committed["values"]:
     row = committed["values"][name]
     for path in ("managed", "bespoke"):
         print(
@@ -183,6 +183,9 @@ for name in committed["values"]:  # the committed table predates `kv_cache`
 s: npt.NDArray[np.int64] = np.arange(1, N + 1)
 fig, ax = plt.subplots(figsize=(WIDTH, 4))
 feat_mib = held["managed"]["vae_enc_feat_map"] / MiB
+# The denoiser's KV holds a window of latent frames, full long before step 12 (it equals the
+# 400-step figure): engine-owned, the largest value of a session by a factor of ten.
+ax.axhline(held["managed"]["kv_cache"] / MiB, color="C4", label="kv_cache (engine, window full)")
 ax.plot(s, np.full(N, feat_mib), label="vae_enc_feat_map (object)")
 ax.plot(s, latent_frames(s) * per_video_frame / MiB, label="video_latents_across_time")
 ax.plot(s, encoded_frames(s) * per_encoded_frame / MiB, label="vae_encoder_out, bespoke")
@@ -191,7 +194,7 @@ ax.plot(
     np.minimum(encoded_frames(s), 2) * per_encoded_frame / MiB,
     label="vae_encoder_out, managed ring",
 )
-for name in ("vae_enc_feat_map", "video_latents_across_time", "vae_encoder_out"):
+for name in ("kv_cache", "vae_enc_feat_map", "video_latents_across_time", "vae_encoder_out"):
     for path, marker in (("managed", "o"), ("bespoke", "s")):
         nbytes = committed["values"][name][path + "_nbytes"]
         ax.plot(N, nbytes / MiB, marker, color="k", ms=3)
@@ -224,6 +227,7 @@ assert sum(t is not None for t in feat_map) == 24
 assert held["managed"]["vae_encoder_out"] / MiB == 0.4296875  # the ring: 2 frames
 assert per_encoded_frame / MiB == 0.21484375  # the bespoke history, per latent frame
 assert round(64 * held["managed"]["vae_enc_feat_map"] / GiB, 1) == 37.7
+assert held["managed"]["kv_cache"] == held["bespoke"]["kv_cache"] == 6488064000  # 6.04 GiB
 # ... and the committed table the docs render: steady values equal, growing ones on rate.
 for name in committed["values"]:
     for path in ("managed", "bespoke"):
