@@ -82,3 +82,109 @@ def test_empty_env_reads_as_unset(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="sessionstate"):
         assert resolve_session_state_config(config, {ENV_MAX_BYTES: " "}).max_bytes == 100
     assert caplog.text == ""
+
+
+# -- budgets that name no device tensors report, or refuse every session (issue 20, item 11) ----
+
+_DEVICE_RULE = (
+    "name each budgeted device as tensors report it: a CUDA device with its index ('cuda:0'), "
+    "or 'cpu'"
+)
+
+
+def _zero(raw: object) -> str:
+    return (
+        f"{raw!r} reads as 0 bytes, a budget that refuses every session; give a positive budget "
+        "such as '24GiB', or none for no budget"
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ("foo=1GiB", f"'foo' is not a device name tensors report; {_DEVICE_RULE}"),
+        ("cuda=1GiB", f"'cuda' is not a device name tensors report; {_DEVICE_RULE}"),
+        ("CPU=1KiB", f"'CPU' is not a device name tensors report; {_DEVICE_RULE}"),
+        ("cpu:0=1KiB", f"'cpu:0' is not a device name tensors report; {_DEVICE_RULE}"),
+        ("0", _zero("0")),
+        ("0.5", _zero("0.5")),
+        ("cpu=1GiB,cuda:0=0", _zero("0")),
+        ("cpu=1GiB,cpu=2", "device 'cpu' is named twice; name each device once"),
+    ],
+)
+def test_env_budget_naming_no_device_or_refusing_everything_warns_and_keeps_the_config(
+    raw: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = OmniDiffusionConfig(session_state_max_bytes=100)
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        settings = resolve_session_state_config(config, {ENV_MAX_BYTES: raw})
+    assert settings.max_bytes == 100
+    messages = [r.getMessage() for r in caplog.records if r.name == "sessionstate"]
+    assert messages == [
+        f"Ignoring {ENV_MAX_BYTES}={raw!r}: {reason}; using the config value "
+        "session_state_max_bytes=100."
+    ]
+
+
+def test_an_env_budget_on_a_bad_device_never_reaches_a_pipeline() -> None:
+    from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+
+    environ = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1", ENV_MAX_BYTES: "foo=1GiB"}
+    pipe = DreamZeroPipeline(DreamZeroConfig.preset("tiny"), environ=environ)
+    assert pipe.manager is not None
+    assert pipe.manager.max_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("value", "msg"),
+    [
+        (0, f"`session_state_max_bytes` must be at least 1 byte: {_zero(0)}."),
+        ("0.5", f"`session_state_max_bytes` must be at least 1 byte: {_zero('0.5')}."),
+        (
+            {"cpu": "0"},
+            f"`session_state_max_bytes['cpu']` must be at least 1 byte: {_zero('0')}.",
+        ),
+        (
+            {"foo": "1GiB"},
+            "`session_state_max_bytes` key 'foo' (str) is not a device name tensors report; "
+            f"{_DEVICE_RULE}.",
+        ),
+        (
+            {"cuda": 5},
+            "`session_state_max_bytes` key 'cuda' (str) is not a device name tensors report; "
+            f"{_DEVICE_RULE}.",
+        ),
+    ],
+)
+def test_python_and_yaml_refuse_the_budgets_the_environment_ignores(
+    value: object, msg: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OmniDiffusionConfig(session_state_max_bytes=value)
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OmniDiffusionConfig.from_dict({"session_state_max_bytes": value})
+
+
+def test_yaml_refusal_names_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "deploy.yaml"
+    path.write_text("session_state_max_bytes: 0\n")
+    msg = (
+        f"Deploy config {str(path)!r}: `session_state_max_bytes` must be at least 1 byte: "
+        "0 reads as 0 bytes, a budget that refuses every session; give a positive budget "
+        "such as '24GiB', or none for no budget."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OmniDiffusionConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("text", ["24GiB", "24 GiB", "25769803776"])
+def test_one_budget_text_reads_alike_in_python_yaml_and_the_environment(
+    text: str,
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(f"session_state_max_bytes: {text}\n")
+    from_yaml = OmniDiffusionConfig.from_yaml(path).session_state_max_bytes
+    from_python = OmniDiffusionConfig(session_state_max_bytes=text).session_state_max_bytes
+    from_env = resolve_session_state_config(None, {ENV_MAX_BYTES: text}).max_bytes
+    assert from_yaml == from_python == from_env == 24 * GIB

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import attrs
+import torch
 import yaml
 
 from sessionstate._env import (
@@ -37,6 +38,14 @@ __all__ = [
 ]
 
 _ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
+
+_UNINDEXED = ("cpu", "meta")
+"""Device types tensors report without an index; every other type has one (``cuda:0``)."""
+
+_DEVICE_RULE = (
+    "name each budgeted device as tensors report it: a CUDA device with its index "
+    "('cuda:0'), or 'cpu'"
+)
 
 MaxBytes = int | Mapping[str, int]
 """A byte budget: one count (for the model's device) or a count per device string."""
@@ -91,17 +100,48 @@ def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(msg)
 
 
+def _is_budget_device(device: object) -> bool:
+    """Whether ``device`` names a device the way its tensors report it (so a budget applies)."""
+    if not isinstance(device, str):
+        return False
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    indexed = parsed.index is not None
+    return str(parsed) == device and indexed != (parsed.type in _UNINDEXED)
+
+
+def _zero_problem(raw: object) -> str:
+    return (
+        f"{raw!r} reads as 0 bytes, a budget that refuses every session; give a positive "
+        "budget such as '24GiB', or none for no budget"
+    )
+
+
 def _to_max_bytes(value: Any) -> MaxBytes | None:
     if value is None:
         return None
-    if isinstance(value, Mapping):
-        return MappingProxyType(
-            {
-                str(device): parse_nbytes(n, name=f"session_state_max_bytes[{device!r}]")
-                for device, n in value.items()
-            }
-        )
-    return parse_nbytes(value, name="session_state_max_bytes")
+    if not isinstance(value, Mapping):
+        return _positive_budget(value, "session_state_max_bytes")
+    out: dict[str, int] = {}
+    for device, n in value.items():
+        if not isinstance(device, str) or not _is_budget_device(device):
+            msg = (
+                f"`session_state_max_bytes` key {device!r} ({type(device).__name__}) is not a "
+                f"device name tensors report; {_DEVICE_RULE}."
+            )
+            raise ValueError(msg)
+        out[device] = _positive_budget(n, f"session_state_max_bytes[{device!r}]")
+    return MappingProxyType(out)
+
+
+def _positive_budget(value: object, name: str) -> int:
+    n = parse_nbytes(value, name=name)
+    if n == 0:
+        msg = f"`{name}` must be at least 1 byte: {_zero_problem(value)}."
+        raise ValueError(msg)
+    return n
 
 
 def _to_tier(value: Any) -> Tier:
@@ -119,23 +159,47 @@ def parse_max_bytes(text: str, /) -> MaxBytes | None:
     """Parse a budget written as text; None when it is not one.
 
     One byte count (``"24GiB"``) applies to the model's device; ``device=count`` pairs
-    separated by commas (``"cuda:0=24GiB,cpu=8GiB"``) name devices.
+    separated by commas (``"cuda:0=24GiB,cpu=8GiB"``) name devices, each once, as tensors
+    report them. A budget of 0 bytes (``"0"``, ``"0.5"``) is not one: it would refuse every
+    session.
 
     >>> parse_max_bytes("24GiB"), parse_max_bytes("cuda:0=1KiB, cpu=2"), parse_max_bytes("lots")
     (25769803776, {'cuda:0': 1024, 'cpu': 2}, None)
+    >>> parse_max_bytes("foo=1GiB"), parse_max_bytes("0.5"), parse_max_bytes("cpu=1,cpu=2")
+    (None, None, None)
     """
+    parsed = _parse_budget_text(text)
+    return None if isinstance(parsed, str) else parsed
+
+
+_UNPARSABLE = (
+    "expected a byte count such as 24GiB, or device=count pairs such as cuda:0=24GiB,cpu=8GiB"
+)
+
+
+def _parse_budget_text(text: str) -> MaxBytes | str:
+    """The budget ``text`` writes, or why it is not one (for the warning)."""
     try:
         if "=" not in text:
-            return parse_nbytes(text)
+            n = parse_nbytes(text)
+            return _zero_problem(text.strip()) if n == 0 else n
         out: dict[str, int] = {}
         for part in text.split(","):
             device, _, count = part.partition("=")
-            if not device.strip():
-                return None
-            out[device.strip()] = parse_nbytes(count)
+            device = device.strip()
+            if not device:
+                return _UNPARSABLE
+            n = parse_nbytes(count)
+            if not _is_budget_device(device):
+                return f"{device!r} is not a device name tensors report; {_DEVICE_RULE}"
+            if device in out:
+                return f"device {device!r} is named twice; name each device once"
+            if n == 0:
+                return _zero_problem(count.strip())
+            out[device] = n
         return out
     except ValueError:
-        return None
+        return _UNPARSABLE
 
 
 def _check_on_full(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -421,14 +485,13 @@ def resolve_session_state_config(
     max_bytes = config.session_state_max_bytes if config is not None else None
     raw_bytes = env.get(ENV_MAX_BYTES)
     if raw_bytes is not None and raw_bytes.strip():
-        parsed_bytes = parse_max_bytes(raw_bytes)
-        if parsed_bytes is None:
+        parsed_bytes = _parse_budget_text(raw_bytes)
+        if isinstance(parsed_bytes, str):
             logger.warning(
-                "Ignoring %s=%r: expected a byte count such as 24GiB, or device=count pairs "
-                "such as cuda:0=24GiB,cpu=8GiB; using the config value "
-                "session_state_max_bytes=%r.",
+                "Ignoring %s=%r: %s; using the config value session_state_max_bytes=%r.",
                 ENV_MAX_BYTES,
                 raw_bytes,
+                parsed_bytes,
                 max_bytes,
             )
         else:
