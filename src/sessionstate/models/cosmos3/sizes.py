@@ -11,20 +11,25 @@ from sessionstate.models.cosmos3.episode import scripted_episode
 from sessionstate.models.cosmos3.pipeline import Cosmos3Pipeline
 from sessionstate.models.cosmos3.state import BUCKETS
 
-__all__ = ["PER_INSTANCE", "size_table"]
+__all__ = ["PER_INSTANCE", "REPLAYED", "size_table"]
 
 PER_INSTANCE = ("text_kv", "rope_freqs")
 """Values the bespoke path keeps once per transformer instance, not once per session."""
 
+REPLAYED = ("guided_velocity", "transformer.forward")
+"""The `Cosmos3Networks` methods a size table replays from their first call's layout."""
 
-def size_table(preset: str, steps: int) -> dict[str, Any]:
+
+def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]:
     """Per-value bytes of one session on both paths after ``steps`` steps, on the meta device.
 
     Each step runs one denoising step instead of the preset's: no value's size depends on
     their number, and on the meta device every step costs the same Python work as a real one.
     The bespoke path keeps `PER_INSTANCE` values on the transformer, one copy for every
     session (which is why interleaved sessions clobber it), so its 64-session figure counts
-    them once; the managed path keeps them per session.
+    them once; the managed path keeps them per session. The `REPLAYED` network calls run
+    once per distinct argument layout and are replayed after (see `replay_on_meta`), which
+    changes no byte; ``full=True`` runs every call.
 
     >>> table = size_table("tiny", 2)
     >>> table["values"]["text_kv"]["bucket"], table["text_kv_layers"]
@@ -36,6 +41,8 @@ def size_table(preset: str, steps: int) -> dict[str, Any]:
         lambda: scripted_episode(
             cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
         ),
+        steps=steps,
+        replay=() if full else REPLAYED,
     )
     shared = sum(held["bespoke"][k] for k in PER_INSTANCE)
     kv_pair = 2 * cfg.num_kv_heads * cfg.text_len * cfg.head_dim * cfg.torch_dtype.itemsize
