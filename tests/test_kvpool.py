@@ -241,3 +241,62 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+# -- refused arguments: a negative window, a dtype conversion (issue 20, item 20) ---------------
+
+
+@pytest.mark.parametrize("window", [-1, -3])
+def test_a_negative_window_is_refused_and_the_pool_is_unchanged(window: int) -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=())
+    first = pool.append(pool.empty(), torch.arange(3.0))
+    msg = (
+        f"`window` must be a non-negative int (the newest tokens to keep), got {window}; pass "
+        "None to keep every token."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        pool.append(first, torch.arange(2.0), window=window)
+    assert pool.free_blocks == 2
+    assert torch.equal(first.read(), torch.arange(3.0))
+
+
+@pytest.mark.parametrize("window", [1.5, True, "2"])
+def test_a_window_that_is_not_an_int_is_refused(window: object) -> None:
+    pool = KVPool(2, block_tokens=2, token_shape=())
+    msg = (
+        f"`window` must be an int (the newest tokens to keep) or None, got {window!r} "
+        f"({type(window).__name__})."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        pool.append(pool.empty(), torch.arange(2.0), window=window)  # type: ignore[arg-type]
+    assert pool.free_blocks == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int64])
+def test_append_never_converts_a_dtype(dtype: torch.dtype) -> None:
+    pool = KVPool(2, block_tokens=2, token_shape=())
+    name = str(dtype).removeprefix("torch.")
+    msg = (
+        f"KV pool 'kv_pool' stores float32 tokens, got a `kv` of dtype {name}; the pool never "
+        f"converts dtypes. Cast it first (`kv.to(torch.float32)`), or build the pool with "
+        f"`dtype={dtype}`."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        pool.append(pool.empty(), torch.ones(2, dtype=dtype))
+    assert pool.free_blocks == 2
+
+
+def test_adopt_never_converts_a_dtype() -> None:
+    wide = KVPool(2, block_tokens=2, token_shape=(), dtype=torch.float64, name="wide")
+    narrow = KVPool(2, block_tokens=2, token_shape=(), name="narrow")
+    handle = wide.append(wide.empty(), torch.tensor([0.1, 0.2], dtype=torch.float64))
+    msg = (
+        "Cannot adopt a handle of KV pool 'wide' (float64 tokens) into KV pool 'narrow' "
+        "(float32 tokens): the pool never converts dtypes. Continue the record on a pool of its "
+        "dtype."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        narrow.adopt(handle)
+    assert narrow.free_blocks == 2
+    same = KVPool(2, block_tokens=2, token_shape=(), dtype=torch.float64)
+    assert torch.equal(same.adopt(handle).read(), handle.read())

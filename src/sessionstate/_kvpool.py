@@ -163,6 +163,27 @@ class KVHandle:
         return restore_handles(payload, KVPool)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_window(window: object) -> None:
+    if window is None:
+        return
+    if not is_int(window):
+        msg = (
+            f"`window` must be an int (the newest tokens to keep) or None, got {window!r} "
+            f"({type(window).__name__})."
+        )
+        raise TypeError(msg)
+    if window < 0:
+        msg = (
+            f"`window` must be a non-negative int (the newest tokens to keep), got {window!r}; "
+            "pass None to keep every token."
+        )
+        raise ValueError(msg)
+
+
 class KVPool:
     """A preallocated tensor of ``num_blocks`` KV blocks on one device, with a free list.
 
@@ -267,7 +288,10 @@ class KVPool:
 
         Raises:
             KVPoolExhaustedError: if the pool has no free block for the new tokens.
-            ValueError: for a handle of another pool or ``kv`` of the wrong shape.
+            ValueError: for a handle of another pool, ``kv`` of the wrong shape, or a
+                negative ``window``.
+            TypeError: for ``kv`` of another dtype than the pool's (never converted), or a
+                ``window`` that is not an int.
             StaleKVHandleError: for a handle whose step was rolled back.
 
         >>> import torch
@@ -283,6 +307,15 @@ class KVPool:
                 f"of shape {tuple(kv.shape)}; pass a tensor of shape (n, *{self.token_shape})."
             )
             raise ValueError(msg)
+        if kv.dtype != self.storage.dtype:
+            msg = (
+                f"KV pool {self.name!r} stores {_dtype_name(self.storage.dtype)} tokens, got a "
+                f"`kv` of dtype {_dtype_name(kv.dtype)}; the pool never converts dtypes. Cast "
+                f"it first (`kv.to({self.storage.dtype})`), or build the pool with "
+                f"`dtype={kv.dtype}`."
+            )
+            raise TypeError(msg)
+        _check_window(window)
         n, bt = int(kv.shape[0]), self.block_tokens
         with self._lock:
             blocks = list(handle.blocks)
@@ -323,6 +356,9 @@ class KVPool:
 
         A record made by another pipeline (another pool) continues here with the same KV.
 
+        Raises:
+            TypeError: for a handle of a pool of another dtype (never converted).
+
         >>> import torch
         >>> a = KVPool(2, block_tokens=2, token_shape=())
         >>> b = KVPool(2, block_tokens=2, token_shape=())
@@ -335,6 +371,15 @@ class KVPool:
             return handle
         if not isinstance(handle, KVHandle):
             self._check(handle, "adopt")
+        source = handle.pool.storage.dtype
+        if source != self.storage.dtype:
+            msg = (
+                f"Cannot adopt a handle of KV pool {handle.pool.name!r} "
+                f"({_dtype_name(source)} tokens) into KV pool {self.name!r} "
+                f"({_dtype_name(self.storage.dtype)} tokens): the pool never converts dtypes. "
+                "Continue the record on a pool of its dtype."
+            )
+            raise TypeError(msg)
         return self.append(self.empty(), handle.read())
 
     def read(self, handle: KVHandle, /) -> torch.Tensor:
