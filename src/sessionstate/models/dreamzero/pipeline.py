@@ -229,6 +229,7 @@ class DreamZeroPipeline:
         >>> pipe.video_latents(sid) is None, pipe.session_values(sid)["call_count"]
         (True, 2)
         """
+        check_session_id(session_id)
         self._path.clear_accumulated_video_latents(session_id)
 
     def decode_video(self, session_id: Hashable) -> torch.Tensor | None:
