@@ -27,6 +27,7 @@ from sessionstate import (
     OmniDiffusionConfig,
     SessionAdmissionError,
     SessionStateLostError,
+    tree_equal,
 )
 from sessionstate.models._registry import ModelSpec, get_model
 from support import torch_threads
@@ -354,3 +355,39 @@ def test_every_manager_setting_reaches_the_manager(model: Model, tmp_path: Path)
     assert manager.on_full == "refuse"
     assert manager.max_bytes == {"cpu": 2**20}
     assert manager.park_tier == "disk"
+
+
+# -- reading a parked session while another caller gets it ----------------------------------------
+
+
+@pytest.mark.parametrize("reader", ["session_values", "video_latents"])
+def test_a_read_of_a_parked_session_survives_a_concurrent_get(
+    model: Model, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = _per_session_nbytes(model, 3, 2) * 3 // 2
+    pipes = _pair(model, session_state_max_bytes=budget, session_state_park_tier="host")
+    _run_interleaved(model, pipes, 3, 2)
+    bespoke, managed = pipes
+    manager = managed.manager
+    parked = [sid for sid in managed.session_ids() if manager.peek(sid).parked]
+    assert parked, "the budget parked no session"
+    sid = parked[0]
+    real_peek = manager.peek
+    raced: list[object] = []
+
+    def peek_then_another_callers_get(session_id: object) -> object:
+        state = real_peek(session_id)
+        if not raced:  # another thread's `get` lands between the peek and the read
+            raced.append(manager.get(session_id))
+        return state
+
+    monkeypatch.setattr(manager, "peek", peek_then_another_callers_get)
+    got = getattr(managed, reader)(sid)
+    monkeypatch.undo()
+    assert raced
+    assert raced[0] is not None
+    assert not manager.peek(sid).parked  # the concurrent get unparked the stored record
+    if reader == "video_latents":
+        assert torch.equal(got, bespoke.video_latents(sid))
+    else:
+        assert tree_equal(got, managed.session_values(sid))
