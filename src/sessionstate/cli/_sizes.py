@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sessionstate.cli._common import fmt_bytes, positive_int
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
+__all__ = ["add_parsers", "progress_columns", "size_table", "step_bar"]
 
-def size_table(preset: str, steps: int, *, model: str = DEFAULT_MODEL) -> dict[str, Any]:
+
+def size_table(
+    preset: str, steps: int, *, model: str = DEFAULT_MODEL, full: bool = False
+) -> dict[str, Any]:
     """Per-value bytes of one session of ``model`` on both paths after ``steps`` steps (meta).
+
+    ``full=True`` runs every network call instead of replaying their layouts; the table is
+    the same.
 
     >>> table = size_table("tiny", 2)
     >>> table["values"]["vae_encoder_out"]["bucket"]
@@ -19,20 +28,65 @@ def size_table(preset: str, steps: int, *, model: str = DEFAULT_MODEL) -> dict[s
     >>> size_table("tiny", 2, model="cosmos3")["values"]["text_kv"]["bucket"]
     'object'
     """
-    return get_model(model).size_table(preset, steps)
+    from sessionstate.models._sizes import size_run
+
+    with size_run(full=True) if full else contextlib.nullcontext():
+        return get_model(model).size_table(preset, steps)
 
 
-def _sized(preset: str, steps: int, model: str, title: str) -> dict[str, Any]:
-    """`size_table` under a spinner with the elapsed time on stderr (it runs minutes)."""
+def progress_columns() -> tuple[Any, ...]:
+    """The columns of a long command's progress bar: what runs, the bar, steps done of all,
+    the time spent and the time left.
+
+    >>> [type(c).__name__ for c in progress_columns()]  # doctest: +NORMALIZE_WHITESPACE
+    ['SpinnerColumn', 'TextColumn', 'BarColumn', 'MofNCompleteColumn', 'TimeElapsedColumn',
+     'TimeRemainingColumn']
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+
+
+@contextlib.contextmanager
+def step_bar(description: str, total: int) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr, gone when the block ends; yields ``update(done, total)``.
+
+    ``update`` sets the steps done and the steps in all (the total may be revised), so it
+    is a `StepReport` and fits `size_run` ``(report=...)`` as it is.
+
+    >>> with step_bar("two steps", 2) as update:
+    ...     update(1, 2)
+    ...     update(2, 2)
+    """
     from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        progress.add_task(
-            f"one {title} session, preset {preset}: {steps} steps on each path (meta)", total=None
-        )
-        return size_table(preset, steps, model=model)
+    with Progress(*progress_columns(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _sized(preset: str, steps: int, model: str, title: str, *, full: bool) -> dict[str, Any]:
+    """`size_table` under a progress bar on stderr (steps of both paths, time left)."""
+    from sessionstate.models._sizes import size_run
+
+    what = f"one {title} session, preset {preset}, on each path (meta)"
+    with step_bar(what, 2 * steps) as update, size_run(report=update, full=full):
+        return get_model(model).size_table(preset, steps)
 
 
 def _cmd_sizes(args: argparse.Namespace) -> int:
@@ -40,10 +94,10 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
 
     spec = get_model(args.model)
     steps = spec.size_steps if args.steps is None else args.steps
+    table = _sized(args.preset, steps, spec.name, spec.title, full=args.full)
     if args.json:
-        print(json.dumps(size_table(args.preset, steps, model=spec.name), indent=2))
+        print(json.dumps(table, indent=2))
         return 0
-    table = _sized(args.preset, steps, spec.name, spec.title)
     from rich.console import Console
     from rich.table import Table
 
@@ -81,8 +135,9 @@ def add_parsers(sub: Any) -> None:
         "sizes",
         help="bytes each DreamZero session value holds, per path (meta device)",
         description="Run one session on the meta device (nothing is allocated) and print the "
-        "bytes each value holds on the managed and the bespoke path. The deploy preset runs "
-        "minutes; a spinner on stderr shows it is still working.",
+        "bytes each value holds on the managed and the bespoke path. Each network call runs "
+        "once per distinct argument layout and is replayed after, which changes no byte "
+        "(`--full` runs them all); a progress bar on stderr counts the steps.",
     )
     sizes.add_argument(
         "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
@@ -99,4 +154,10 @@ def add_parsers(sub: Any) -> None:
         + ")",
     )
     sizes.add_argument("--json", action="store_true", help="print one JSON object")
+    sizes.add_argument(
+        "--full",
+        action="store_true",
+        help="run every network call instead of replaying layouts: the same table, as a "
+        "check (the deploy preset then takes minutes)",
+    )
     sizes.set_defaults(func=_cmd_sizes)

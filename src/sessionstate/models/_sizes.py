@@ -1,13 +1,18 @@
 """What the models' size tables share: one session run on both paths, counted per value.
 
-A size table runs on the ``meta`` device, where no arithmetic happens but every torch call
-still costs its Python shape logic: a DreamZero deploy step is about a second of it, almost
-all inside the stand-in denoiser and the Wan encoder. On meta a pure network function's
-result is a function of its arguments' layouts alone, so `replay_on_meta` runs each distinct
-call once and hands later calls a fresh result of the recorded layout: the same shapes,
-strides, dtypes and storage sizes, sharing storage with the arguments exactly where the real
-call's result did. The table counts bytes by storage, so it cannot tell the two apart;
-``tests/test_sizes_replay.py`` checks every value's layout against the full run, step by step.
+A size table runs on ``meta``, where no arithmetic happens but every torch call still costs
+its Python shape logic: a DreamZero deploy step was about a second of it, nearly all in the
+stand-in denoiser and the Wan encoder. On meta a pure function's result layout is decided by
+its arguments' layouts, so `replay_on_meta` runs each distinct call once and hands later
+calls a fresh result of the recorded layout: the same shapes, strides, dtypes and storage
+sizes, sharing storage with the arguments exactly where the real result did.
+
+Two calls are alike when their tensor arguments have the same dtypes, shapes, strides and
+storage sharing (and host tensors and other arguments the same values). Where a view starts
+in its storage, and that storage's size, count too unless the result views no argument: no
+meta kernel reads either. The tables count bytes by storage, so they cannot tell a replayed
+result from a computed one; ``tests/test_sizes_replay.py`` checks every value's layout
+against the full run, step by step, on both paths of both models.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ __all__ = [
     "StepReport",
     "measure_both_paths",
     "replay_on_meta",
-    "reporting_steps",
+    "size_run",
     "values_table",
 ]
 
@@ -39,30 +44,40 @@ PipelineFactory = Callable[[Mapping[str, str]], Any]
 StepReport = Callable[[int, int], None]
 """Told ``(steps done, steps in all)`` after every step a size table runs, both paths counted."""
 
-_REPORT: contextvars.ContextVar[StepReport | None] = contextvars.ContextVar(
-    "sessionstate_size_steps", default=None
+
+@attrs.frozen
+class _SizeRun:
+    report: StepReport | None = None
+    full: bool = False
+
+
+_RUN: contextvars.ContextVar[_SizeRun] = contextvars.ContextVar(
+    "sessionstate_size_run",
+    default=_SizeRun(),  # noqa: B039 - frozen: the default is never changed, only replaced
 )
 
 
 @contextlib.contextmanager
-def reporting_steps(report: StepReport, /) -> Iterator[None]:
-    """Within the block, every `measure_both_paths` tells ``report`` its progress.
+def size_run(*, report: StepReport | None = None, full: bool = False) -> Iterator[None]:
+    """Within the block, every size table tells ``report`` its progress; ``full`` runs all.
 
-    The size tables are reached through the model registry, whose ``size_table(preset,
-    steps)`` has no room for a callback; the command line's progress bar listens here.
+    ``full=True`` runs every network call of the scripted episode instead of replaying
+    their layouts (the table is the same; at deploy it takes minutes). The size tables are
+    reached through the model registry, whose ``size_table(preset, steps)`` has no room for
+    either; the command line sets them here.
 
     >>> seen = []
-    >>> with reporting_steps(lambda done, total: seen.append((done, total))):
+    >>> with size_run(report=lambda done, total: seen.append((done, total))):
     ...     from sessionstate.models.dreamzero.sizes import size_table
     ...     _ = size_table("tiny", 2)
     >>> seen
     [(1, 4), (2, 4), (3, 4), (4, 4)]
     """
-    token = _REPORT.set(report)
+    token = _RUN.set(_SizeRun(report, full))
     try:
         yield
     finally:
-        _REPORT.reset(token)
+        _RUN.reset(token)
 
 
 # -- replay of pure calls on meta ------------------------------------------------------------
@@ -297,15 +312,20 @@ def measure_both_paths(
     *,
     steps: int,
     replay: Sequence[str] = (),
+    meta_episode: Callable[[], Iterable[tuple[str, Any]]] | None = None,
+    full: bool = False,
 ) -> tuple[dict[str, dict[str, int]], dict[str, int], dict[str, dict[str, Any]]]:
     """Run ``episode`` on the bespoke path, then on the managed one, and count session-0.
 
     Args:
         build: The pipeline of a path, from its environment.
         episode: The scripted episode: ``steps`` forward calls, each ``(session id, input)``.
-        steps: The episode's length, for the progress report (see `reporting_steps`).
+        steps: The episode's length, for the progress report (see `size_run`).
         replay: Methods of the pipeline's ``nets`` to run through `replay_on_meta`; the
-            two paths share their recordings. Empty runs every call in full.
+            two paths share their recordings.
+        meta_episode: The same steps with their inputs on meta where no value of them
+            reaches a byte count; run instead of ``episode`` when replaying.
+        full: Run ``episode`` with every call in full, as does `size_run` ``(full=True)``.
 
     Returns, per path (``"bespoke"``, ``"managed"``): the bytes of each value, the session's
     bytes with every storage counted once, and the values themselves.
@@ -321,21 +341,23 @@ def measure_both_paths(
     >>> sorted(totals), held["managed"]["call_count"]
     (['bespoke', 'managed'], 0)
     """
+    run = _RUN.get()
+    full = full or run.full
+    steps_of = episode if full or meta_episode is None else meta_episode
     held: dict[str, dict[str, int]] = {}
     totals: dict[str, int] = {}
     values_by_path: dict[str, dict[str, Any]] = {}
-    report = _REPORT.get()
     recorded: dict[str, dict[Hashable, Any]] = {}
     done = 0
     for flag, name in (("0", "bespoke"), ("1", "managed")):
         pipe = build({ENV_ENABLE: flag})
-        if replay:
+        if not full:
             replay_on_meta(pipe.nets, replay, recorded)
-        for sid, inputs in episode():
+        for sid, inputs in steps_of():
             pipe.forward(inputs, sid)
             done += 1
-            if report is not None:
-                report(done, 2 * steps)
+            if run.report is not None:
+                run.report(done, 2 * steps)
         values = pipe.session_values("session-0")
         held[name] = {k: sum(nbytes_by_device(v).values()) for k, v in values.items()}
         totals[name] = sum(nbytes_by_device(list(values.values())).values())

@@ -29,7 +29,7 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
     session (which is why interleaved sessions clobber it), so its 64-session figure counts
     them once; the managed path keeps them per session. The `REPLAYED` network calls run
     once per distinct argument layout and are replayed after (see `replay_on_meta`), which
-    changes no byte; ``full=True`` runs every call.
+    changes no byte; ``full=True`` (or `size_run` ``(full=True)``) runs every call.
 
     >>> table = size_table("tiny", 2)
     >>> table["values"]["text_kv"]["bucket"], table["text_kv_layers"]
@@ -42,7 +42,8 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
             cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
         ),
         steps=steps,
-        replay=() if full else REPLAYED,
+        replay=REPLAYED,
+        full=full,
     )
     shared = sum(held["bespoke"][k] for k in PER_INSTANCE)
     kv_pair = 2 * cfg.num_kv_heads * cfg.text_len * cfg.head_dim * cfg.torch_dtype.itemsize

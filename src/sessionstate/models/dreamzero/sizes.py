@@ -67,7 +67,8 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
 
     The `REPLAYED` network calls run once per distinct argument layout and are replayed after
     (see `replay_on_meta`), on the images of `meta_episode`; neither changes a byte.
-    ``full=True`` runs every call of the scripted episode, as a check (minutes at deploy).
+    ``full=True`` (or `size_run` ``(full=True)``) runs every call of the scripted episode,
+    as a check: minutes at deploy.
 
     >>> table = size_table("tiny", 2)
     >>> table["values"]["vae_encoder_out"]["bucket"]
@@ -76,17 +77,13 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
     cfg = DreamZeroConfig.preset(preset)
     held, session_totals, values = measure_both_paths(
         lambda env: DreamZeroPipeline(cfg, device="meta", host_device="meta", environ=env),
-        (
-            (
-                lambda: scripted_episode(
-                    cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
-                )
-            )
-            if full
-            else (lambda: meta_episode(cfg, steps))
+        lambda: scripted_episode(
+            cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
         ),
         steps=steps,
-        replay=() if full else REPLAYED,
+        replay=REPLAYED,
+        meta_episode=lambda: meta_episode(cfg, steps),
+        full=full,
     )
     feat = values["managed"]["vae_enc_feat_map"]
     feat_tensors = sum(t is not None for t in feat) if isinstance(feat, tuple) else 0
