@@ -24,7 +24,7 @@ from sessionstate import (
     nbytes_by_device,
     tree_equal,
 )
-from sessionstate._ledger import parse_nbytes
+from sessionstate._manager import parse_nbytes
 
 TIERS = ["host", "disk"]
 

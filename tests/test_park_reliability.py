@@ -26,6 +26,7 @@ from sessionstate import (
     LatentBuffer,
     ParkedError,
     ParkingError,
+    SessionAdmissionError,
     SessionState,
     SessionStateManager,
     TensorCache,
@@ -143,6 +144,60 @@ def test_a_failed_unpark_evicts_nobody_and_a_repaired_file_unparks(tmp_path: Pat
     assert got is not None
     assert tree_equal(got, a)
     assert m.stats()["evictions"] == 1  # room is made once the unpark has succeeded
+    _stats_match_recount(m)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_unpark_makes_room_before_its_bytes_come_back(
+    tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The budget holds two records; a third put parks `a`, and `get("a")` must park or evict
+    # another session before `a`'s bytes are allocated again, never after.
+    size = _size()
+    budget = 2 * size
+    m = SessionStateManager(max_bytes={"cpu": budget}, park_tier=tier, spool_dir=tmp_path)
+    a = _record(fill=1)
+    m.put("a", a)
+    for sid, fill in (("b", 2.0), ("c", 3.0)):
+        m.put(sid, SessionState(attrs={"x": torch.full((size // 4,), fill)}))
+    assert m.peek("a").parked == ("cache", "ring")  # type: ignore[union-attr]
+    held_at_restore: list[int] = []
+    restore = park_module.ParkedBytes.restore
+
+    def watched(self: park_module.ParkedBytes) -> Any:
+        held_at_restore.append(m.stats().get("nbytes:cpu", 0) + self.nbytes_by_device["cpu"])
+        return restore(self)
+
+    monkeypatch.setattr(park_module.ParkedBytes, "restore", watched)
+    got = m.get("a")
+    assert got is not None
+    assert tree_equal(got, a)
+    assert held_at_restore
+    assert all(held <= budget for held in held_at_restore)
+    assert m.stats()["evictions"] == 1
+    _stats_match_recount(m)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_refused_unpark_leaves_the_session_parked_and_restorable(
+    tier: str, tmp_path: Path
+) -> None:
+    size = _size()
+    m = SessionStateManager(
+        max_bytes={"cpu": 2 * size}, park_tier=tier, spool_dir=tmp_path, on_full="refuse"
+    )
+    a = _record(fill=1)
+    m.put("a", a)
+    for sid, fill in (("b", 2.0), ("c", 3.0)):
+        m.put(sid, SessionState(attrs={"x": torch.full((size // 4,), fill)}))
+    with pytest.raises(SessionAdmissionError, match=re.escape("Cannot make room for session 'a'")):
+        m.get("a")
+    assert m.peek("a").parked == ("cache", "ring")  # type: ignore[union-attr]
+    _stats_match_recount(m)
+    m.drop("c")
+    got = m.get("a")
+    assert got is not None
+    assert tree_equal(got, a)
     _stats_match_recount(m)
 
 

@@ -42,7 +42,7 @@ MUTANTS = (
     Mutant(
         "lock-removed",
         "the manager's lock is a no-op",
-        "sessionstate/_manager.py",
+        "sessionstate/_manager/_table.py",
         (
             (
                 "self._lock = threading.RLock()",
@@ -68,7 +68,7 @@ MUTANTS = (
     Mutant(
         "put-stores-before-validating",
         "put stores the record before checking it",
-        "sessionstate/_manager.py",
+        "sessionstate/_manager/_table.py",
         (
             (
                 "        _check_state(state, session_id)\n",
@@ -102,9 +102,9 @@ MUTANTS = (
         "sessionstate/_accounting.py",
         (
             (
-                "yield device, storage._cdata, storage.data_ptr(), storage.nbytes(), storage",
-                "yield device, storage._cdata, storage.data_ptr(), "
-                "t.numel() * t.element_size(), storage",
+                "entry = (storage._cdata, virtual_address(storage), storage.nbytes(), storage)",
+                "entry = (storage._cdata, virtual_address(storage), "
+                "t.numel() * t.element_size(), storage)",
             ),
         ),
         ("tests/test_manager_stateful.py", "tests/test_manager_threads.py"),
@@ -115,8 +115,8 @@ MUTANTS = (
         "sessionstate/_accounting.py",
         (
             (
-                "yield device, storage._cdata, storage.data_ptr(), storage.nbytes(), storage",
-                "yield device, storage.data_ptr(), storage.data_ptr(), storage.nbytes(), storage",
+                "entry = (storage._cdata, virtual_address(storage), storage.nbytes(), storage)",
+                "entry = (storage.data_ptr(), storage.data_ptr(), storage.nbytes(), storage)",
             ),
         ),
         ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
@@ -249,7 +249,7 @@ MUTANTS = (
     Mutant(
         "ledger-misses-earlier-overlap",
         "the ledger misses a stored address range that starts before a new one",
-        "sessionstate/_ledger.py",
+        "sessionstate/_manager/_ledger.py",
         (
             (
                 "lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest))",
@@ -261,13 +261,13 @@ MUTANTS = (
     Mutant(
         "budget-checks-first-device-only",
         "the planner checks only the first device named in max_bytes",
-        "sessionstate/_budget.py",
+        "sessionstate/_manager/_policy.py",
         (
             (
-                "            for device, budget in self._max_bytes.items()\n"
-                "            if self._ledger.total(device) + extra.get(device, 0) > budget",
-                "            for device, budget in list(self._max_bytes.items())[:1]\n"
-                "            if self._ledger.total(device) + extra.get(device, 0) > budget",
+                "            for device, budget in self.max_bytes.items()\n"
+                "            if ledger.total(device) + extra.get(device, 0) > budget",
+                "            for device, budget in list(self.max_bytes.items())[:1]\n"
+                "            if ledger.total(device) + extra.get(device, 0) > budget",
             ),
         ),
         ("tests/test_budget_devices.py",),
@@ -275,7 +275,7 @@ MUTANTS = (
     Mutant(
         "guard-floating-point-only",
         "the guard records only floating-point tensors",
-        "sessionstate/_guard.py",
+        "sessionstate/_manager/_guard.py",
         (
             (
                 "            if version is not None:\n"

@@ -21,8 +21,7 @@ from sessionstate._env import (
     ENV_ON_FULL,
 )
 from sessionstate._errors import MissingKeyError
-from sessionstate._ledger import parse_nbytes
-from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull
+from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull, parse_nbytes
 from sessionstate._park import Tier, check_tier
 
 __all__ = [

@@ -158,6 +158,31 @@ class ParkedBytes:
         Raises:
             RuntimeError: if the bytes were released by their owner.
         """
+        self._check_held()
+        return self._restore()
+
+    def prefetch(self) -> None:
+        """Read the bytes into host memory and check them, so `restore` only copies them back.
+
+        Allocates no device memory: a manager checks a parked session this way before it
+        makes room on a device for it. The host tier holds its bytes in host memory already;
+        the disk tier reads its file (checksums verified) and keeps the host copy for the next
+        `restore` (or until `discard_prefetch`).
+
+        Raises:
+            RuntimeError: if the bytes were released by their owner.
+            SnapshotError: if the disk tier's file is damaged.
+        """
+        self._check_held()
+
+    def discard_prefetch(self) -> None:
+        """Drop the host copy `prefetch` read, if any."""
+
+    def release(self) -> None:
+        """Give the bytes back to the tier; `restore` refuses afterwards."""
+        self.released = True
+
+    def _check_held(self) -> None:
         if self.released:
             msg = (
                 f"The parked bytes of {self.label} were released by their owner (the session "
@@ -165,11 +190,6 @@ class ParkedBytes:
                 "again."
             )
             raise RuntimeError(msg)
-        return self._restore()
-
-    def release(self) -> None:
-        """Give the bytes back to the tier; `restore` refuses afterwards."""
-        self.released = True
 
     def _restore(self) -> PyTree:
         raise NotImplementedError
@@ -228,6 +248,8 @@ class _DiskBytes(ParkedBytes):
         tensors = [t for _, t in flat.tensors]
         flat.storages, flat.tensors = [], []  # the file holds the tensors; keep the rest
         self._flat = flat
+        self._devices = [t.device for t in tensors]
+        self._prefetched: list[torch.Tensor] | None = None
         directory = Path(spool_dir)
         self.path = directory / f"parked-{os.getpid()}-{next(_names)}.safetensors"
         try:
@@ -242,12 +264,42 @@ class _DiskBytes(ParkedBytes):
         # The handle owns its file: released, or collected with nobody holding it, it goes.
         self._remove = weakref.finalize(self, _unlink, str(self.path), os.getpid())
 
+    def prefetch(self) -> None:
+        super().prefetch()
+        if self._prefetched is None:
+            self._prefetched = load_state(self.path, device="cpu")
+
+    def discard_prefetch(self) -> None:
+        self._prefetched = None
+
     def _restore(self) -> PyTree:
-        return self._flat.rebuild(load_state(self.path))
+        host, self._prefetched = self._prefetched, None
+        if host is None:
+            host = load_state(self.path, device="cpu")
+        return self._flat.rebuild(_to_devices(host, self._devices))
 
     def release(self) -> None:
         super().release()
+        self._prefetched = None
         self._remove()
+
+
+def _to_devices(tensors: list[torch.Tensor], devices: list[torch.device]) -> list[torch.Tensor]:
+    # Host tensors onto the devices they were parked from, each storage copied once (so views
+    # of one storage stay views of one storage); host storages are used as they are.
+    if all(device.type == "cpu" for device in devices):
+        return tensors
+    storages, views = collect_storages([(str(i), t) for i, t in enumerate(tensors)])
+    targets: dict[int, torch.device] = {}
+    for view, device in zip(views, devices, strict=True):
+        targets.setdefault(view.storage, device)
+    moving = [i for i, s in enumerate(storages) if targets[i].type != "cpu"]
+    copies = copy_storages_to_devices(
+        [storage_bytes(storages[i]) for i in moving], [targets[i] for i in moving]
+    )
+    for i, copy in zip(moving, copies, strict=True):
+        storages[i] = copy
+    return rebuild_views(storages, views)
 
 
 def _unlink(path: str, owner: int) -> None:

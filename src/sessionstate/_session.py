@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
@@ -22,13 +22,20 @@ from sessionstate._tree import (
     tree_flatten_with_keys,
 )
 
-__all__ = ["SessionAttr", "SessionState"]
+__all__ = ["SessionAttr", "SessionState", "ValueKey", "iter_values"]
 
 _V = TypeVar("_V")
 _St = TypeVar("_St", bound="SessionState")
 _O = TypeVar("_O", bound=StateObject)
 
 _UNSET: Any = object()
+
+ValueKey = tuple[str, str]
+"""Where a value sits in a session: ``("o", name)`` an object, ``("a", name)`` an attribute,
+``("f", name)`` a field a subclass adds."""
+
+# Per class: the fields a subclass adds to the two buckets.
+_EXTRA_FIELDS: dict[type, tuple[str, ...]] = {}
 
 # Per class: whether `SessionState._replace` may build records directly (no extra fields).
 _DIRECT_REPLACE: dict[type, bool] = {}
@@ -404,21 +411,37 @@ class SessionState:
         """
         counter = ByteCounter()
         out: dict[str, dict[str, int]] = {}
-        # Fields a subclass adds come last, under their own names.
-        extra = {
-            a.name: getattr(self, a.name)
-            for a in attrs.fields(type(self))
-            if a.name not in ("_objects", "_attrs")
-        }
-        for bucket in (self._objects, self._attrs, extra):
-            for name, value in bucket.items():
-                by_device = out.setdefault(name, {})
-                keys, leaves, _ = tree_flatten_with_keys(value)
-                for key, leaf in zip(keys, leaves, strict=True):
-                    path = name if key == "<root>" else f"{name}{_sub(key)}"
-                    for device, nbytes in counter.add(leaf, path=path).items():
-                        by_device[device] = by_device.get(device, 0) + nbytes
+        for (_, name), value in iter_values(self):
+            by_device = out.setdefault(name, {})
+            keys, leaves, _ = tree_flatten_with_keys(value)
+            for key, leaf in zip(keys, leaves, strict=True):
+                path = name if key == "<root>" else f"{name}{_sub(key)}"
+                for device, nbytes in counter.add(leaf, path=path).items():
+                    by_device[device] = by_device.get(device, 0) + nbytes
         return out
+
+
+def iter_values(state: SessionState, /) -> Iterator[tuple[ValueKey, Any]]:
+    """Every value ``state`` holds under its `ValueKey`: objects, then attributes, then fields.
+
+    The one reader of a session's buckets for byte accounting (`nbytes_by_value`, the
+    manager's ledger); fields a subclass adds come last, under their field names.
+
+    >>> [key for key, _ in iter_values(SessionState(attrs={"n": 1}))]
+    [('a', 'n')]
+    """
+    for name, obj in state._objects.items():
+        yield ("o", name), obj
+    for name, value in state._attrs.items():
+        yield ("a", name), value
+    cls = type(state)
+    extra = _EXTRA_FIELDS.get(cls)
+    if extra is None:
+        extra = _EXTRA_FIELDS[cls] = tuple(
+            a.name for a in attrs.fields(cls) if a.name not in ("_objects", "_attrs")
+        )
+    for name in extra:
+        yield ("f", name), getattr(state, name)
 
 
 def _check_disjoint(objects: Mapping[str, Any], attributes: Mapping[str, Any]) -> None:

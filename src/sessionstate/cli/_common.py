@@ -55,7 +55,7 @@ def nbytes(text: str) -> int:
     >>> nbytes("2MiB")
     2097152
     """
-    from sessionstate._ledger import parse_nbytes
+    from sessionstate._manager import parse_nbytes
 
     try:
         value = parse_nbytes(text, name="--max-bytes")

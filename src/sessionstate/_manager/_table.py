@@ -1,4 +1,11 @@
-"""The manager: the one mutable part, a thin table of the latest record per session."""
+"""The manager: the one mutable part, a thin table of the latest record per session.
+
+The manager owns the table, its lock, its counters, cap admission and the loop that makes room
+under a byte budget; it is built from parts that each do one job: a `SessionLedger` (what the
+stored records hold, per device), a `BudgetPolicy` (what to park or evict; it changes
+nothing), `Parking` (the tier, the spool directory and the handles it made) and an optional
+`ImmutabilityGuard`.
+"""
 
 from __future__ import annotations
 
@@ -10,26 +17,31 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Generic, cast
 
 import torch
+from typing_extensions import TypeVar
 
-from sessionstate._budget import BudgetedTable, SessionT, check_max_bytes
-from sessionstate._budget import OnFull as OnFull
 from sessionstate._checks import is_int
-from sessionstate._errors import SessionStateLostError
-from sessionstate._guard import ImmutabilityGuard
+from sessionstate._errors import SessionAdmissionError, SessionStateLostError
 from sessionstate._ids import check_session_id as check_session_id
+from sessionstate._manager._guard import ImmutabilityGuard
+from sessionstate._manager._ledger import SessionLedger
+from sessionstate._manager._parking import Parking
+from sessionstate._manager._policy import BudgetPolicy, OnFull, check_max_bytes
 from sessionstate._park import Tier, check_tier
 from sessionstate._session import SessionState
 from sessionstate._snapshot import load_state, save_state
 
-__all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager", "SessionT"]
 
 logger = logging.getLogger("sessionstate")
 
 DEFAULT_MAX_SESSIONS = 64
 """The default session cap of a `SessionStateManager`."""
 
+SessionT = TypeVar("SessionT", bound=SessionState, default=SessionState)
+"""The record type a manager holds; `SessionState` when the manager is not parameterised."""
 
-class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
+
+class SessionStateManager(Generic[SessionT]):
     """Maps session id to the latest `SessionState`, capped by least-recently-used eviction.
 
     Generic over the record type: a ``SessionStateManager[MySession]`` takes and returns
@@ -108,10 +120,14 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
             raise ValueError(msg)
         self._max_sessions = max_sessions
         self._on_full: OnFull = on_full
-        self._init_budget(
-            check_max_bytes(max_bytes),
-            check_tier(park_tier),
-            None if spool_dir is None else os.fspath(spool_dir),
+        budget = check_max_bytes(max_bytes)
+        # The parts: the accounting of what is stored, the budget's decisions, and parking
+        # (which carries them out). The table, its lock and counters and the make-room loop
+        # are the manager's own.
+        self._ledger = SessionLedger()
+        self._policy = None if budget is None else BudgetPolicy(budget)
+        self._parking = Parking(
+            check_tier(park_tier), None if spool_dir is None else os.fspath(spool_dir)
         )
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
         self._check_immutable = check_immutable
@@ -179,7 +195,7 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
         >>> SessionStateManager(max_bytes={"cpu": "1KiB"}).max_bytes
         {'cpu': 1024}
         """
-        return None if self._max_bytes is None else dict(self._max_bytes)
+        return None if self._policy is None else dict(self._policy.max_bytes)
 
     @property
     def park_tier(self) -> Tier:
@@ -188,7 +204,7 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
         >>> SessionStateManager().park_tier
         'host'
         """
-        return self._park_tier
+        return self._parking.tier
 
     @property
     def on_full(self) -> OnFull:
@@ -411,7 +427,18 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
                 "misses": self._misses,
                 "evictions": self._evictions,
             }
-            return self._byte_stats(out)
+            totals = self._ledger.totals()
+            out["total_nbytes"] = sum(totals.values())
+            for device, nbytes in totals.items():
+                out[f"nbytes:{device}"] = nbytes
+            for device, nbytes in self._ledger.engine_totals().items():
+                out[f"engine_nbytes:{device}"] = nbytes
+            if self._policy is None:
+                return out
+            for device in sorted(self._policy.max_bytes):
+                out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
+            out.update(self._parking.stats())
+            return out
 
     def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
@@ -511,12 +538,124 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
         self.put(session_id, state)
         return state
 
+    # -- under the lock -------------------------------------------------------------------------
+
+    def _put_locked(self, session_id: Hashable, state: SessionT, *, touch: bool) -> None:
+        # Nothing changes unless the whole put succeeds, except that other sessions may have
+        # been parked (losslessly) or evicted to make room.
+        values = self._ledger.values_for(session_id, state)
+        if self._policy is not None:
+            refused = self._policy.refusal(session_id, values)
+            if refused is not None:
+                raise refused
+        if session_id in self._table:
+            if touch:
+                self._table.move_to_end(session_id)
+        else:
+            self._admit(session_id)
+        previous = self._ledger.set(session_id, values)
+        try:
+            self._make_room(session_id, {})
+        except BaseException:
+            self._ledger.set(session_id, previous)
+            raise
+        self._table[session_id] = state
+        self._parking.track(session_id, state)
+        self._record_versions(session_id, state)
+
+    def _admit(self, session_id: Hashable) -> None:
+        # `session_id` is new: at the cap, evict the least recently used or refuse.
+        if len(self._table) < self._max_sessions:
+            return
+        if self._on_full == "refuse":
+            msg = (
+                f"Cannot admit session {session_id!r}: the manager holds "
+                f"{self._max_sessions} sessions (its cap) and `on_full='refuse'`. Drop a "
+                "finished session first, or raise `max_sessions`."
+            )
+            raise SessionAdmissionError(msg)
+        evicted = next(iter(self._table))
+        self._forget(evicted)
+        self._evictions += 1
+        self._warn_evicted(evicted, f"the session cap (max_sessions={self._max_sessions})")
+
+    def _warn_evicted(self, evicted: Hashable, by: str) -> None:
+        # One warning per manager; `stats()` counts every eviction.
+        if self._warned_eviction:
+            return
+        self._warned_eviction = True
+        logger.warning(
+            "Session %r was evicted by %s although nobody ended it; its state is lost. End "
+            "finished sessions explicitly with `drop(session_id)` (`drop_session(session_id)` "
+            "on a model pipeline), or raise the cap. Warned once per manager; "
+            "`stats()['evictions']` counts every eviction.",
+            evicted,
+            by,
+        )
+
+    def _make_room(self, session_id: Hashable, extra: Mapping[str, int]) -> None:
+        # Bring the ledger plus `extra` within the budget: park the least recently used
+        # sessions' parkable objects, oldest first and never `session_id`'s; then apply
+        # `on_full`. The policy decides each step; the loop acts.
+        policy = self._policy
+        if policy is None:
+            return
+        over = policy.over(self._ledger, extra)
+        if not over:
+            return
+        for other in list(self._table):
+            if other == session_id:
+                continue
+            names = policy.parkable(self._ledger.held(other), self._table[other].objects, over)
+            if names:
+                self._park(other, names)
+                over = policy.over(self._ledger, extra)
+                if not over:
+                    return
+        if self._on_full == "evict":
+            for other in list(self._table):
+                if other == session_id or not policy.holds_on(self._ledger.held(other), over):
+                    continue
+                self._forget(other)
+                self._evictions += 1
+                self._warn_evicted(other, "the byte budget (`max_bytes`)")
+                over = policy.over(self._ledger, extra)
+                if not over:
+                    return
+        raise policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
+
+    def _park(self, session_id: Hashable, names: list[str]) -> None:
+        new = self._parking.park(session_id, self._table[session_id], names)
+        self._table[session_id] = new
+        self._ledger.set(session_id, self._ledger.values_for(session_id, new))
+        self._record_versions(session_id, new)
+
+    def _resident(self, session_id: Hashable, state: SessionT) -> SessionT:
+        # Check the parked bytes (host memory only), then make room for them, then unpark: a
+        # device never holds more than its budget, and bytes that cannot come back (a damaged
+        # spool file) cost no other session anything. Either failure leaves the session
+        # parked (and a retry can succeed).
+        parking = self._parking
+        if not parking.is_parked(session_id):
+            return state
+        need = parking.check(session_id)
+        try:
+            self._make_room(session_id, need)
+        except BaseException:
+            parking.discard(session_id)
+            raise
+        new = parking.unpark(session_id, state)
+        self._table[session_id] = new
+        self._ledger.set(session_id, self._ledger.values_for(session_id, new))
+        self._record_versions(session_id, new)
+        return new
+
     def _forget(self, session_id: Hashable) -> bool:
-        # Caller holds the lock.
         state = self._table.pop(session_id, None)
         if self._guard is not None:
             self._guard.forget(session_id)
-        self._untrack(session_id)
+        self._ledger.set(session_id, {})
+        self._parking.untrack(session_id)
         return state is not None
 
     def _record_versions(self, session_id: Hashable, state: SessionState) -> None:
@@ -524,7 +663,6 @@ class SessionStateManager(BudgetedTable[SessionT], Generic[SessionT]):
             self._guard.record(session_id, state)
 
     def _verify(self, session_id: Hashable, state: SessionState) -> None:
-        # Caller holds the lock.
         if self._guard is not None:
             self._guard.verify(session_id, state)
 

@@ -1,0 +1,31 @@
+"""The manager: a thin table of the latest record per session, built from parts.
+
+- `SessionStateManager` (``_table``): the table, its lock and counters, cap admission and the
+  loop that makes room under a byte budget.
+- `SessionLedger` (``_ledger``): what the stored records hold, per device, kept up to date by
+  the values that changed.
+- `BudgetPolicy` (``_policy``): the byte budget's decisions (what to park, what to evict,
+  when to refuse); it changes nothing.
+- `Parking` (``_parking``): the tier, the spool directory, the handles it made, their counts.
+- `ImmutabilityGuard` (``_guard``): stored tensors' version counters, checked on access.
+"""
+
+from sessionstate._manager._guard import ImmutabilityGuard
+from sessionstate._manager._ledger import Ledger, SessionLedger
+from sessionstate._manager._parking import Parking
+from sessionstate._manager._policy import BudgetPolicy, OnFull, check_max_bytes, parse_nbytes
+from sessionstate._manager._table import DEFAULT_MAX_SESSIONS, SessionStateManager, SessionT
+
+__all__ = [
+    "DEFAULT_MAX_SESSIONS",
+    "BudgetPolicy",
+    "ImmutabilityGuard",
+    "Ledger",
+    "OnFull",
+    "Parking",
+    "SessionLedger",
+    "SessionStateManager",
+    "SessionT",
+    "check_max_bytes",
+    "parse_nbytes",
+]

@@ -1,0 +1,324 @@
+"""The manager's byte ledger: resident bytes per device, kept up to date incrementally.
+
+`SessionLedger` is the manager's accounting part: per session, the storages each stored value
+reaches, and one `Ledger` of them all.
+
+Every stored value (a state object or an attribute of a session) adds one reference to each
+storage it reaches; replacing, dropping or parking the value removes them. A storage counts
+while it has a reference, once, however many values reach it, so the totals are what
+`nbytes_by_device` of all stored records together would say (each storage once; storages over
+overlapping memory as the union of their address ranges), at the cost of the values that
+changed rather than a walk of every session.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+
+import attrs
+
+from sessionstate._accounting import (
+    EngineBlock,
+    StorageEntry,
+    _RefusedError,
+    _storages,
+    count_entries,
+    storage_entries,
+)
+from sessionstate._errors import UnsupportedTensorError
+from sessionstate._session import SessionState, ValueKey, iter_values
+from sessionstate._tree import tree_leaves
+
+__all__ = ["Ledger", "SessionLedger", "Values"]
+
+
+class _Ranges:
+    """A multiset of address ranges on one device and the size of their union."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []  # distinct ranges, sorted
+        self._counts: dict[tuple[int, int], int] = {}
+        self._longest = 0
+        self.total = 0
+
+    def add(self, start: int, end: int) -> None:
+        span = (start, end)
+        count = self._counts.get(span, 0)
+        self._counts[span] = count + 1
+        if count:
+            return
+        self.total += (end - start) - self._covered(start, end)
+        bisect.insort(self._spans, span)
+        self._longest = max(self._longest, end - start)
+
+    def remove(self, start: int, end: int) -> None:
+        span = (start, end)
+        count = self._counts[span] - 1
+        if count:
+            self._counts[span] = count
+            return
+        del self._counts[span]
+        del self._spans[bisect.bisect_left(self._spans, span)]
+        self.total -= (end - start) - self._covered(start, end)
+
+    def _covered(self, start: int, end: int) -> int:
+        """Bytes of ``[start, end)`` that the held ranges cover."""
+        spans = self._spans
+        # A range overlapping [start, end) starts after `start - longest` and before `end`.
+        lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest))
+        hi = bisect.bisect_left(spans, (end, end))
+        covered, reach = 0, start
+        for s, e in sorted(spans[lo:hi]):
+            if e <= reach:
+                continue
+            s = max(s, reach)
+            e = min(e, end)
+            if e > s:
+                covered += e - s
+                reach = e
+        return covered
+
+
+class Ledger:
+    """Resident bytes per device from per-storage reference counts.
+
+    >>> import torch
+    >>> from sessionstate._accounting import storage_entries
+    >>> x = torch.zeros(8)
+    >>> ledger = Ledger()
+    >>> ledger.add(storage_entries(x)); ledger.add(storage_entries(x[2:]))
+    >>> ledger.totals()
+    {'cpu': 32}
+    >>> ledger.remove(storage_entries(x)); ledger.totals()
+    {'cpu': 32}
+    >>> ledger.remove(storage_entries(x[2:])); ledger.totals()
+    {}
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[Hashable, list[object]] = {}  # identity -> [count, entry]
+        self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
+        self._ranges: dict[str, _Ranges] = {}
+        self._unmapped: dict[str, int] = {}  # bytes of storages without memory (meta)
+
+    def add(self, entries: Iterable[StorageEntry], /) -> None:
+        """Add one reference to each entry's storage."""
+        refs = self._refs
+        for entry in entries:
+            identity = entry[1]
+            ref = refs.get(identity)
+            if ref is not None:
+                ref[0] = int(ref[0]) + 1  # type: ignore[call-overload]
+                continue
+            refs[identity] = [1, entry]
+            self._count(entry, +1)
+
+    def remove(self, entries: Iterable[StorageEntry], /) -> None:
+        """Remove one reference from each entry's storage (added before)."""
+        refs = self._refs
+        for entry in entries:
+            identity = entry[1]
+            ref = refs[identity]
+            count = int(ref[0]) - 1  # type: ignore[call-overload]
+            if count:
+                ref[0] = count
+                continue
+            del refs[identity]
+            self._count(entry, -1)
+
+    def _count(self, entry: StorageEntry, sign: int) -> None:
+        device, identity, pointer, nbytes, _ = entry
+        if nbytes == 0:
+            return
+        if isinstance(identity, EngineBlock):
+            self._engine[device] = self._engine.get(device, 0) + sign * nbytes
+        if not pointer:
+            self._unmapped[device] = self._unmapped.get(device, 0) + sign * nbytes
+            return
+        ranges = self._ranges.get(device)
+        if ranges is None:
+            ranges = self._ranges[device] = _Ranges()
+        if sign > 0:
+            ranges.add(pointer, pointer + nbytes)
+        else:
+            ranges.remove(pointer, pointer + nbytes)
+
+    def total(self, device: str, /) -> int:
+        """Resident bytes on ``device``."""
+        ranges = self._ranges.get(device)
+        return (ranges.total if ranges is not None else 0) + self._unmapped.get(device, 0)
+
+    def engine_totals(self) -> dict[str, int]:
+        """Bytes of engine-owned blocks per device (each block once), for devices holding any."""
+        return {d: n for d, n in sorted(self._engine.items()) if n}
+
+    def totals(self) -> dict[str, int]:
+        """Resident bytes per device, for devices holding any."""
+        devices = {*self._ranges, *self._unmapped}
+        out = {d: self.total(d) for d in devices}
+        return {d: n for d, n in sorted(out.items()) if n}
+
+
+@attrs.define(eq=False)
+class _Item:
+    """A stored value (an object or attribute of a session) and the storages it reaches.
+
+    ``per_leaf[i]`` are the storage entries of ``leaves[i]``; the ledger holds one reference
+    per position. An item made from an earlier version of the value (``base``) that shares a
+    run of leaves with it (an append-only buffer that grew, a ring that moved on) records how:
+    the base's first ``dropped`` leaves are gone and the rest are this item's first leaves, so
+    the ledger moves from the base to this item by the difference alone. Once the ledger has
+    moved, ``base`` is cleared, so stored items never keep earlier versions alive.
+    """
+
+    value: object
+    leaves: list[object]
+    per_leaf: list[list[StorageEntry]]
+    base: _Item | None = None
+    dropped: int = 0
+
+    @property
+    def entries(self) -> Iterator[StorageEntry]:
+        return itertools.chain.from_iterable(self.per_leaf)
+
+
+Values = dict[ValueKey, _Item]
+"""A session's values as the ledger holds them, by `ValueKey`."""
+
+_MAX_DROPPED = 8  # leading leaves a new version of a value may drop and still share the rest
+
+
+def _shared_run(old: list[object], new: list[object]) -> int | None:
+    # The number of leading leaves of `old` that are gone when the rest of `old` starts `new`
+    # (leaf for leaf, the same objects); None when no such run exists.
+    for dropped in range(min(len(old), _MAX_DROPPED + 1)):
+        kept = len(old) - dropped
+        if kept <= len(new) and all(map(operator.is_, old[dropped:], new[:kept])):
+            return dropped
+    return None
+
+
+def _walk(value: object, previous: _Item | None) -> _Item:
+    """``value``'s item, reusing the entries of the leaves ``previous`` (its earlier version) holds.
+
+    Raises:
+        UnsupportedTensorError: for a leaf the accounting cannot count (naming its key path
+            inside ``value``).
+    """
+    leaves = tree_leaves(value)
+    dropped = None if previous is None else _shared_run(previous.leaves, leaves)
+    if previous is None or dropped is None:
+        return _Item(value, leaves, _count_leaves(value, leaves))
+    kept = len(previous.leaves) - dropped
+    per_leaf = previous.per_leaf[dropped:] + _count_leaves(value, leaves[kept:])
+    return _Item(value, leaves, per_leaf, previous, dropped)
+
+
+def _count_leaves(value: object, leaves: list[object]) -> list[list[StorageEntry]]:
+    try:
+        return [list(_storages(leaf)) for leaf in leaves]
+    except _RefusedError:
+        storage_entries(value)  # raises, naming the leaf's key path
+        raise
+
+
+def entries_of(values: Mapping[ValueKey, _Item]) -> Iterator[StorageEntry]:
+    """Every storage entry of ``values``, value by value."""
+    for item in values.values():
+        yield from item.entries
+
+
+class SessionLedger:
+    """Per session, the storages each stored value reaches; and the `Ledger` of them all.
+
+    A put walks only the values that changed (`values_for`, which changes nothing), then moves
+    the ledger by the difference (`set`). The caller serialises access.
+
+    >>> import torch
+    >>> from sessionstate import SessionState
+    >>> ledger = SessionLedger()
+    >>> state = SessionState(attrs={"x": torch.zeros(4)})
+    >>> _ = ledger.set("a", ledger.values_for("a", state))
+    >>> ledger.totals()
+    {'cpu': 16}
+    """
+
+    def __init__(self) -> None:
+        self._ledger = Ledger()
+        self._values: dict[Hashable, Values] = {}
+
+    def values_for(self, session_id: Hashable, state: SessionState, /) -> Values:
+        """``state``'s values, reusing the stored ones it shares (only changed values walked).
+
+        Raises:
+            UnsupportedTensorError: for a leaf the accounting cannot count, naming its key
+                path inside the session.
+        """
+        held = self._values.get(session_id, {})
+        out: Values = {}
+        try:
+            for key, value in iter_values(state):
+                item = held.get(key)
+                out[key] = item if item is not None and item.value is value else _walk(value, item)
+        except UnsupportedTensorError:
+            # Walked value by value, the error lacks the key path inside the session: walk the
+            # whole record once more so the error names it.
+            storage_entries(state)
+            raise
+        return out
+
+    def held(self, session_id: Hashable, /) -> Values:
+        """The values stored for ``session_id`` (empty if none)."""
+        return self._values.get(session_id, {})
+
+    def set(self, session_id: Hashable, values: Values, /) -> Values:
+        """Store ``values`` for ``session_id`` (empty: forget it); return the values replaced.
+
+        Adds before it removes, so a storage both versions reach never drops out of the ledger
+        in between. The ledger holds one reference per leaf position of each value; a value
+        derived from the one stored (its base) moves by the difference: the leaves it added,
+        the leaves its base dropped.
+        """
+        ledger = self._ledger
+        previous = self._values.get(session_id, {})
+        for key, item in values.items():
+            old = previous.get(key)
+            if old is item:
+                continue
+            kept = len(old.leaves) - item.dropped if old is not None and item.base is old else 0
+            for entries in item.per_leaf[kept:]:
+                ledger.add(entries)
+        for key, old in previous.items():
+            new = values.get(key)
+            if new is old:
+                continue
+            gone = new.dropped if new is not None and new.base is old else len(old.per_leaf)
+            for entries in old.per_leaf[:gone]:
+                ledger.remove(entries)
+        for item in values.values():
+            item.base = None
+        if values:
+            self._values[session_id] = values
+        else:
+            self._values.pop(session_id, None)
+        return previous
+
+    def total(self, device: str, /) -> int:
+        """Resident bytes on ``device``, each storage once across every session."""
+        return self._ledger.total(device)
+
+    def totals(self) -> dict[str, int]:
+        """Resident bytes per device, for devices holding any."""
+        return self._ledger.totals()
+
+    def engine_totals(self) -> dict[str, int]:
+        """Bytes of engine-owned blocks per device, for devices holding any."""
+        return self._ledger.engine_totals()
+
+
+def count_values(values: Mapping[ValueKey, _Item], /) -> dict[str, int]:
+    """Bytes per device of ``values`` alone (each storage once)."""
+    return count_entries(entries_of(values))

@@ -1,0 +1,190 @@
+"""The manager's parking part: its tier, its spool directory, the handles it made, their counts.
+
+`Parking` carries out what the budget policy decided: it parks a session's objects on the
+tier, checks a parked session's bytes before the manager makes room for them, unparks, and
+releases the tier's handles it created once nothing stored needs them. The tiers themselves
+(how bytes move) are `sessionstate._park`'s.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Hashable, Iterable
+from typing import TypeVar
+
+from sessionstate._errors import ParkingError
+from sessionstate._objects import ParkedObject
+from sessionstate._park import ParkedBytes, SpoolDir, Tier, reclaim_spool
+from sessionstate._session import SessionState
+
+__all__ = ["Parking"]
+
+_S = TypeVar("_S", bound=SessionState)
+
+
+class Parking:
+    """Parks and unparks sessions' objects on one tier, and owns what it parked.
+
+    The caller serialises access (the manager holds its lock).
+
+    Args:
+        tier: ``"host"`` or ``"disk"``.
+        spool_root: The root the disk tier spools into (the system temporary directory when
+            None); the spool directory itself is created on the first park. A disk tier
+            reclaims, when it is built, what processes that ended without cleaning up left
+            in the root.
+
+    >>> import torch
+    >>> from sessionstate import SessionState, TensorCache
+    >>> parking = Parking("host", None)
+    >>> cache = TensorCache(name="c").allocate().commit(torch.zeros(4))
+    >>> parked = parking.park("a", SessionState(objects={"c": cache}), ["c"])
+    >>> parked.parked, parking.stats()["nbytes_parked:host"]
+    (('c',), 16)
+    """
+
+    def __init__(self, tier: Tier, spool_root: str | None, /) -> None:
+        self.tier: Tier = tier
+        self._spool_root = spool_root
+        self._spool_dir: SpoolDir | None = None
+        self._parked: dict[Hashable, dict[str, ParkedObject]] = {}
+        self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
+        self._parks = 0
+        self._unparks = 0
+        if tier == "disk":  # what dead processes left on this spool root goes now
+            reclaim_spool(spool_root if spool_root is not None else tempfile.gettempdir())
+
+    def is_parked(self, session_id: Hashable, /) -> bool:
+        """Whether the record stored for ``session_id`` holds a parked object."""
+        return session_id in self._parked
+
+    def track(self, session_id: Hashable, state: SessionState, /) -> None:
+        """``state`` is now stored for ``session_id``: keep its parked objects' handles."""
+        parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
+        kept = {id(handle) for handle in _handles_of(parked.values())}
+        for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+            if id(handle) not in kept:
+                self._release(handle)
+        if parked:
+            self._parked[session_id] = parked
+
+    def untrack(self, session_id: Hashable, /) -> None:
+        """``session_id`` is gone from the table: release the handles it held."""
+        for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+            self._release(handle)
+
+    def park(self, session_id: Hashable, state: _S, names: list[str], /) -> _S:
+        """``state`` with ``names`` parked on the tier, tracked as stored for ``session_id``.
+
+        The objects are parked (a pure transition) before anything is tracked, so a failure
+        leaves the session resident and intact.
+
+        Raises:
+            ParkingError: if the tier cannot take the objects.
+        """
+        try:
+            new = state.park(self.tier, names=names, spool_dir=self._spool())
+        except Exception as exc:
+            msg = (
+                f"Cannot park session {session_id!r} (objects {names}) on the "
+                f"{self.tier} tier: {exc}. The session is left resident and intact; "
+                "free room on the tier (or pick the other one), or raise `max_bytes`."
+            )
+            raise ParkingError(msg) from exc
+        parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
+        for handle in _handles_of(parked.values()):
+            self._handles[id(handle)] = handle
+        self._parked[session_id] = parked
+        self._parks += 1
+        return new
+
+    def check(self, session_id: Hashable, /) -> dict[str, int]:
+        """Check that ``session_id``'s parked bytes can be restored; return what they need.
+
+        Reads and checks the bytes into host memory (a spool file's checksums), allocating no
+        device memory, so the manager makes room only for bytes that will come back. Returns
+        the bytes unparking makes resident, per device.
+
+        Raises:
+            ParkingError: if the bytes cannot be restored (a damaged spool file); nothing
+                changes and the session stays parked.
+        """
+        handles = _handles_of(self._parked[session_id].values())
+        try:
+            for handle in handles:
+                handle.prefetch()
+        except Exception as exc:
+            raise self._unpark_error(session_id, exc) from exc
+        need: dict[str, int] = {}
+        for handle in handles:
+            for device, nbytes in handle.nbytes_by_device.items():
+                need[device] = need.get(device, 0) + nbytes
+        return need
+
+    def discard(self, session_id: Hashable, /) -> None:
+        """Drop what `check` read for ``session_id`` (the unpark will not happen now)."""
+        for handle in _handles_of(self._parked.get(session_id, {}).values()):
+            handle.discard_prefetch()
+
+    def unpark(self, session_id: Hashable, state: _S, /) -> _S:
+        """``state`` resident again, its parked bytes released; counted as an unpark.
+
+        Raises:
+            ParkingError: if the bytes cannot be restored; the session stays parked.
+        """
+        parked = self._parked[session_id]
+        try:
+            new = state.unpark()
+        except Exception as exc:
+            raise self._unpark_error(session_id, exc) from exc
+        del self._parked[session_id]
+        for handle in _handles_of(parked.values()):
+            self._release(handle)
+        self._unparks += 1
+        return new
+
+    def stats(self) -> dict[str, int]:
+        """The parking keys of the manager's `stats()`."""
+        parked = {"host": 0, "disk": 0}
+        for objects in self._parked.values():
+            for handle in _handles_of(objects.values()):
+                parked[handle.tier] += handle.nbytes
+        return {
+            "parked_sessions": len(self._parked),
+            "parks": self._parks,
+            "unparks": self._unparks,
+            "nbytes_parked:host": parked["host"],
+            "nbytes_parked:disk": parked["disk"],
+        }
+
+    def _unpark_error(self, session_id: Hashable, exc: Exception) -> ParkingError:
+        parked = self._parked[session_id]
+        tiers = sorted({obj.handle.tier for obj in parked.values()})
+        msg = (
+            f"Cannot unpark session {session_id!r} (objects {sorted(parked)}) from the "
+            f"{' and '.join(tiers)} tier: {exc}. The session stays parked and intact; "
+            "retry once the cause is fixed, or `drop` it."
+        )
+        return ParkingError(msg)
+
+    def _spool(self) -> SpoolDir | None:
+        # The manager's own locked subdirectory of the spool root, removed with the manager;
+        # what a process that died (`kill -9`) left there is reclaimed by the next one.
+        if self.tier != "disk":
+            return None
+        if self._spool_dir is None:
+            self._spool_dir = SpoolDir(
+                self._spool_root if self._spool_root is not None else tempfile.gettempdir()
+            )
+        return self._spool_dir
+
+    def _release(self, handle: ParkedBytes) -> None:
+        # Only the handles this manager created: a record put with objects parked elsewhere
+        # keeps its bytes for whoever parked them.
+        if self._handles.pop(id(handle), None) is handle:
+            handle.release()
+
+
+def _handles_of(objects: Iterable[ParkedObject]) -> list[ParkedBytes]:
+    # Objects parked together share one handle: each handle once.
+    return list({id(obj.handle): obj.handle for obj in objects}.values())

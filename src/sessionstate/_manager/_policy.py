@@ -1,0 +1,194 @@
+"""The byte budget: per device, whether the table fits, and what to park or evict to make it fit.
+
+`BudgetPolicy` decides and changes nothing: it reads the ledger and a session's values and
+returns device lists, object names and refusals. The manager's make-room loop acts on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from sessionstate._accounting import EngineBlock
+from sessionstate._checks import describe, is_int
+from sessionstate._errors import SessionAdmissionError
+from sessionstate._manager._ledger import SessionLedger, Values, count_values, entries_of
+from sessionstate._objects import StateObject
+
+__all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "parse_nbytes"]
+
+OnFull = Literal["evict", "refuse"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_nbytes(value: object, /, *, name: str = "max_bytes") -> int:
+    """A byte count from a non-negative int or a string such as ``"24GiB"`` or ``"1.5 GB"``.
+
+    Raises:
+        ValueError: for anything else, naming ``name``, the value and the accepted forms.
+
+    >>> parse_nbytes("24GiB"), parse_nbytes("1.5 kb"), parse_nbytes(512)
+    (25769803776, 1500, 512)
+    """
+    number: float | None = None
+    if is_int(value):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip().lower().replace("_", "")
+        digits = text.rstrip("kmgtib").strip()
+        unit = text[len(text.rstrip("kmgtib")) :].strip()
+        try:
+            number = float(digits) * _UNITS[unit] if unit in _UNITS else None
+        except ValueError:
+            number = None
+    if number is None or number < 0 or number != number or number == float("inf"):
+        msg = (
+            f"`{name}` must be a byte count: a non-negative int or a string like '24GiB', "
+            f"'512MiB' or '1.5GB'; got {describe(value)}."
+        )
+        raise ValueError(msg)
+    return int(number)
+
+
+def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
+    """``max_bytes`` as ``{device string: bytes}``, or None; the manager's argument checked.
+
+    Raises:
+        TypeError: if it is not a mapping.
+        ValueError: for a key that is not a device string with its index, or a value that is
+            not a byte count.
+
+    >>> check_max_bytes({"cuda:0": "1KiB", "cpu": 8})
+    {'cuda:0': 1024, 'cpu': 8}
+    """
+    if max_bytes is None:
+        return None
+    if not isinstance(max_bytes, Mapping):
+        msg = (
+            f"`max_bytes` must map device strings to byte budgets, got {max_bytes!r} "
+            f"({type(max_bytes).__name__}); e.g. `max_bytes={{'cuda:0': 24 * 2**30}}`."
+        )
+        raise TypeError(msg)
+    out: dict[str, int] = {}
+    for key, value in max_bytes.items():
+        try:
+            device = torch.device(key)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or (device.type not in ("cpu", "meta") and device.index is None):
+            msg = (
+                f"`max_bytes` key {key!r} ({type(key).__name__}) is not a device string with "
+                "its index; name each budgeted device as tensors report it, e.g. 'cuda:0' or "
+                "'cpu'."
+            )
+            raise ValueError(msg)
+        out[str(device)] = parse_nbytes(value, name=f"max_bytes[{key!r}]")
+    return out
+
+
+class BudgetPolicy:
+    """A byte budget per device, and the decisions that keep the table within it.
+
+    Every method reads and returns; none changes the ledger, the table or a record.
+
+    >>> policy = BudgetPolicy({"cpu": 64})
+    >>> policy.over(SessionLedger(), {"cpu": 65})
+    ['cpu']
+    """
+
+    def __init__(self, max_bytes: Mapping[str, int], /) -> None:
+        self.max_bytes = dict(max_bytes)
+
+    def refusal(self, session_id: Hashable, values: Values, /) -> SessionAdmissionError | None:
+        """The error for a record that alone exceeds a device's whole budget, or None."""
+        alone = count_values(values)
+        for device, budget in self.max_bytes.items():
+            if alone.get(device, 0) > budget:
+                msg = (
+                    f"Cannot store session {session_id!r}: its record holds "
+                    f"{alone[device]} bytes on {device}, more than the whole budget of "
+                    f"{budget} bytes there (`max_bytes`). Raise the budget for {device}, or "
+                    "keep less of the session on that device."
+                )
+                return SessionAdmissionError(msg)
+        return None
+
+    def over(self, ledger: SessionLedger, extra: Mapping[str, int], /) -> list[str]:
+        """The budgeted devices the ledger's totals plus ``extra`` would exceed."""
+        return [
+            device
+            for device, budget in self.max_bytes.items()
+            if ledger.total(device) + extra.get(device, 0) > budget
+        ]
+
+    def parkable(
+        self, values: Values, objects: Mapping[str, StateObject], devices: Sequence[str], /
+    ) -> list[str]:
+        """The objects to park (in table order) to free bytes on ``devices``.
+
+        The parkable objects holding bytes there, except any sharing a storage with a value
+        that stays resident (an attribute): parking it would free nothing, and unparking would
+        split the alias into two copies. Engine blocks stay where they are when their object
+        is parked, so they free nothing either.
+        """
+        candidates = {
+            name
+            for name, obj in objects.items()
+            if obj.parkable
+            and any(
+                entry[0] in devices and entry[3] and not isinstance(entry[1], EngineBlock)
+                for entry in values[("o", name)].entries
+            )
+        }
+        staying = {
+            entry[1]
+            for key, item in values.items()
+            if not (key[0] == "o" and key[1] in candidates)
+            for entry in item.entries
+        }
+        return [
+            name
+            for name in objects
+            if name in candidates
+            and not any(entry[1] in staying for entry in values[("o", name)].entries)
+        ]
+
+    def holds_on(self, values: Values, devices: Sequence[str], /) -> bool:
+        """Whether ``values`` hold any bytes on ``devices`` (evicting them would free some)."""
+        return any(entry[0] in devices and entry[3] for entry in entries_of(values))
+
+    def shortfall(
+        self,
+        session_id: Hashable,
+        ledger: SessionLedger,
+        extra: Mapping[str, int],
+        devices: Sequence[str],
+        on_full: OnFull,
+        /,
+    ) -> SessionAdmissionError:
+        """The refusal when parking (and evicting, if ``on_full="evict"``) left ``devices`` over."""
+        device = devices[0]
+        wanted = ledger.total(device) + extra.get(device, 0)
+        after = "parking and evicting" if on_full == "evict" else "parking"
+        msg = (
+            f"Cannot make room for session {session_id!r}: {device} would hold {wanted} bytes, "
+            f"over its budget of {self.max_bytes[device]} bytes, even after {after} the "
+            f"other sessions' parkable objects (`on_full={on_full!r}`). Drop finished "
+            f"sessions, raise `max_bytes` for {device}, or keep large values in parkable "
+            "state objects rather than attributes."
+        )
+        return SessionAdmissionError(msg)
