@@ -12,6 +12,7 @@ import torch.utils._pytree as torch_pytree
 
 import sessionstate as ss
 from sessionstate import LatentBuffer, SessionAttr, SessionState
+from sessionstate._frozen import FrozenDict
 
 
 class Counted(SessionState):
@@ -359,3 +360,78 @@ def test_a_subclass_that_adds_fields_is_a_registered_record() -> None:
         manager = ss.SessionStateManager()
         manager.put("s", state)
         assert manager.stats()["total_nbytes"] == nbytes
+
+
+# -- declared defaults are frozen, checked and counted like assigned values (issue 20, item 12) --
+
+
+def test_a_list_default_is_frozen_so_no_record_can_change_another() -> None:
+    class History(SessionState):
+        hist = SessionAttr([], doc="Past actions.")
+        cfg = SessionAttr({"ids": [1, 2]})
+
+    first, second = History(), History()
+    assert first.hist == ()
+    with pytest.raises(AttributeError):
+        first.hist.append(1)  # type: ignore[attr-defined]
+    assert second.hist == () == History().hist
+    assert first.cfg == FrozenDict({"ids": (1, 2)})
+    with pytest.raises(TypeError):
+        first.cfg["ids"] = ()  # type: ignore[index]
+    assert History().with_attrs(hist=[]).hist == first.hist  # the same form as assigned
+
+
+@pytest.mark.parametrize(
+    ("default", "fix"),
+    [
+        ({1}, "a frozenset (`frozenset(value)`)"),
+        (bytearray(b"ab"), "bytes (`bytes(value)`)"),
+    ],
+)
+def test_a_mutable_default_with_no_frozen_form_is_refused_at_class_definition(
+    default: object, fix: str
+) -> None:
+    msg = (
+        f"Session attribute value `Bad.x` is a mutable {type(default).__name__}: {default!r}. "
+        f"Session state is immutable all the way down; store {fix} instead."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+
+        class Bad(SessionState):
+            x = SessionAttr(default)
+
+    with pytest.raises(TypeError):
+        SessionState().with_attrs(x=default)  # the same refusal as an assigned value
+
+
+def test_a_default_goes_through_its_coercion() -> None:
+    class Coerced(SessionState):
+        steps = SessionAttr("3", coerce=int)
+
+    assert Coerced().steps == 3
+    msg = (
+        "Session attribute `steps` coerces its values with `int`, which refused 'many' (str): "
+        "ValueError: invalid literal for int() with base 10: 'many'. Pass a value `int` accepts."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+
+        class Refused(SessionState):
+            steps = SessionAttr("many", coerce=int)
+
+
+def test_a_tensor_default_is_seen_by_accounting_leaves_and_moves() -> None:
+    class WithTable(SessionState):
+        table = SessionAttr(torch.ones(4), doc="A lookup table shared by new sessions.")
+
+    state = WithTable()
+    assert state.nbytes_by_device() == {"cpu": 16}
+    assert any(leaf is WithTable.table.default for leaf in ss.tree_leaves(state))
+    moved = ss.to_device(state, "meta")
+    assert moved.table.device.type == "meta"
+    assert state.table.device.type == "cpu"
+    cleared = state.with_attrs(table=torch.zeros(2)).clear_attrs("table")
+    assert cleared.nbytes_by_device() == {"cpu": 16}  # unset again: the default, still counted
+    manager = ss.SessionStateManager[WithTable]()
+    manager.put("a", state)
+    manager.put("b", WithTable())
+    assert manager.stats()["nbytes:cpu"] == 16  # one default, shared by both sessions

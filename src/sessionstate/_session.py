@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import attrs
+import torch
 
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._checks import describe
@@ -20,6 +21,7 @@ from sessionstate._tree import (
     is_record,
     register_record,
     tree_flatten_with_keys,
+    tree_leaves,
 )
 
 __all__ = ["SessionAttr", "SessionState", "ValueKey", "iter_values"]
@@ -50,7 +52,10 @@ class SessionAttr(Generic[_V]):
 
     Args:
         default: What reading the attribute returns while it is unset. Shared between
-            sessions, so use an immutable value (``0``, ``None``, ``False``).
+            sessions, so it is frozen and checked as an assigned value is (coerced, lists
+            as tuples, dicts as `FrozenDict`s; a set or bytearray refused) when the class is
+            defined. A default that holds a tensor is stored in every new record, so byte
+            accounting, `tree_leaves` and `to_device` see it as they see a set value.
         coerce: Optional callable applied to every non-None value written.
         doc: What the value is; becomes the attribute's docstring.
 
@@ -159,6 +164,8 @@ class SessionState:
             _check_object(name, obj, f"attrs={{{name!r}: ...}}")
         for name in self._attrs:
             _declared_attr(type(self), name)
+        for name, default in type(self).__tensor_defaults__.items():
+            self._attrs.setdefault(name, default)  # the converter's own fresh dict
         _check_disjoint(self._objects, self._attrs)
 
     def __assignment_fix__(self, name: str) -> str:
@@ -175,6 +182,8 @@ class SessionState:
         return f"state = state.with_attrs({name}=...)"
 
     __session_attrs__: ClassVar[Mapping[str, SessionAttr[Any]]] = MappingProxyType({})
+    # Declared defaults that hold a tensor: stored in every record that leaves them unset.
+    __tensor_defaults__: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -188,8 +197,18 @@ class SessionState:
                             "give the session attribute another name."
                         )
                         raise TypeError(msg)
+                    if klass is cls:
+                        where = f"{cls.__name__}.{name}"
+                        value.default = freeze(value.convert(value.default), where)
                     declared[name] = value
         cls.__session_attrs__ = MappingProxyType(declared)
+        cls.__tensor_defaults__ = MappingProxyType(
+            {
+                name: a.default
+                for name, a in declared.items()
+                if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(a.default))
+            }
+        )
         register_record(cls)
 
     @property
@@ -278,7 +297,10 @@ class SessionState:
         {'b': 2}
         """
         drop = set(names)
-        return self._replace(self._objects, {k: v for k, v in self._attrs.items() if k not in drop})
+        kept = {k: v for k, v in self._attrs.items() if k not in drop}
+        for name, default in type(self).__tensor_defaults__.items():
+            kept.setdefault(name, default)
+        return self._replace(self._objects, kept)
 
     @property
     def parked(self) -> tuple[str, ...]:
