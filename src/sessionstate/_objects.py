@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from sessionstate._accounting import note_derived
 from sessionstate._checks import describe, is_int
 from sessionstate._chunk_checks import _as_chunks, _check_chunk, _check_dim, _check_maxlen
 from sessionstate._errors import NotAllocatedError, ParkedError
@@ -110,6 +111,11 @@ class LatentBuffer(StateObject):
     def commit(self, chunk: torch.Tensor, /) -> LatentBuffer:
         """Return a buffer that also holds ``chunk`` (a ring drops its oldest when full).
 
+        The buffer holds ``chunk`` itself, not a copy: a loop that reuses one input tensor
+        (``frame.copy_(next_frame)``) rewrites every buffer that holds it. Commit a fresh
+        tensor (or ``frame.clone()``); ``check_immutable=True`` on the manager reports such a
+        write, naming the session and the buffer.
+
         Raises:
             NotAllocatedError: if the buffer is not allocated.
             TypeError: if ``chunk`` is not a tensor.
@@ -127,7 +133,7 @@ class LatentBuffer(StateObject):
         chunks = (*self.chunks, chunk)
         if self.maxlen is not None and len(chunks) > self.maxlen:
             chunks = chunks[len(chunks) - self.maxlen :]
-        return self._with_chunks(chunks)
+        return self._with_chunks(chunks, 1)
 
     def extend(self, chunks: Iterable[torch.Tensor], /) -> LatentBuffer:
         """Return a buffer that also holds ``chunks``, in order, built in one transition.
@@ -167,7 +173,7 @@ class LatentBuffer(StateObject):
         joined = (*self.chunks, *new)
         if self.maxlen is not None and len(joined) > self.maxlen:
             joined = joined[len(joined) - self.maxlen :]
-        return self._with_chunks(joined)
+        return self._with_chunks(joined, len(new))
 
     def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
         """The retained chunks, oldest to newest; with ``last=n``, the newest ``min(n, len)``.
@@ -246,7 +252,7 @@ class LatentBuffer(StateObject):
         """
         return attrs.evolve(self, chunks=(), maxlen=None, allocated=False)
 
-    def _with_chunks(self, chunks: tuple[torch.Tensor, ...]) -> LatentBuffer:
+    def _with_chunks(self, chunks: tuple[torch.Tensor, ...], added: int = 0) -> LatentBuffer:
         # `attrs.evolve` re-runs every converter and validator; a commit only swaps the tuple.
         if type(self) is not LatentBuffer:  # a subclass may carry fields of its own
             return attrs.evolve(self, chunks=chunks)
@@ -256,6 +262,8 @@ class LatentBuffer(StateObject):
         object.__setattr__(new, "dim", self.dim)
         object.__setattr__(new, "maxlen", self.maxlen)
         object.__setattr__(new, "allocated", self.allocated)
+        if added:  # the chunks are the leaves: the old ones less those a ring dropped, then new
+            note_derived(new, self, len(self.chunks) + added - len(chunks), chunks)
         return new
 
     def _require_allocated(self, action: str) -> None:
