@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,20 @@ def toy(cluster: None) -> Iterator[Router]:
 
 def _get(ref: Any) -> Any:
     return ray.get(ref, timeout=60)
+
+
+def _kill(router: Router, worker: str) -> None:
+    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
+    handle = router.handle(worker)
+    ray.kill(handle)
+    for _ in range(200):
+        try:
+            ray.get(handle.stats.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    msg = f"{worker!r} still answers after `ray.kill`."
+    raise AssertionError(msg)
 
 
 def _other(router: Router, session_id: str) -> str:
@@ -249,7 +264,7 @@ def test_a_killed_worker_loses_or_restores_its_sessions(cluster: None) -> None:
             target = "worker-1" if sid == "elsewhere" else "worker-0"
             if router.owner(sid) != target:
                 router.migrate(sid, target)
-        ray.kill(router.handle("worker-0"))
+        _kill(router, "worker-0")
 
         with pytest.raises(SessionStateLostError) as lost:
             router.step("plain", 16)

@@ -40,8 +40,8 @@ from sessionstate.distributed import (  # noqa: E402
 # The pipeline and the worker are defined here; workers receive them by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-DELAY = 1.0  # seconds an armed stage sleeps on its worker
-SHORT = 0.25  # the router's timeout while a delay is armed
+DELAY = 2.5  # seconds an armed stage sleeps on its worker
+SHORT = 1.0  # the router's timeout while a delay is armed: unarmed calls finish within it
 
 
 class CounterPipeline:
@@ -129,6 +129,20 @@ def armed(
         _get(router.handle(worker).arm.remote(None))  # runs after the armed call finished
 
 
+def _kill(router: Router, worker: str) -> None:
+    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
+    handle = router.handle(worker)
+    ray.kill(handle)
+    for _ in range(200):
+        try:
+            ray.get(handle.stats.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    msg = f"{worker!r} still answers after `ray.kill`."
+    raise AssertionError(msg)
+
+
 def _holders(router: Router, session_id: str) -> list[str]:
     return [name for name, s in router.stats().items() if session_id in s.nbytes_by_session]
 
@@ -189,7 +203,7 @@ def test_a_timed_out_step_raises_a_library_error_and_is_counted_when_it_complete
         toy.step(sid, 8)
     assert not isinstance(info.value, ray.exceptions.GetTimeoutError)
     assert str(info.value) == (
-        f"Worker {owner!r} did not answer `step` for 'slow-step' within 0.25 s (the router's "
+        f"Worker {owner!r} did not answer `step` for 'slow-step' within 1 s (the router's "
         "`timeout`); the call may still be running there. A step is counted only if it "
         "completes: the next call for the session waits for it first, and `Router.steps` "
         "reports the steps applied. Raise `timeout` if calls take this long."
@@ -288,7 +302,7 @@ def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
             router.step("snap", 16)
         assert router.step("snap", 16) == 4
 
-        ray.kill(router.handle("worker-0"))
+        _kill(router, "worker-0")
         restored = (
             "Migrating session 'snap' from 'worker-0' to 'worker-1' failed at the export stage "
             "(worker 'worker-0' died); 'worker-0' was lost, and the session was restored on "
@@ -302,7 +316,7 @@ def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
         assert (notice.value.steps_kept, notice.value.steps_lost) == (4, 0)
         assert router.step("snap", 16) == notice.value.steps_kept + 1  # no step applied twice
 
-        ray.kill(router.handle("worker-1"))
+        _kill(router, "worker-1")
         lost = (
             "Migrating session 'plain' from 'worker-1' to 'worker-2' failed at the export stage "
             "(worker 'worker-1' died); 'worker-1' was lost, and the session with it; the next "
@@ -314,7 +328,7 @@ def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
         with pytest.raises(SessionStateLostError, match=re.escape("Session 'plain' was lost")):
             router.step("plain", 16)
 
-        ray.kill(router.handle("worker-2"))  # the last live worker, holding three snapshots
+        _kill(router, "worker-2")  # the last live worker, holding three snapshots
         for sid in ("late", "snap", "late2"):
             gone = (
                 f"Session {sid!r} was lost with worker 'worker-2' (the worker died, and no live "

@@ -84,6 +84,20 @@ def _get(ref: Any) -> Any:
     return ray.get(ref, timeout=60)
 
 
+def _kill(router: Router, worker: str) -> None:
+    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
+    handle = router.handle(worker)
+    ray.kill(handle)
+    for _ in range(200):
+        try:
+            ray.get(handle.stats.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    msg = f"{worker!r} still answers after `ray.kill`."
+    raise AssertionError(msg)
+
+
 def _other(router: Router, session_id: str) -> str:
     return next(w for w in router.workers if w != router.owner(session_id))
 
@@ -184,7 +198,7 @@ def test_a_late_drop_after_a_restore_drops_nothing(cluster: None) -> None:
         for _ in range(3):
             router.step(sid, 8)
         old = router.epoch(sid)
-        ray.kill(router.handle(router.owner(sid)))
+        _kill(router, router.owner(sid))
         with pytest.raises(SessionRestoredError) as notice:
             router.step(sid, 8)
         home, new = notice.value.restored_on, router.epoch(sid)

@@ -11,6 +11,7 @@ permanent, so examples are few and short.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,20 @@ def _get(ref: Any) -> Any:
     return ray.get(ref, timeout=60)
 
 
+def _kill(router: Router, worker: str) -> None:
+    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
+    handle = router.handle(worker)
+    ray.kill(handle)
+    for _ in range(200):
+        try:
+            ray.get(handle.stats.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    msg = f"{worker!r} still answers after `ray.kill`."
+    raise AssertionError(msg)
+
+
 class RouterMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -124,7 +139,7 @@ class RouterMachine(RuleBasedStateMachine):
                     m.notice = True  # restored from the snapshot of its last step
                 else:
                     m.lost = True
-        ray.kill(self.router.handle(victim))
+        _kill(self.router, victim)
         self.router.stats()  # the router finds the loss and restores what it can
 
     @rule(sid=st.sampled_from(SESSIONS), pick=st.integers(0, 2), drop=st.booleans())
