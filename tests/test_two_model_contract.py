@@ -391,3 +391,13 @@ def test_a_read_of_a_parked_session_survives_a_concurrent_get(
         assert torch.equal(got, bespoke.video_latents(sid))
     else:
         assert tree_equal(got, managed.session_values(sid))
+
+
+def test_a_bad_model_section_names_the_deploy_file(model: Model, tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text("model:\n  preset: tiny\n  no_such_field: 1\n")
+    config = OmniDiffusionConfig.from_yaml(path)
+    with pytest.raises(
+        KeyError, match=re.escape(f"Deploy config {str(path)!r}, `model` section: ")
+    ):
+        model.spec.pipeline(config, environ={ENV_ENABLE: "0"})
