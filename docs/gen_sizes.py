@@ -7,11 +7,11 @@ Two uses:
   rendered from that JSON file (path relative to ``docs/``). The numbers are never typed by
   hand; a missing or malformed file fails the build.
 - As a script: ``python docs/gen_sizes.py`` re-runs
-  ``sessionstate sizes --preset deploy --steps 400 --json`` (a few minutes on the meta device;
-  nothing is allocated) and rewrites ``docs/data/sizes-deploy-400.json``, then
-  ``sessionstate sizes --model cosmos3 --preset deploy --steps 8 --json`` into
-  ``docs/data/sizes-cosmos3-deploy-8.json``. Run it when a model's state changes, and commit
-  the result.
+  ``sessionstate sizes --preset deploy --steps 400 --json`` (about 20 s of CPU on the meta
+  device, the networks' calls replayed from their layouts; nothing is allocated) and
+  rewrites ``docs/data/sizes-deploy-400.json``, then ``sessionstate sizes --model cosmos3
+  --preset deploy --steps 8 --json`` into ``docs/data/sizes-cosmos3-deploy-8.json``. Run it
+  when a model's state changes, and commit the result.
 """
 
 from __future__ import annotations
