@@ -72,7 +72,7 @@ def test_both_paths_accept_any_hashable_session_id(managed: bool) -> None:
     pipe = DreamZeroPipeline(CFG, environ={ENV_ENABLE: "1" if managed else "0"})
     assert pipe.managed is managed
     (_, obs), *_ = scripted_episode(CFG, steps=1, sessions=1, seed=0)
-    ids: list[Hashable] = [42, None, "", ("user", 7)]
+    ids: list[Hashable] = [42, 0, "", ("user", 7)]  # None is refused: test_session_ids.py
     for sid in ids:
         pipe.forward(obs, sid)
     assert pipe.session_ids() == ids
@@ -103,13 +103,13 @@ def test_both_paths_refuse_an_unhashable_session_id_with_one_message(
 
 def test_manager_accepts_any_hashable_session_id() -> None:
     manager = SessionStateManager(8)
-    ids: list[Hashable] = [1, None, "", (1, "a"), 2.5, frozenset({1})]
+    ids: list[Hashable] = [1, 0, "", (1, "a"), 2.5, frozenset({1})]  # None: test_session_ids.py
     for sid in ids:
         manager.put(sid, SessionState(attrs={"x": torch.zeros(1)}))
         assert manager.require(sid) is manager.get(sid)
     assert manager.session_ids() == ids
     assert manager.stats()["nbytes:cpu"] == 4 * len(ids)
-    assert manager.drop(None)
+    assert manager.drop(0)
     assert None not in manager
 
 
