@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import sessionstate._manager._ledger as ledger_module
 from sessionstate import LatentBuffer, SessionAdmissionError, SessionState, SessionStateManager
 from sessionstate.testing import recount_nbytes_by_device
 
@@ -68,3 +70,72 @@ def test_stats_equal_a_recount_after_every_incremental_put(
         with contextlib.suppress(SessionAdmissionError):
             manager.put(sid, state)
         _check(manager)
+
+
+BRANCH_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["commit", "extend", "put", "refuse"]),
+        st.integers(0, 30),  # which earlier version to build on, or to put again
+        st.integers(1, 4),  # how many chunks
+    ),
+    max_size=40,
+)
+
+
+@given(ops=BRANCH_OPS, maxlen=st.sampled_from([None, 2]))
+def test_puts_of_earlier_versions_and_their_successors_keep_the_ledger_exact(
+    ops: list[tuple[str, int, int]], maxlen: int | None
+) -> None:
+    # Successors of one version put one after another (branches), earlier versions put
+    # again, and refused puts: each stored version reads only its own run of entries.
+    manager = SessionStateManager(max_bytes={"cpu": 4096}, on_full="refuse")
+    versions = [SessionState(objects={"v": LatentBuffer(dim=0).allocate(maxlen=maxlen)})]
+    manager.put("s", versions[0])
+    for op, which, n in ops:
+        base = versions[which % len(versions)]
+        if op == "commit":
+            state = base.update_object("v", lambda b, k=n: b.commit(POOL[k : k + 4].view(1, 4)))
+        elif op == "extend":
+            chunks = [torch.full((1, 4), float(i)) for i in range(n)]
+            state = base.update_object("v", lambda b, c=chunks: b.extend(c))
+        elif op == "put":
+            state = base
+        else:  # over the whole budget: refused, nothing changes
+            state = base.update_object("v", lambda b: b.commit(torch.zeros(1024, 4)))
+        with contextlib.suppress(SessionAdmissionError):
+            manager.put("s", state)
+        versions.append(state)
+        _check(manager)
+
+
+def test_a_put_after_one_commit_counts_the_new_chunk_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = SessionStateManager()
+    buf = LatentBuffer(dim=0).allocate().extend([torch.zeros(1, 4) for _ in range(500)])
+    state = SessionState(objects={"v": buf}, attrs={"n": 1})
+    manager.put("s", state)
+    counted: list[object] = []
+    real = ledger_module._storages
+
+    def counting(leaf: object) -> object:
+        counted.append(leaf)
+        return real(leaf)
+
+    monkeypatch.setattr(ledger_module, "_storages", counting)
+    chunk = torch.ones(1, 4)
+    state = state.update_object("v", lambda b: b.commit(chunk))
+    manager.put("s", state)
+    assert len(counted) == 1
+    assert counted[0] is chunk
+    _check(manager)
+
+
+def test_a_ring_that_moves_on_for_hundreds_of_commits_stays_exact() -> None:
+    manager = SessionStateManager()
+    state = SessionState(objects={"v": LatentBuffer(dim=0).allocate(maxlen=2)})
+    for i in range(300):
+        chunk = POOL[i % 60 : i % 60 + 4].view(1, 4) if i % 3 else torch.full((1, 4), float(i))
+        state = state.update_object("v", lambda b, c=chunk: b.commit(c))
+        manager.put("s", state)
+        _check(manager)
+    manager.drop("s")
+    assert manager.stats()["total_nbytes"] == 0

@@ -16,13 +16,19 @@ A leaf may report its own storages: a class defining ``__sessionstate_storage_en
 returns `StorageEntry` tuples whose identity is an `EngineBlock`. That is how memory owned by
 an engine (a paged KV pool's blocks, reached through an immutable handle) enters the same
 accounting, deduplicated per (pool, block) and against any tensor view of the pool.
+
+A transition that builds a record from its input by keeping a run of the input's leaves and
+adding new ones (a buffer's commit) may say so (`note_derived`); an accounting of the successor
+that already holds the input's entries then counts only the leaves that were added
+(`derivation`), so its cost does not grow with the record's history.
 """
 
 from __future__ import annotations
 
 import bisect
 import sys
-from collections.abc import Hashable, Iterable, Iterator
+import weakref
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -36,9 +42,11 @@ __all__ = [
     "EngineBlock",
     "StorageEntry",
     "count_entries",
+    "derivation",
     "engine_entries",
     "nbytes_by_device",
     "nbytes_by_key",
+    "note_derived",
     "storage_entries",
 ]
 
@@ -61,6 +69,49 @@ class EngineBlock(NamedTuple):
 
     pool: int
     block: int
+
+
+class Derivation(NamedTuple):
+    """How a record's leaves derive from its input's: `note_derived`'s claim, as stored."""
+
+    base: weakref.ref[Any]
+    dropped: int
+    leaves: Sequence[Any]
+
+
+# Per successor (weakly held, so a record's entry goes with it): how it was derived. Keys are
+# records compared by identity (`eq=False`), never tensors.
+_DERIVED: weakref.WeakKeyDictionary[Any, Derivation] = weakref.WeakKeyDictionary()
+
+
+def note_derived(new: object, base: object, dropped: int, leaves: Sequence[Any], /) -> None:
+    """Record that ``new``'s leaves are ``base``'s without the first ``dropped``, then others.
+
+    ``leaves`` is ``new``'s whole leaf sequence (what `tree_leaves` returns, in order; a
+    tuple the record already holds costs nothing). The caller states only what it built: the
+    claim must be exact, because an accounting that holds ``base``'s entries trusts it
+    instead of walking ``new``. ``new`` must be weakly referenceable and hashed by identity.
+
+    >>> import torch
+    >>> from sessionstate import LatentBuffer
+    >>> buf = LatentBuffer(dim=0).allocate().commit(torch.zeros(1))
+    >>> bigger = buf.commit(torch.ones(1))
+    >>> derivation(bigger).base() is buf, derivation(bigger).dropped
+    (True, 0)
+    """
+    _DERIVED[new] = Derivation(weakref.ref(base), dropped, leaves)
+
+
+def derivation(new: object, /) -> Derivation | None:
+    """What `note_derived` recorded for ``new``, or None.
+
+    >>> derivation(object()) is None
+    True
+    """
+    try:
+        return _DERIVED.get(new)
+    except TypeError:  # not weakly referenceable: never noted
+        return None
 
 
 def virtual_address(storage: torch.UntypedStorage) -> int:

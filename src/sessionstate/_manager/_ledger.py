@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 
@@ -26,6 +26,7 @@ from sessionstate._accounting import (
     _RefusedError,
     _storages,
     count_entries,
+    derivation,
     storage_entries,
 )
 from sessionstate._errors import UnsupportedTensorError
@@ -166,23 +167,38 @@ class Ledger:
 class _Item:
     """A stored value (an object or attribute of a session) and the storages it reaches.
 
-    ``per_leaf[i]`` are the storage entries of ``leaves[i]``; the ledger holds one reference
-    per position. An item made from an earlier version of the value (``base``) that shares a
-    run of leaves with it (an append-only buffer that grew, a ring that moved on) records how:
-    the base's first ``dropped`` leaves are gone and the rest are this item's first leaves, so
-    the ledger moves from the base to this item by the difference alone. Once the ledger has
-    moved, ``base`` is cleared, so stored items never keep earlier versions alive.
+    ``backing[start + i]`` are the storage entries of ``leaves[i]``; the ledger holds one
+    reference per position. An item made from an earlier version of the value (``base``) that
+    shares a run of leaves with it (an append-only buffer that grew, a ring that moved on)
+    records how: the base's first ``dropped`` leaves are gone and the rest are this item's
+    first leaves, so the ledger moves from the base to this item by the difference alone. Once
+    the ledger has moved, ``base`` is cleared, so stored items never keep earlier versions
+    alive.
+
+    Versions of a value share one ``backing`` list: a successor that only appends extends
+    it in place when no other item has extended it past its base's window (each item reads
+    only its own window), so a commit to a long buffer costs the chunks it added.
     """
 
     value: object
-    leaves: list[object]
-    per_leaf: list[list[StorageEntry]]
+    leaves: Sequence[object]
+    backing: list[list[StorageEntry]]
+    start: int = 0
     base: _Item | None = None
     dropped: int = 0
 
     @property
+    def stop(self) -> int:
+        return self.start + len(self.leaves)
+
+    def per_leaf(self, begin: int = 0, end: int | None = None) -> list[list[StorageEntry]]:
+        """The entries of ``leaves[begin:end]``."""
+        stop = self.stop if end is None else self.start + end
+        return self.backing[self.start + begin : stop]
+
+    @property
     def entries(self) -> Iterator[StorageEntry]:
-        return itertools.chain.from_iterable(self.per_leaf)
+        return itertools.chain.from_iterable(self.per_leaf())
 
 
 Values = dict[ValueKey, _Item]
@@ -191,7 +207,7 @@ Values = dict[ValueKey, _Item]
 _MAX_DROPPED = 8  # leading leaves a new version of a value may drop and still share the rest
 
 
-def _shared_run(old: list[object], new: list[object]) -> int | None:
+def _shared_run(old: Sequence[object], new: Sequence[object]) -> int | None:
     # The number of leading leaves of `old` that are gone when the rest of `old` starts `new`
     # (leaf for leaf, the same objects); None when no such run exists.
     for dropped in range(min(len(old), _MAX_DROPPED + 1)):
@@ -208,16 +224,44 @@ def _walk(value: object, previous: _Item | None) -> _Item:
         UnsupportedTensorError: for a leaf the accounting cannot count (naming its key path
             inside ``value``).
     """
+    if previous is not None:
+        derived = derivation(value)
+        if derived is not None and derived.base() is previous.value:
+            # The transition that built `value` said how (a buffer's commit): count only the
+            # leaves it added, whatever the value's history.
+            dropped = min(derived.dropped, len(previous.leaves))
+            kept = len(previous.leaves) - dropped
+            added = _count_leaves(value, derived.leaves[kept:])
+            return _successor(value, derived.leaves, previous, dropped, added)
     leaves = tree_leaves(value)
-    dropped = None if previous is None else _shared_run(previous.leaves, leaves)
-    if previous is None or dropped is None:
+    shared = None if previous is None else _shared_run(previous.leaves, leaves)
+    if previous is None or shared is None:
         return _Item(value, leaves, _count_leaves(value, leaves))
-    kept = len(previous.leaves) - dropped
-    per_leaf = previous.per_leaf[dropped:] + _count_leaves(value, leaves[kept:])
-    return _Item(value, leaves, per_leaf, previous, dropped)
+    kept = len(previous.leaves) - shared
+    return _successor(value, leaves, previous, shared, _count_leaves(value, leaves[kept:]))
 
 
-def _count_leaves(value: object, leaves: list[object]) -> list[list[StorageEntry]]:
+_COMPACT_AT = 64  # positions a ring's backing may lead with (dropped) before it is copied
+
+
+def _successor(
+    value: object,
+    leaves: Sequence[object],
+    previous: _Item,
+    dropped: int,
+    added: list[list[StorageEntry]],
+) -> _Item:
+    # `previous`'s leaves less its first `dropped`, then `added`: extend the shared backing
+    # in place while `previous` ends it (nobody appended past it), else copy the kept run.
+    backing, start = previous.backing, previous.start + dropped
+    if previous.stop == len(backing) and start <= _COMPACT_AT + len(leaves):
+        backing.extend(added)
+    else:
+        backing, start = previous.per_leaf(dropped) + added, 0
+    return _Item(value, leaves, backing, start, previous, dropped)
+
+
+def _count_leaves(value: object, leaves: Sequence[object]) -> list[list[StorageEntry]]:
     try:
         return [list(_storages(leaf)) for leaf in leaves]
     except _RefusedError:
@@ -289,14 +333,14 @@ class SessionLedger:
             if old is item:
                 continue
             kept = len(old.leaves) - item.dropped if old is not None and item.base is old else 0
-            for entries in item.per_leaf[kept:]:
+            for entries in item.per_leaf(kept):
                 ledger.add(entries)
         for key, old in previous.items():
             new = values.get(key)
             if new is old:
                 continue
-            gone = new.dropped if new is not None and new.base is old else len(old.per_leaf)
-            for entries in old.per_leaf[:gone]:
+            gone = new.dropped if new is not None and new.base is old else len(old.leaves)
+            for entries in old.per_leaf(0, gone):
                 ledger.remove(entries)
         for item in values.values():
             item.base = None
