@@ -320,8 +320,8 @@ def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
         lost = (
             "Migrating session 'plain' from 'worker-1' to 'worker-2' failed at the export stage "
             "(worker 'worker-1' died); 'worker-1' was lost, and the session with it; the next "
-            "call for it raises `SessionStateLostError`. Call `drop` on the router to start it "
-            "again, or set `set_snapshot_every` to survive a worker loss."
+            "call for it raises `SessionStateLostError`, saying why. Call `drop` on the router "
+            "to start it again, or set `set_snapshot_every` to survive a worker loss."
         )
         with pytest.raises(MigrationError, match=re.escape(lost)):
             router.migrate("plain", "worker-2")

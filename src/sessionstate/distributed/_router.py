@@ -552,6 +552,9 @@ class Router:
         epoch: int,
         new_epoch: int,
     ) -> NoReturn:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            plain = session is None or session.snapshot_every is None
         dead: set[str] = {exc.worker} if isinstance(exc, _WorkerLostError) else set()
         if stage != "export" and destination not in dead:
             # Undo an import that completed (or will: the drop runs after it, in order).
@@ -612,8 +615,9 @@ class Router:
             else:
                 outcome = (
                     f"{source!r} was lost, and the session with it; the next call for it "
-                    "raises `SessionStateLostError`. Call `drop` on the router to start it "
-                    "again, or set `set_snapshot_every` to survive a worker loss."
+                    "raises `SessionStateLostError`, saying why. Call `drop` on the router to "
+                    "start it again"
+                    + (", or set `set_snapshot_every` to survive a worker loss." if plain else ".")
                 )
         msg = (
             f"Migrating session {session_id!r} from {source!r} to {destination!r} failed at "
