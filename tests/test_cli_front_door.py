@@ -279,3 +279,13 @@ def test_demo_saves_a_session_that_inspect_reads(
     assert buckets["vae_enc_feat_map"] == "object"
     assert main(["inspect", str(path)]) == 0
     assert report["largest_session"] in capsys.readouterr().out
+
+
+def test_evictions_the_budget_adds_on_the_managed_path_are_counted() -> None:
+    results: dict[str, Any] = {
+        "bespoke": {"stats": {"evictions": 1}},
+        "managed": {"stats": {"evictions": 4}},
+    }
+    assert _ab.budget_evictions(results) == 3
+    results["managed"]["stats"]["evictions"] = 1
+    assert _ab.budget_evictions(results) == 0

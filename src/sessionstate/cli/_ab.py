@@ -194,6 +194,16 @@ def budget_refusal(results: dict[str, Any]) -> str | None:
     return None
 
 
+def budget_evictions(results: dict[str, Any]) -> int:
+    """How many more sessions the managed path evicted than the bespoke one (at least 0).
+
+    Under a byte budget the extra evictions are the budget's: the bespoke path, which has no
+    budget, kept those sessions, so their later steps restart on one path only.
+    """
+    held = {name: res["stats"].get("evictions", 0) for name, res in results.items()}
+    return max(0, held["managed"] - held["bespoke"])
+
+
 def _cmd_ab(args: argparse.Namespace) -> int:
     import torch
 
@@ -236,6 +246,16 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                 f"needs: the managed path refused a step the bespoke path (which has no budget) "
                 f"served, so the two cannot be compared. Raise `--max-bytes` above one "
                 f"session's bytes. The refusal, {refusal}"
+            )
+            raise ValueError(msg)
+        evicted = budget_evictions(results)
+        if evicted:
+            msg = (
+                f"the byte budget `--max-bytes {args.max_bytes}` is below what this workload "
+                f"needs: even after parking, the managed path evicted {evicted} more "
+                f"session(s) than the bespoke path (which has no budget), and they restarted "
+                f"there, so the two cannot be compared (first difference: {mismatch}). Raise "
+                f"`--max-bytes`, or run fewer `--sessions`."
             )
             raise ValueError(msg)
     refusals = {
