@@ -397,3 +397,15 @@ def test_spool_directory_is_removed_with_the_manager(tmp_path: Path) -> None:
 
     gc.collect()
     assert not os.path.exists(spool)
+
+
+def test_a_disk_unpark_moves_each_storage_to_its_device_once() -> None:
+    # The disk tier reads into host memory first (checked, no device memory), then copies
+    # each storage to the device it came from; meta stands in for an accelerator here.
+    x = torch.arange(8.0)
+    host = [x, x[2:].view(2, 3), torch.ones(2)]
+    moved = park_module._to_devices(host, [torch.device("meta")] * 2 + [torch.device("cpu")])
+    assert [t.device.type for t in moved] == ["meta", "meta", "cpu"]
+    assert moved[0].untyped_storage()._cdata == moved[1].untyped_storage()._cdata
+    assert (moved[1].shape, moved[1].stride(), moved[1].storage_offset()) == ((2, 3), (3, 1), 2)
+    assert moved[2] is host[2] or torch.equal(moved[2], host[2])
