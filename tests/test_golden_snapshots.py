@@ -63,8 +63,8 @@ def _assert_same_output(got: Any, want: Any) -> None:
 def test_every_builder_has_golden_files_and_every_file_a_builder() -> None:
     builders = {p.stem.rpartition("_v")[0] for p in GOLDEN}
     assert builders == set(make_golden.BUILDERS)
-    # Format 1 and 2 (written before format 3 existed) and format 3 are all pinned.
-    assert {int(p.stem.rpartition("_v")[2]) for p in GOLDEN} == {1, 2, 3}
+    # Formats 1 and 2 (written before format 3 existed), 3 (CRC-32) and 4 (xxh3-64) are pinned.
+    assert {int(p.stem.rpartition("_v")[2]) for p in GOLDEN} == {1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.stem}")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import re
 import struct
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import save_file
 
 from sessionstate import (
@@ -33,7 +33,7 @@ from sessionstate import (
 def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged).
 
-    The document's CRC-32 is written again, so the edit reaches the checks behind it.
+    The document's xxh3-64 is written again, so the edit reaches the checks behind it.
     """
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -41,7 +41,7 @@ def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     edit(document)
     text = json.dumps(document)
     header["__metadata__"]["sessionstate"] = text
-    header["__metadata__"]["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
+    header["__metadata__"]["sessionstate.xxh3"] = f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
     encoded = json.dumps(header).encode()
     return struct.pack("<Q", len(encoded)) + encoded + data[8 + n :]
 
@@ -116,11 +116,11 @@ def test_plain_safetensors_file(tmp_path: Path) -> None:
 
 def test_newer_format_version() -> None:
     def newer(doc: dict[str, Any]) -> None:
-        doc["format_version"] = 4
+        doc["format_version"] = 5
         doc["library_version"] = "9.0"
 
     msg = (
-        "Snapshot (bytes) uses snapshot format version 4, newer than this library reads (3; it "
+        "Snapshot (bytes) uses snapshot format version 5, newer than this library reads (4; it "
         "was written by sessionstate 9.0); upgrade sessionstate to load it."
     )
     with pytest.raises(SnapshotError, match=re.escape(msg)):
@@ -164,8 +164,8 @@ def test_checksum_mismatch(tmp_path: Path) -> None:
     data[-1] ^= 0x01
     path = _written(tmp_path, bytes(data))
     msg = (
-        f"Snapshot `{path}` is corrupt: storage 0 (16 bytes) fails its CRC-32 check; restore it "
-        "from an intact copy."
+        f"Snapshot `{path}` is corrupt: storage 0 (16 bytes) fails its xxh3-64 check; restore "
+        "it from an intact copy."
     )
     with pytest.raises(SnapshotError, match=re.escape(msg)):
         load_state(path)

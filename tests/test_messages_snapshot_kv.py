@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import struct
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from sessionstate import (
     KVHandle,
@@ -29,7 +29,7 @@ NAME = "sessionstate._kvpool:KVHandle"
 def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged).
 
-    The document's CRC-32 is written again, so the edit reaches the checks behind it.
+    The document's xxh3-64 is written again, so the edit reaches the checks behind it.
     """
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -37,7 +37,7 @@ def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     edit(document)
     text = json.dumps(document)
     header["__metadata__"]["sessionstate"] = text
-    header["__metadata__"]["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
+    header["__metadata__"]["sessionstate.xxh3"] = f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
     encoded = json.dumps(header).encode()
     return struct.pack("<Q", len(encoded)) + encoded + data[8 + n :]
 

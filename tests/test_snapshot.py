@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
 
 import sessionstate as ss
 from sessionstate import (
@@ -192,7 +193,7 @@ def test_file_opens_with_plain_safetensors(tmp_path: Path) -> None:
         assert sorted(f.keys()) == ["storage.0", "storage.1"]
         document = json.loads(f.metadata()["sessionstate"])
         stored = [f.get_tensor(f"storage.{i}") for i in range(2)]
-    assert document["format_version"] == 3
+    assert document["format_version"] == 4
     assert document["library_version"] == ss.__version__
     assert document["torch_version"] == torch.__version__
     assert document["metadata"] == {"who": "test"}
@@ -200,6 +201,26 @@ def test_file_opens_with_plain_safetensors(tmp_path: Path) -> None:
     assert torch.equal(stored[0], x.view(torch.uint8))
     assert torch.equal(stored[1], torch.ones(2, dtype=torch.uint8))
     assert [v["offset"] for v in document["views"]] == [0, 2, 0]
+
+
+def test_bytes_and_file_are_one_safetensors_container_a_function_of_the_record(
+    tmp_path: Path,
+) -> None:
+    # Twelve storages (names past `storage.9` sort differently as strings), one empty.
+    tensors = [torch.arange(i, dtype=torch.int16) for i in range(12)]
+    state = SessionState(attrs={f"t{i}": t for i, t in enumerate(tensors)})
+    data = dumps_state(state, metadata={"who": "test"})
+    path = tmp_path / "s.safetensors"
+    save_state(state, path, metadata={"who": "test"})
+    assert path.read_bytes() == data
+    assert dumps_state(state, metadata={"who": "test"}) == data
+    (n,) = struct.unpack("<Q", data[:8])
+    assert (8 + n) % 8 == 0  # the data section starts aligned, as safetensors aligns it
+    stored = safetensors_load(data)
+    assert sorted(stored) == sorted(f"storage.{i}" for i in range(12))
+    for i, t in enumerate(tensors):
+        assert torch.equal(stored[f"storage.{i}"], t.view(torch.uint8))
+    assert tree_equal(loads_state(data), state)
 
 
 def test_save_replaces_a_file_and_leaves_no_partial(tmp_path: Path) -> None:
@@ -292,7 +313,7 @@ def test_inspect_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     m.snapshot("cam-1", path, metadata={"note": "hello"})
     assert main(["inspect", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["format_version"] == 3
+    assert report["format_version"] == 4
     assert report["metadata"] == {"note": "hello", "session_id": "cam-1"}
     assert report["root"] == "SessionState()"
     rows = {row["name"]: row for row in report["values"]}

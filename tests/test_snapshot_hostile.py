@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import sessionstate as ss
 from sessionstate import (
@@ -34,6 +35,7 @@ from sessionstate import (
     save_state,
     tree_equal,
 )
+from sessionstate import _snapshot_decode as decode
 from sessionstate._frozen import FrozenDict
 from sessionstate._snapshot import inspect_snapshot
 from sessionstate._snapshot_format import MAX_DEPTH
@@ -52,13 +54,25 @@ def _join(header_text: str, body: bytes) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded + body
 
 
-def rewrite_text(data: bytes, edit: Callable[[str], str], *, sign: bool = True) -> bytes:
-    """``data`` with its JSON document's text edited; its CRC-32 written again if ``sign``."""
+def _xxh3(data: bytes) -> str:
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def sign(meta: dict[str, str], text: str) -> None:
+    """Write again every checksum of the document ``text`` that ``meta`` holds."""
+    if "sessionstate.xxh3" in meta:
+        meta["sessionstate.xxh3"] = _xxh3(text.encode())
+    if "sessionstate.crc32" in meta:
+        meta["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
+
+
+def rewrite_text(data: bytes, edit: Callable[[str], str], *, sign_it: bool = True) -> bytes:
+    """``data`` with its JSON document's text edited; its checksums written again if asked."""
     header, body = _split(data)
     text = edit(header["__metadata__"]["sessionstate"])
     header["__metadata__"]["sessionstate"] = text
-    if sign:
-        header["__metadata__"]["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
+    if sign_it:
+        sign(header["__metadata__"], text)
     return _join(json.dumps(header), body)
 
 
@@ -90,14 +104,29 @@ def _refused(data: bytes, msg: str) -> None:
         loads_state(data)
 
 
-# -- the header's checksum (format 3) --------------------------------------------------------------
+# -- the document's checksum (format 3: CRC-32; format 4 on: xxh3-64) -----------------------------
+
+V3 = Path(__file__).with_name("data") / "snapshots" / "0.1.0.dev0" / "plain_v3.safetensors"
+"""A committed format-3 file (CRC-32 checksums): the checks of older files stay in force."""
 
 
 def test_a_changed_value_in_the_header_fails_its_checksum() -> None:
     data = dumps_state(_state())
     header, _ = _split(data)
-    stored = header["__metadata__"]["sessionstate.crc32"]
-    forged = rewrite_text(data, lambda t: t.replace('"value":7', '"value":3'), sign=False)
+    stored = header["__metadata__"]["sessionstate.xxh3"]
+    forged = rewrite_text(data, lambda t: t.replace('"value":7', '"value":3'), sign_it=False)
+    text = _split(forged)[0]["__metadata__"]["sessionstate"]
+    _refused(
+        forged,
+        f"Snapshot (bytes) is corrupt: its JSON document fails its xxh3-64 check (stored "
+        f"{stored!r}, computed {_xxh3(text.encode())}); restore it from an intact copy.",
+    )
+
+
+def test_a_changed_value_in_a_format_3_header_fails_its_crc32() -> None:
+    data = V3.read_bytes()
+    stored = _split(data)[0]["__metadata__"]["sessionstate.crc32"]
+    forged = rewrite_text(data, lambda t: t.replace('"value":7', '"value":3'), sign_it=False)
     text = _split(forged)[0]["__metadata__"]["sessionstate"]
     _refused(
         forged,
@@ -107,28 +136,48 @@ def test_a_changed_value_in_the_header_fails_its_checksum() -> None:
 
 
 def test_a_lowered_format_version_is_still_checked() -> None:
+    # A flip that lowered the version to one using CRC-32 still meets the xxh3-64 it carries.
     data = dumps_state(_state())
     forged = rewrite_text(
-        data, lambda t: t.replace('"format_version":3', '"format_version":1'), sign=False
+        data, lambda t: t.replace('"format_version":4', '"format_version":3'), sign_it=False
     )
-    with pytest.raises(SnapshotError, match=re.escape("fails its CRC-32 check")):
+    with pytest.raises(SnapshotError, match=re.escape("fails its xxh3-64 check")):
         loads_state(forged)
 
 
-def test_a_format_3_file_without_its_checksum_is_refused() -> None:
-    data = rewrite_header(
-        dumps_state(_state()), lambda h: h["__metadata__"].pop("sessionstate.crc32")
-    )
+@pytest.mark.parametrize(
+    ("source", "key", "version"),
+    [("v4", "sessionstate.xxh3", 4), ("v3", "sessionstate.crc32", 3)],
+)
+def test_a_file_without_its_versions_document_checksum_is_refused(
+    source: str, key: str, version: int
+) -> None:
+    original = dumps_state(_state()) if source == "v4" else V3.read_bytes()
+    data = rewrite_header(original, lambda h: h["__metadata__"].pop(key))
     _refused(
         data,
-        "Snapshot (bytes) has no `sessionstate.crc32` checksum of its document, which format "
-        "version 3 requires; restore it from an intact copy, or write it again.",
+        f"Snapshot (bytes) has no `{key}` checksum of its document, which format version "
+        f"{version} requires; restore it from an intact copy, or write it again.",
     )
 
 
-def test_random_header_bit_flips_never_load_a_different_record() -> None:
-    state = _state()
-    data = dumps_state(state)
+def test_a_format_4_file_signed_with_a_crc32_instead_is_refused() -> None:
+    def downgrade(h: dict[str, Any]) -> None:
+        meta = h["__metadata__"]
+        del meta["sessionstate.xxh3"]
+        meta["sessionstate.crc32"] = str(zlib.crc32(meta["sessionstate"].encode()))
+
+    _refused(
+        rewrite_header(dumps_state(_state()), downgrade),
+        "Snapshot (bytes) has no `sessionstate.xxh3` checksum of its document, which format "
+        "version 4 requires; restore it from an intact copy, or write it again.",
+    )
+
+
+@pytest.mark.parametrize("source", ["v4", "v3"])
+def test_random_header_bit_flips_never_load_a_different_record(source: str) -> None:
+    data = dumps_state(_state()) if source == "v4" else V3.read_bytes()
+    state = loads_state(data)
     (n,) = struct.unpack("<Q", data[:8])
     rng = random.Random(0)
     refused = 0
@@ -145,7 +194,7 @@ def test_random_header_bit_flips_never_load_a_different_record() -> None:
     assert refused > 150
 
 
-# -- checksums on the bytes path (issue 21, item 4) ------------------------------------------------
+# -- storage checksums on the bytes path (issue 21, item 4) ---------------------------------------
 
 
 def test_corrupt_storage_bytes_through_loads_state_give_snapshot_error() -> None:
@@ -153,7 +202,17 @@ def test_corrupt_storage_bytes_through_loads_state_give_snapshot_error() -> None
     data[-3] ^= 0x10  # inside storage 1, the attr `x`
     _refused(
         bytes(data),
-        "Snapshot (bytes) is corrupt: storage 1 (8 bytes) fails its CRC-32 check; restore it "
+        "Snapshot (bytes) is corrupt: storage 1 (8 bytes) fails its xxh3-64 check; restore it "
+        "from an intact copy.",
+    )
+
+
+def test_corrupt_storage_bytes_of_a_format_3_file_fail_its_crc32() -> None:
+    data = bytearray(V3.read_bytes())
+    data[-3] ^= 0x10  # inside storage 3 (10 bytes), the last in the file
+    _refused(
+        bytes(data),
+        "Snapshot (bytes) is corrupt: storage 3 (10 bytes) fails its CRC-32 check; restore it "
         "from an intact copy.",
     )
 
@@ -164,9 +223,22 @@ def test_corrupt_bytes_restored_into_a_manager_change_nothing() -> None:
     manager.put("s", path_state)
     data = bytearray(dumps_state(path_state.with_attrs(step=8)))
     data[-3] ^= 0x10
-    with pytest.raises(SnapshotError, match=re.escape("fails its CRC-32 check")):
+    with pytest.raises(SnapshotError, match=re.escape("fails its xxh3-64 check")):
         manager.put("s", loads_state(bytes(data)))
     assert manager.peek("s") is path_state
+
+
+def test_a_long_storage_is_checked_across_read_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A loader hashes a storage chunk by chunk as it reads it; a flip in any chunk is caught.
+    monkeypatch.setattr(decode, "_CHUNK", 64)
+    x = torch.arange(100, dtype=torch.float32)
+    data = dumps_state({"x": x})
+    assert torch.equal(loads_state(data)["x"], x)
+    for at in (len(data) - 400, len(data) - 200, len(data) - 1):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x01
+        with pytest.raises(SnapshotError, match=re.escape("fails its xxh3-64 check")):
+            loads_state(bytes(flipped))
 
 
 # -- storages: sizes, offsets, devices -------------------------------------------------------------
@@ -238,14 +310,29 @@ def test_a_storage_device_that_names_no_real_device_is_refused(device: Any, why:
     )
 
 
+@pytest.mark.parametrize(
+    "value", [123, "78AF5F94892F3950", "78af5f94892f395", "0x78af5f94892f39", None, True]
+)
+def test_a_storage_checksum_that_is_not_16_hex_digits_is_refused(value: Any) -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["storages"][0]["xxh3"] = value
+
+    _refused(
+        rewrite(dumps_state(_state()), edit),
+        f"Snapshot (bytes) has no valid xxh3-64 checksum for storage 0 (got {value!r}; it must "
+        "be 16 lowercase hex digits); write it again.",
+    )
+
+
 @pytest.mark.parametrize("value", [-1, 2**32, "627055499", None])
-def test_a_storage_checksum_that_is_not_a_32_bit_int_is_refused(value: Any) -> None:
+def test_a_format_3_storage_checksum_that_is_not_a_32_bit_int_is_refused(value: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["storages"][0]["crc32"] = value
 
     _refused(
-        rewrite(dumps_state(_state()), edit),
-        f"Snapshot (bytes) has no valid CRC-32 for storage 0 (got {value!r}); write it again.",
+        rewrite(V3.read_bytes(), edit),
+        f"Snapshot (bytes) has no valid CRC-32 checksum for storage 0 (got {value!r}; it must be "
+        "an int from 0 to 2**32 - 1); write it again.",
     )
 
 
@@ -579,12 +666,12 @@ def test_a_save_failing_midway_leaves_the_previous_file_and_nothing_else(
     before = _state()
     save_state(before, path)
 
-    def fail_midway(tensors: Any, filename: str, metadata: Any = None) -> None:
+    def fail_midway(filename: Path, header: bytes, data: Any) -> None:
         with open(filename, "wb") as f:
-            f.write(b'\x10\x00\x00\x00\x00\x00\x00\x00{"storage.0"')  # a partial header
+            f.write(header[:20])  # a partial header
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ss._snapshot_encode, "_st_save_file", fail_midway)
+    monkeypatch.setattr(ss._snapshot_encode, "_write_file", fail_midway)
     with pytest.raises(OSError, match=re.escape("No space left on device")):
         save_state(before.with_attrs(step=8), path)
     assert tree_equal(load_state(path), before)
@@ -624,16 +711,16 @@ def test_a_tensor_written_in_place_during_a_save_fails_its_checksum_at_load(
     path = tmp_path / "s.safetensors"
     x = torch.zeros(4)
     state = SessionState(attrs={"x": x})
-    write = ss._snapshot_encode._st_save_file
+    write = ss._snapshot_encode._write_file
 
-    def racing_write(tensors: Any, filename: str, metadata: Any = None) -> None:
+    def racing_write(filename: Path, header: bytes, data: Any) -> None:
         x.add_(1)  # another thread, between the checksum and the write
-        write(tensors, filename, metadata=metadata)
+        write(filename, header, data)
 
-    monkeypatch.setattr(ss._snapshot_encode, "_st_save_file", racing_write)
+    monkeypatch.setattr(ss._snapshot_encode, "_write_file", racing_write)
     save_state(state, path)
     msg = (
-        f"Snapshot `{path}` is corrupt: storage 0 (16 bytes) fails its CRC-32 check; restore it "
+        f"Snapshot `{path}` is corrupt: storage 0 (16 bytes) fails its xxh3-64 check; restore it "
         "from an intact copy."
     )
     with pytest.raises(SnapshotError, match=re.escape(msg)):

@@ -63,7 +63,7 @@ def test_handle_round_trip_reads_the_same_tokens_over_a_standalone_pool(
     assert ss.nbytes_by_device(loaded) == ss.nbytes_by_device(state) == {"cpu": 3 * 4 * 6 * 2}
     with safe_open(str(path), framework="pt") as f:
         document = json.loads(f.metadata()["sessionstate"])
-    assert document["format_version"] == 3
+    assert document["format_version"] == 4
     saved = document["leaves"]["sessionstate._kvpool:KVHandle"]
     payload = _plain(saved)
     view = document["views"][payload["pools"][0].pop("blocks")[1]]
@@ -168,7 +168,7 @@ def test_inspect_counts_a_handles_blocks(tmp_path: Path) -> None:
     ss.save_state(SessionState(attrs={"kv": handle, "step": 1}), path)
     report = ss._snapshot.inspect_snapshot(path)
     rows = {row["name"]: row for row in report["values"]}
-    assert report["format_version"] == 3
+    assert report["format_version"] == 4
     assert rows["kv"]["structure"] == "KVHandle"
     assert rows["kv"]["nbytes"] == handle.nbytes_by_device()
     assert rows["step"]["nbytes"] == {}

@@ -129,12 +129,12 @@ MUTANTS = (
         (
             (
                 "    try:\n"
-                "        _st_save_file(tensors, str(partial), metadata=meta)\n"
+                "        _write_file(partial, header, data)\n"
                 "        os.replace(partial, target)\n"
                 "    finally:\n"
                 "        with contextlib.suppress(FileNotFoundError):\n"
                 "            partial.unlink()\n",
-                "    _st_save_file(tensors, str(target), metadata=meta)\n",
+                "    _write_file(target, header, data)\n",
             ),
         ),
         (
@@ -144,12 +144,12 @@ MUTANTS = (
     ),
     Mutant(
         "loads-skips-storage-crc",
-        "a snapshot loaded from bytes (loads_state: restore, migration) skips the storage CRC-32",
+        "a snapshot loaded from bytes (loads_state: restore, migration) skips the storage checksum",
         "sessionstate/_snapshot_decode.py",
         (
             (
-                "        if _checksum(data) != described.crc32:",
-                '        if source != "(bytes)" and _checksum(data) != described.crc32:',
+                "        if hasher.value() != described.checksum:",
+                '        if source != "(bytes)" and hasher.value() != described.checksum:',
             ),
         ),
         (
@@ -159,12 +159,12 @@ MUTANTS = (
     ),
     Mutant(
         "header-crc-skipped",
-        "the loader never checks the CRC-32 of a snapshot's JSON document",
+        "the loader never checks the checksum of a snapshot's JSON document",
         "sessionstate/_snapshot_decode.py",
         (
             (
-                "    if stored is not None and stored != document_checksum(text):",
-                "    if False:",
+                "        if stored is not None and stored != kind.of_document(text):",
+                "        if False:",
             ),
         ),
         (
@@ -176,12 +176,12 @@ MUTANTS = (
     # -- distributed mutants (issue 21) --
     Mutant(
         "migration-import-skips-crc",
-        "the loader skips the CRC-32 check for in-memory bytes (the migration import path)",
+        "the loader skips the storage checksum for in-memory bytes (the migration import path)",
         "sessionstate/_snapshot_decode.py",
         (
             (
-                "        if _checksum(data) != described.crc32:",
-                '        if source != "(bytes)" and _checksum(data) != described.crc32:',
+                "        if hasher.value() != described.checksum:",
+                '        if source != "(bytes)" and hasher.value() != described.checksum:',
             ),
         ),
         (

@@ -5,8 +5,8 @@ The format stores each distinct *storage* once, as a raw ``uint8`` tensor named
 dtype, shape, stride, storage offset). Two leaves that shared a storage share one again after
 loading, so `nbytes_by_device` is unchanged by a round trip. The structure (record classes by
 stable name, `SNAPSHOT_NAMES`; static fields, containers, JSON leaves), a format version, the
-library and torch versions and a CRC-32 per storage go in the safetensors metadata as one JSON
-document under the key ``sessionstate``.
+library and torch versions and an xxh3-64 checksum per storage go in the safetensors metadata as
+one JSON document under the key ``sessionstate``.
 
 Loading never unpickles: records are rebuilt through their constructors (their validators
 run), and only classes registered as records in this process are used. The one import a
@@ -19,9 +19,10 @@ as a `KVHandle`) is saved by value when its class is registered with `register_s
 the class turns all its leaves in one snapshot into one payload of tensors and JSON values,
 stored like the rest, and rebuilds them from it at load.
 
-A file is format version 3 (`FORMAT_VERSION`): the JSON document carries a CRC-32 of its own
+A file is format version 4 (`FORMAT_VERSION`): the JSON document carries an xxh3-64 of its own
 (`CHECKSUM_KEY`), so a changed byte anywhere in the structure is refused as the storages'
-are. Files of versions 1 and 2 load unchanged (committed ones are under ``tests/data/``).
+are. Files of versions 1 to 3 (CRC-32 checksums, the document's under `CRC32_KEY` in version
+3) load unchanged (committed ones are under ``tests/data/``).
 Before anything is allocated, every number in the header is checked exactly (ints, never
 bools, floats or strings; in range; storages inside the file and not overlapping), so a
 loader never allocates more than the file's storages hold; a hostile file gets a
@@ -41,6 +42,7 @@ from sessionstate._snapshot_decode import load_state, loads_state, read_header
 from sessionstate._snapshot_encode import dumps_state, save_state
 from sessionstate._snapshot_format import (
     CHECKSUM_KEY,
+    CRC32_KEY,
     FORMAT_VERSION,
     SNAPSHOT_NAMES,
     ViewSpec,
@@ -56,6 +58,7 @@ from sessionstate._snapshot_inspect import inspect_snapshot
 
 __all__ = [
     "CHECKSUM_KEY",
+    "CRC32_KEY",
     "FORMAT_VERSION",
     "SNAPSHOT_NAMES",
     "ViewSpec",

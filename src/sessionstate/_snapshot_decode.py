@@ -23,15 +23,17 @@ from sessionstate._snapshot_format import (
     _MAX_HEADER,
     _MAX_INT,
     _R,
-    CHECKSUM_KEY,
+    CRC32,
     FORMAT_VERSION,
     MAX_DEPTH,
     METADATA_KEY,
+    XXH3,
+    Checksum,
+    StreamHash,
     ViewSpec,
-    _checksum,
     _refusal,
     _root,
-    document_checksum,
+    checksum_of_version,
     rebuild_views,
     resolve_leaf_class,
     resolve_record,
@@ -89,7 +91,7 @@ def _is_count(value: Any) -> TypeGuard[int]:
 class _Storage:
     nbytes: int
     device: str
-    crc32: int
+    checksum: int  # of the file's format version (`Document.checksum`)
     start: int  # of its bytes, relative to the data section
 
 
@@ -99,12 +101,14 @@ class Document:
 
     Attributes:
         raw: The JSON document as parsed.
-        storages: Per storage: its size, device, CRC-32 and place in the data section.
+        checksum: The checksum of the file's format version (xxh3-64 from 4 on, else CRC-32).
+        storages: Per storage: its size, device, checksum and place in the data section.
         views: Each tensor leaf as a view of one storage, checked to fit it.
         data_start: The offset of the data section in the file.
     """
 
     raw: dict[str, Any]
+    checksum: Checksum
     storages: tuple[_Storage, ...]
     views: tuple[ViewSpec, ...]
     data_start: int
@@ -162,7 +166,11 @@ class _Reader:
             )
         return header, 8 + n
 
-    def read_into(self, start: int, out: torch.Tensor) -> None:
+    def read_into(self, start: int, out: torch.Tensor, hasher: StreamHash) -> None:
+        """Fill ``out`` with the bytes at ``start``, feeding each chunk to ``hasher`` as read.
+
+        Hashing a chunk right after reading it finds it in cache: one pass over memory, not two.
+        """
         self.stream.seek(start)
         if out.numel() == 0:
             return
@@ -172,17 +180,18 @@ class _Reader:
             got = self.stream.readinto(view[done : done + _CHUNK])  # type: ignore[attr-defined]
             if not got:
                 raise _fail(self.source, "is truncated", "write it again")
+            hasher.update(view[done : done + got])
             done += got
 
 
 def read_header(source: str, stream: IO[bytes], size: int) -> Document:
     """Parse and check a snapshot's container header and JSON document; read no storage.
 
-    Everything a loader later trusts is checked here: the document's CRC-32 (version 3 on),
-    the version, every storage's size, device and place in the file (inside it, not
-    overlapping another), every view (it fits its storage) and the structure of the tree
-    (node kinds, references, nesting depth). A loader therefore never allocates more than
-    the file's storages hold.
+    Everything a loader later trusts is checked here: the document's checksum (a CRC-32 in
+    version 3, an xxh3-64 from version 4 on), the version, every storage's size, device and
+    place in the file (inside it, not overlapping another), every view (it fits its storage)
+    and the structure of the tree (node kinds, references, nesting depth). A loader therefore
+    never allocates more than the file's storages hold.
 
     Raises:
         SnapshotError: for a file that is not a snapshot, from a newer format version,
@@ -218,31 +227,38 @@ def read_header(source: str, stream: IO[bytes], size: int) -> Document:
             f"({FORMAT_VERSION}; it was written by sessionstate {writer!s:.40})",
             "upgrade sessionstate to load it",
         )
-    # Checked whenever present (a flipped bit may have lowered the version), required from
-    # version 3 on.
-    stored = meta.get(CHECKSUM_KEY)
-    if stored is None and version >= 3:
-        raise _fail(
-            source,
-            f"has no `{CHECKSUM_KEY}` checksum of its document, which format version "
-            f"{version} requires",
-            "restore it from an intact copy, or write it again",
-        )
-    if stored is not None and stored != document_checksum(text):
-        raise _fail(
-            source,
-            f"is corrupt: its JSON document fails its CRC-32 check (stored {stored!r:.20}, "
-            f"computed {document_checksum(text)})",
-            "restore it from an intact copy",
-        )
-    storages = _storages(source, document, header, data_start, size)
+    checksum = checksum_of_version(version)
+    # Each checksum of the document is checked whenever present (a flipped bit may have lowered
+    # the version); the version's own is required from version 3 on.
+    for kind in (XXH3, CRC32):
+        stored = meta.get(kind.key)
+        if stored is None and kind is checksum and version >= 3:
+            raise _fail(
+                source,
+                f"has no `{kind.key}` checksum of its document, which format version "
+                f"{version} requires",
+                "restore it from an intact copy, or write it again",
+            )
+        if stored is not None and stored != kind.of_document(text):
+            raise _fail(
+                source,
+                f"is corrupt: its JSON document fails its {kind.name} check (stored "
+                f"{stored!r:.20}, computed {kind.of_document(text)})",
+                "restore it from an intact copy",
+            )
+    storages = _storages(source, document, header, data_start, size, checksum)
     views = _views(source, document, storages)
     _check_tree(source, document, len(views))
-    return Document(document, storages, views, data_start)
+    return Document(document, checksum, storages, views, data_start)
 
 
 def _storages(
-    source: str, document: dict[str, Any], header: dict[str, Any], data_start: int, size: int
+    source: str,
+    document: dict[str, Any],
+    header: dict[str, Any],
+    data_start: int,
+    size: int,
+    checksum: Checksum,
 ) -> tuple[_Storage, ...]:
     described = document.get("storages")
     if not isinstance(described, list):
@@ -295,13 +311,20 @@ def _storages(
                 f"holds storage {i} for device {device!r:.40}, {problem}",
                 "write it again, or pass `device=` only at load",
             )
-        crc = d.get("crc32")
-        if type(crc) is not int or not 0 <= crc < 2**32:
+        stored = d.get(checksum.field)
+        value = checksum.from_json(stored)
+        if value is None:
+            expected = (
+                "16 lowercase hex digits" if checksum is XXH3 else "an int from 0 to 2**32 - 1"
+            )
             raise _fail(
-                source, f"has no valid CRC-32 for storage {i} (got {crc!r:.40})", _WRITE_AGAIN
+                source,
+                f"has no valid {checksum.name} checksum for storage {i} (got {stored!r:.40}; "
+                f"it must be {expected})",
+                _WRITE_AGAIN,
             )
         assert isinstance(device, str)
-        out.append(_Storage(nbytes=nbytes, device=device, crc32=crc, start=start))
+        out.append(_Storage(nbytes=nbytes, device=device, checksum=value, start=start))
     # Disjoint ranges: a file's bytes back one storage at most, so what is allocated is at most
     # the file's size.
     ranges = sorted((s.start, s.start + s.nbytes, i) for i, s in enumerate(out) if s.nbytes)
@@ -489,11 +512,13 @@ def _load(
     storages: list[torch.UntypedStorage] = []
     for i, described in enumerate(header.storages):
         data = torch.empty(described.nbytes, dtype=torch.uint8)
-        reader.read_into(header.data_start + described.start, data)
-        if _checksum(data) != described.crc32:
+        hasher = header.checksum.hasher()
+        reader.read_into(header.data_start + described.start, data, hasher)
+        if hasher.value() != described.checksum:
             raise _fail(
                 source,
-                f"is corrupt: storage {i} ({described.nbytes} bytes) fails its CRC-32 check",
+                f"is corrupt: storage {i} ({described.nbytes} bytes) fails its "
+                f"{header.checksum.name} check",
                 "restore it from an intact copy",
             )
         target = torch.device(device) if device is not None else torch.device(described.device)
@@ -667,7 +692,7 @@ def load_state(
     Records are rebuilt through their constructors and only classes registered as records in
     this process are used (a module under ``sessionstate.`` named in the file may be imported;
     import any other record class's module first). Nothing is unpickled. Every storage is
-    checked against its CRC-32 before anything is returned.
+    checked against its checksum before anything is returned.
 
     Args:
         path: The snapshot file.

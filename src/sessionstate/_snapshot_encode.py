@@ -1,4 +1,11 @@
-"""Writing a snapshot: a record's structure to JSON and its storages to safetensors."""
+"""Writing a snapshot: a record's structure to JSON and its storages to safetensors.
+
+The safetensors container is written here rather than by ``safetensors.torch``: its ``save``
+copies every byte twice (into a Rust buffer, then into ``bytes``) where one copy suffices, and
+it orders the metadata keys at random, so one record would give different bytes from one save
+to the next. Here each storage's bytes are copied once at most (for a file, never), and the
+bytes are a function of the record alone; safetensors reads them (tested).
+"""
 
 from __future__ import annotations
 
@@ -7,29 +14,26 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from safetensors.torch import save as _st_save
-from safetensors.torch import save_file as _st_save_file
 
 from sessionstate._checks import describe
 from sessionstate._frozen import FrozenDict
 from sessionstate._snapshot_format import (
-    CHECKSUM_KEY,
     FORMAT_VERSION,
     MAX_DEPTH,
     METADATA_KEY,
-    _checksum,
+    XXH3,
     _is_record,
     _is_snapshot_leaf,
     _refusal,
     _root,
     collect_storages,
-    document_checksum,
     record_name,
     storage_bytes,
 )
@@ -144,9 +148,8 @@ class _Encoder:
         return {"type": "record", "class": record_name(cls), "fields": fields, "static": statics}
 
 
-def _encode(
-    state: PyTree, metadata: Mapping[str, str] | None
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _encode(state: PyTree, metadata: Mapping[str, str] | None) -> tuple[bytes, list[memoryview]]:
+    """The snapshot of ``state``: its container header, and each storage's bytes in file order."""
     if metadata is not None:
         for k, v in metadata.items():
             if not isinstance(k, str) or not isinstance(v, str):
@@ -159,15 +162,18 @@ def _encode(
     tree = encoder.node(state, "")
     leaves = encoder.payloads()
     storages, views = collect_storages(encoder.tensors)
-    tensors: dict[str, torch.Tensor] = {}
+    data: list[memoryview] = []
     described = []
-    for i, storage in enumerate(storages):
-        data = storage_bytes(storage)
-        device = str(data.device)
-        if data.device.type != "cpu":
-            data = data.cpu()
-        tensors[f"storage.{i}"] = data
-        described.append({"nbytes": data.numel(), "device": device, "crc32": _checksum(data)})
+    for storage in storages:
+        tensor = storage_bytes(storage)
+        device = str(tensor.device)
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        raw = tensor.numpy().data  # the storage's own memory: a CPU storage is not copied
+        data.append(raw)
+        described.append(
+            {"nbytes": len(raw), "device": device, XXH3.field: XXH3.to_json(XXH3.of(raw))}
+        )
     import sessionstate
 
     document = {
@@ -183,7 +189,34 @@ def _encode(
     if leaves:
         document["leaves"] = leaves
     text = json.dumps(document, separators=(",", ":"))
-    return tensors, {METADATA_KEY: text, CHECKSUM_KEY: document_checksum(text)}
+    header = _container_header({METADATA_KEY: text, XXH3.key: XXH3.of_document(text)}, data)
+    return header, data
+
+
+def _container_header(metadata: Mapping[str, str], data: Sequence[memoryview]) -> bytes:
+    """The safetensors header: ``metadata``, then ``data[i]`` as the ``U8`` tensor ``storage.<i>``.
+
+    The storages follow the header in index order. The header is padded with spaces to a
+    multiple of 8 bytes, as safetensors pads it, so that the data section starts aligned.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    start = 0
+    for i, raw in enumerate(data):
+        end = start + len(raw)
+        header[f"storage.{i}"] = {"dtype": "U8", "shape": [len(raw)], "data_offsets": [start, end]}
+        start = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_file(path: Path, header: bytes, data: Sequence[memoryview]) -> None:
+    # Each storage goes from its own memory to the file: a buffered file hands a write larger
+    # than its buffer straight to the system.
+    with open(path, "wb") as f:
+        f.write(header)
+        for raw in data:
+            f.write(raw)
 
 
 def save_state(
@@ -200,8 +233,8 @@ def save_state(
     ``requires_grad`` are not.
 
     A record is immutable: a tensor it holds must not be written in place while it is saved.
-    Such a write races the save, and the file then fails its CRC-32 check at load
-    (`SnapshotError`) instead of holding a torn record.
+    Such a write races the save, and the file then fails its checksum at load (`SnapshotError`)
+    instead of holding a torn record.
 
     Args:
         state: A record (a `SessionState`, any `record`), or a tuple, list or dict of them,
@@ -225,13 +258,13 @@ def save_state(
     >>> tree_equal(load_state(path), state)
     True
     """
-    tensors, meta = _encode(state, metadata)
+    header, data = _encode(state, metadata)
     target = Path(path)
     # A name no other save uses (two threads or processes saving to one path must not share
-    # a partial file), created by safetensors with the usual permissions.
+    # a partial file), created with the usual permissions.
     partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.partial")
     try:
-        _st_save_file(tensors, str(partial), metadata=meta)
+        _write_file(partial, header, data)
         os.replace(partial, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -248,5 +281,5 @@ def dumps_state(state: PyTree, /, *, metadata: Mapping[str, str] | None = None) 
     >>> b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     True
     """
-    tensors, meta = _encode(state, metadata)
-    return _st_save(tensors, metadata=meta)
+    header, data = _encode(state, metadata)
+    return b"".join((header, *data))  # each storage's bytes copied once

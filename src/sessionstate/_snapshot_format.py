@@ -1,8 +1,9 @@
-"""The snapshot format: versions, dtypes, the storage walk and rebuild, record and leaf names."""
+"""The snapshot format: versions, dtypes, checksums, the storage walk and rebuild, names."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -10,25 +11,30 @@ from typing import Any, TypeVar
 import attrs
 import optree
 import torch
+import xxhash
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
 from sessionstate._tree import NAMESPACE
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The snapshot format this library writes; it reads this version and every older one.
 
 Version 1 holds the structure and a CRC-32 per storage. Version 2 adds leaves saved by a
 registered class (`register_snapshot_leaf`). Version 3 adds a CRC-32 of the JSON document
-itself (under `CHECKSUM_KEY`) and `FrozenDict` nodes (a session's dict attributes); every
-snapshot this library writes is version 3.
+itself (under `CRC32_KEY`) and `FrozenDict` nodes (a session's dict attributes). Version 4
+replaces every CRC-32 by an xxh3-64 (about four times faster), per storage and for the document
+(under `CHECKSUM_KEY`); every snapshot this library writes is version 4.
 """
 
 METADATA_KEY = "sessionstate"
 """The safetensors metadata key holding the snapshot's JSON document."""
 
-CHECKSUM_KEY = "sessionstate.crc32"
-"""The safetensors metadata key holding the CRC-32 of the JSON document (version 3 on)."""
+CHECKSUM_KEY = "sessionstate.xxh3"
+"""The safetensors metadata key holding the xxh3-64 of the JSON document (version 4 on)."""
+
+CRC32_KEY = "sessionstate.crc32"
+"""The safetensors metadata key holding the CRC-32 of the JSON document (version 3)."""
 
 MAX_DEPTH = 200
 """The deepest nesting of containers and records a snapshot may hold (written or read)."""
@@ -38,7 +44,7 @@ _MAX_DIMS = 64
 
 _IMPORTABLE_PREFIX = "sessionstate."
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
-_CHUNK = 16 * 1024 * 1024
+_CHUNK = 1024 * 1024  # read, then hashed while still in cache (`_Reader.read_into`)
 
 _R = TypeVar("_R")
 
@@ -247,19 +253,108 @@ def rebuild_views(
     return out
 
 
-def _checksum(data: torch.Tensor) -> int:
-    if data.numel() == 0:
-        return zlib.crc32(b"")
-    return zlib.crc32(data.numpy().data)
+# -- checksums -----------------------------------------------------------------------------------
 
 
-def document_checksum(text: str, /) -> str:
-    """The CRC-32 of a snapshot's JSON document, as stored under `CHECKSUM_KEY`.
+@attrs.frozen
+class Checksum:
+    """The checksum of one format version, for each storage and for the JSON document.
 
-    >>> document_checksum("{}")
-    '2745614147'
+    Attributes:
+        name: Its name in messages (``"xxh3-64"``, ``"CRC-32"``).
+        field: The key of a storage's checksum in the document's storage list.
+        key: The safetensors metadata key of the document's checksum.
     """
-    return str(zlib.crc32(text.encode()))
+
+    name: str
+    field: str
+    key: str
+
+    def hasher(self) -> StreamHash:
+        """A running checksum of bytes fed in chunks (`StreamHash`)."""
+        return StreamHash(self)
+
+    def of(self, data: bytes | memoryview, /) -> int:
+        """The checksum of ``data`` as an int.
+
+        >>> XXH3.of(b"abc"), CRC32.of(b"abc")
+        (8696274497037089104, 891568578)
+        """
+        if self is XXH3:
+            return xxhash.xxh3_64_intdigest(data)
+        return zlib.crc32(data)
+
+    def to_json(self, value: int, /) -> int | str:
+        """``value`` as stored for a storage: 16 lowercase hex digits (xxh3-64) or an int."""
+        return f"{value:016x}" if self is XXH3 else value
+
+    def from_json(self, stored: Any, /) -> int | None:
+        """The checksum a storage entry holds, or None if ``stored`` is not a valid one.
+
+        >>> XXH3.from_json("78af5f94892f3950"), XXH3.from_json(123), CRC32.from_json(True)
+        (8696274497037089104, None, None)
+        """
+        if self is XXH3:
+            if type(stored) is str and _HEX16.fullmatch(stored):
+                return int(stored, 16)
+            return None
+        if type(stored) is int and 0 <= stored < 2**32:
+            return stored
+        return None
+
+    def of_document(self, text: str, /) -> str:
+        """The checksum of a snapshot's JSON document, as stored under `key`.
+
+        >>> XXH3.of_document("{}"), CRC32.of_document("{}")
+        ('1349cde127705c16', '2745614147')
+        """
+        value = self.of(text.encode())
+        return f"{value:016x}" if self is XXH3 else str(value)
+
+
+class StreamHash:
+    """A running checksum over chunks of bytes, so a loader checks what it reads as it reads.
+
+    >>> h = XXH3.hasher()
+    >>> h.update(b"ab"); h.update(b"c")
+    >>> h.value() == XXH3.of(b"abc")
+    True
+    """
+
+    __slots__ = ("_crc", "_xxh")
+
+    def __init__(self, checksum: Checksum, /) -> None:
+        self._xxh = xxhash.xxh3_64() if checksum is XXH3 else None
+        self._crc = 0
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        """Feed the next bytes."""
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def value(self) -> int:
+        """The checksum of every byte fed so far."""
+        return self._xxh.intdigest() if self._xxh is not None else self._crc
+
+
+XXH3 = Checksum(name="xxh3-64", field="xxh3", key=CHECKSUM_KEY)
+"""The checksum of format version 4 on."""
+
+CRC32 = Checksum(name="CRC-32", field="crc32", key=CRC32_KEY)
+"""The checksum of format versions 1 to 3 (version 3 also for the document)."""
+
+_HEX16 = re.compile("[0-9a-f]{16}")
+
+
+def checksum_of_version(version: int, /) -> Checksum:
+    """The checksum a file of format ``version`` uses.
+
+    >>> checksum_of_version(3).name, checksum_of_version(4).name
+    ('CRC-32', 'xxh3-64')
+    """
+    return XXH3 if version >= 4 else CRC32
 
 
 # -- record names ---------------------------------------------------------------------------------
