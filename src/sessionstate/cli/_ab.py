@@ -29,6 +29,7 @@ from sessionstate.cli._common import (
     positive_int,
     with_budget,
 )
+from sessionstate.cli._sizes import progress_columns
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_model
 
 # The child's stderr protocol: one line per step, one when the decode phase starts.
@@ -225,7 +226,9 @@ def _cmd_ab(args: argparse.Namespace) -> int:
             from rich.console import Console
             from rich.progress import Progress
 
-            progress_cm = Progress(console=Console(stderr=True), transient=True)
+            progress_cm = Progress(
+                *progress_columns(), console=Console(stderr=True), transient=True
+            )
         with progress_cm if progress_cm is not None else contextlib.nullcontext():
             for flag, name in (("0", "bespoke"), ("1", "managed")):
                 task = None

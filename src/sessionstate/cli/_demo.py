@@ -17,11 +17,11 @@ from sessionstate.cli._common import (
     positive_int,
     with_budget,
 )
+from sessionstate.cli._sizes import step_bar
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from sessionstate.models.dreamzero import DreamZeroPipeline
@@ -38,11 +38,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     assert pipe.manager is not None
     console = Console()
     episode = scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("DreamZero sessions", total=args.steps * args.sessions)
-        for sid, obs in episode:
+    total = args.steps * args.sessions
+    with step_bar("DreamZero sessions", total) as update:
+        for i, (sid, obs) in enumerate(episode):
             pipe.forward(obs, sid)
-            progress.update(task, advance=1)
+            update(i + 1, total)
 
     stats = pipe.manager.stats()
     sizes = pipe.manager.nbytes_by_session()
