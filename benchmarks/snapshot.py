@@ -54,7 +54,7 @@ from sessionstate import (
     tree_equal,
     tree_leaves,
 )
-from sessionstate._snapshot import collect_storages, storage_bytes
+from sessionstate._storage import collect_storages, storage_bytes
 from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
 from sessionstate.models.dreamzero.episode import scripted_episode
 

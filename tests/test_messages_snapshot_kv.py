@@ -21,7 +21,7 @@ from sessionstate import (
     dumps_state,
     loads_state,
 )
-from sessionstate._snapshot import register_snapshot_leaf
+from sessionstate._storage import register_snapshot_leaf
 
 NAME = "sessionstate._kvpool:KVHandle"
 

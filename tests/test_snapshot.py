@@ -242,7 +242,7 @@ def test_loader_imports_nothing_outside_the_library() -> None:
     import sys
 
     assert "this" not in sys.modules
-    assert ss._snapshot.resolve_record("this:Zen") is None
+    assert ss._storage.resolve_record("this:Zen") is None
     assert "this" not in sys.modules
 
 

@@ -35,10 +35,10 @@ from sessionstate import (
     save_state,
     tree_equal,
 )
-from sessionstate import _snapshot_decode as decode
 from sessionstate._frozen import FrozenDict
-from sessionstate._snapshot import inspect_snapshot
-from sessionstate._snapshot_format import MAX_DEPTH
+from sessionstate._storage import _decode as decode
+from sessionstate._storage import inspect_snapshot
+from sessionstate._storage._format import MAX_DEPTH
 from sessionstate.cli import main
 
 # -- crafting files --------------------------------------------------------------------------------
@@ -671,7 +671,7 @@ def test_a_save_failing_midway_leaves_the_previous_file_and_nothing_else(
             f.write(header[:20])  # a partial header
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ss._snapshot_encode, "_write_file", fail_midway)
+    monkeypatch.setattr(ss._storage._encode, "_write_file", fail_midway)
     with pytest.raises(OSError, match=re.escape("No space left on device")):
         save_state(before.with_attrs(step=8), path)
     assert tree_equal(load_state(path), before)
@@ -711,13 +711,13 @@ def test_a_tensor_written_in_place_during_a_save_fails_its_checksum_at_load(
     path = tmp_path / "s.safetensors"
     x = torch.zeros(4)
     state = SessionState(attrs={"x": x})
-    write = ss._snapshot_encode._write_file
+    write = ss._storage._encode._write_file
 
     def racing_write(filename: Path, header: bytes, data: Any) -> None:
         x.add_(1)  # another thread, between the checksum and the write
         write(filename, header, data)
 
-    monkeypatch.setattr(ss._snapshot_encode, "_write_file", racing_write)
+    monkeypatch.setattr(ss._storage._encode, "_write_file", racing_write)
     save_state(state, path)
     msg = (
         f"Snapshot `{path}` is corrupt: storage 0 (16 bytes) fails its xxh3-64 check; restore it "

@@ -166,7 +166,7 @@ def test_inspect_counts_a_handles_blocks(tmp_path: Path) -> None:
     handle = pool.append(pool.empty(), _tokens(5, 0))
     path = tmp_path / "s.safetensors"
     ss.save_state(SessionState(attrs={"kv": handle, "step": 1}), path)
-    report = ss._snapshot.inspect_snapshot(path)
+    report = ss._storage.inspect_snapshot(path)
     rows = {row["name"]: row for row in report["values"]}
     assert report["format_version"] == 4
     assert rows["kv"]["structure"] == "KVHandle"

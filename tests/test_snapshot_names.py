@@ -14,7 +14,7 @@ from typing import Any
 from safetensors import safe_open
 
 import sessionstate as ss
-from sessionstate._snapshot import SNAPSHOT_NAMES, record_name, resolve_leaf_class, resolve_record
+from sessionstate._storage import SNAPSHOT_NAMES, record_name, resolve_leaf_class, resolve_record
 
 GOLDEN = sorted((Path(__file__).with_name("data") / "snapshots").glob("*/*.safetensors"))
 
@@ -40,7 +40,7 @@ def _stored_names() -> set[str]:
 
 def _library_classes() -> dict[str, type]:
     """Every record and snapshot-leaf class the library defines, by ``module:qualname``."""
-    from sessionstate._snapshot_format import _LEAF_CLASSES, _registered_records
+    from sessionstate._storage._format import _LEAF_CLASSES, _registered_records
 
     for name in ss.__all__:
         getattr(ss, name)
@@ -91,7 +91,7 @@ class Moved:
 _PATCH = """
 import sys
 import sessionstate
-from sessionstate import _snapshot_format as f
+from sessionstate._storage import _format as f
 sessionstate.__path__.append({home!r})
 f.SNAPSHOT_NAMES["sessionstate._old_home:Moved"] = "sessionstate._new_home:Moved"
 f._STABLE_BY_LOCATION["sessionstate._new_home:Moved"] = "sessionstate._old_home:Moved"

@@ -125,7 +125,7 @@ MUTANTS = (
     Mutant(
         "save-writes-in-place",
         "save_state writes straight into the target file instead of a partial file renamed",
-        "sessionstate/_snapshot_encode.py",
+        "sessionstate/_storage/_encode.py",
         (
             (
                 "    try:\n"
@@ -145,7 +145,7 @@ MUTANTS = (
     Mutant(
         "loads-skips-storage-crc",
         "a snapshot loaded from bytes (loads_state: restore, migration) skips the storage checksum",
-        "sessionstate/_snapshot_decode.py",
+        "sessionstate/_storage/_decode.py",
         (
             (
                 "        if hasher.value() != described.checksum:",
@@ -160,7 +160,7 @@ MUTANTS = (
     Mutant(
         "header-crc-skipped",
         "the loader never checks the checksum of a snapshot's JSON document",
-        "sessionstate/_snapshot_decode.py",
+        "sessionstate/_storage/_decode.py",
         (
             (
                 "        if stored is not None and stored != kind.of_document(text):",
@@ -177,7 +177,7 @@ MUTANTS = (
     Mutant(
         "migration-import-skips-crc",
         "the loader skips the storage checksum for in-memory bytes (the migration import path)",
-        "sessionstate/_snapshot_decode.py",
+        "sessionstate/_storage/_decode.py",
         (
             (
                 "        if hasher.value() != described.checksum:",

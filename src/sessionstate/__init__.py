@@ -12,6 +12,8 @@ bytes every session holds, per device.
 32
 """
 
+import importlib.metadata
+
 # The names below load on first use (PEP 562), so that `import sessionstate` stays light and
 # `sessionstate --help` answers without importing torch; type checkers and the docs read the
 # imports under TYPE_CHECKING.
@@ -53,14 +55,14 @@ if TYPE_CHECKING:
     from sessionstate._movers import to_device
     from sessionstate._objects import LatentBuffer, ParkedObject, StateObject, TensorCache
     from sessionstate._session import SessionAttr, SessionState
-    from sessionstate._snapshot import (
+    from sessionstate._staging import StagedStateObject
+    from sessionstate._storage import (
         dumps_state,
         load_state,
         loads_state,
         register_snapshot_leaf,
         save_state,
     )
-    from sessionstate._staging import StagedStateObject
     from sessionstate._tree import (
         NAMESPACE,
         PyTree,
@@ -76,7 +78,7 @@ if TYPE_CHECKING:
         tree_unflatten,
     )
 
-__version__ = "0.1.0.dev0"
+__version__ = importlib.metadata.version("sessionstate")  # one place: pyproject.toml
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -175,11 +177,11 @@ _LAZY: dict[str, str] = {
     "TensorCache": "sessionstate._objects",
     "SessionAttr": "sessionstate._session",
     "SessionState": "sessionstate._session",
-    "dumps_state": "sessionstate._snapshot",
-    "load_state": "sessionstate._snapshot",
-    "loads_state": "sessionstate._snapshot",
-    "register_snapshot_leaf": "sessionstate._snapshot",
-    "save_state": "sessionstate._snapshot",
+    "dumps_state": "sessionstate._storage",
+    "load_state": "sessionstate._storage",
+    "loads_state": "sessionstate._storage",
+    "register_snapshot_leaf": "sessionstate._storage",
+    "save_state": "sessionstate._storage",
     "StagedStateObject": "sessionstate._staging",
     "NAMESPACE": "sessionstate._tree",
     "PyTree": "sessionstate._tree",

@@ -45,7 +45,7 @@ from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
 from sessionstate._checks import is_int
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
 from sessionstate._kvcodec import restore_handles, snapshot_payload
-from sessionstate._snapshot import register_snapshot_leaf
+from sessionstate._storage import register_snapshot_leaf
 from sessionstate._tree import tree_equal
 
 __all__ = ["KVHandle", "KVPool"]

@@ -2,8 +2,8 @@
 
 `LatentBuffer`, `ParkedObject` and `TensorCache` are defined here; the `StateObject` contract
 they implement lives in `_stateobject`, and the checks a buffer runs on its chunks in
-`_chunk_checks`. A snapshot names a record class by module and qualname, so these classes
-stay in this module.
+`_chunk_checks`. A snapshot names these classes by their stable names (`SNAPSHOT_NAMES`),
+so they may move to another module with their table entry.
 """
 
 from __future__ import annotations

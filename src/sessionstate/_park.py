@@ -51,7 +51,7 @@ import contextlib
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
-from sessionstate._snapshot import (
+from sessionstate._storage import (
     ViewSpec,
     collect_storages,
     load_state,

@@ -28,7 +28,7 @@ import attrs
 import torch
 
 import sessionstate as ss
-from sessionstate._snapshot import FORMAT_VERSION
+from sessionstate._storage import FORMAT_VERSION
 
 DZ_STEPS = 2
 """DreamZero steps run before the snapshot: the second leaves a half-filled VAE body chunk."""

@@ -10,7 +10,7 @@ from sessionstate.cli._common import fmt_bytes
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from sessionstate._snapshot import inspect_snapshot
+    from sessionstate._storage import inspect_snapshot
 
     report = inspect_snapshot(args.file)
     if args.json:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 
 from sessionstate._session import SessionState
-from sessionstate._snapshot import dumps_state, loads_state
+from sessionstate._storage import dumps_state, loads_state
 
 __all__ = ["decode_record", "digest", "encode_record"]
 

@@ -16,7 +16,7 @@ import torch
 
 from sessionstate._errors import SnapshotError
 from sessionstate._frozen import FrozenDict
-from sessionstate._snapshot_format import (
+from sessionstate._storage._format import (
     _CHUNK,
     _DTYPES,
     _MAX_DIMS,

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sessionstate._snapshot_decode import (
+from sessionstate._storage._decode import (
     read_header,
 )
 

@@ -1,4 +1,4 @@
-"""Snapshots: a record to one safetensors file (or bytes) and back, bit-identical, no pickle.
+"""Storage: snapshots of a record to one safetensors file (or bytes) and back, bit-identical.
 
 The format stores each distinct *storage* once, as a raw ``uint8`` tensor named
 ``storage.<i>``, and describes every tensor leaf as a view of one of them (storage index,
@@ -31,16 +31,17 @@ loader never allocates more than the file's storages hold; a hostile file gets a
 The storage walk (`collect_storages`) and the rebuild (`rebuild_views`) are the library's one
 way to move a record's bytes: whatever moves storages elsewhere and back uses them.
 
-This module gathers the snapshot API; the format, the encoder, the decoder and the
-inspection each live in a module of their own (`_snapshot_format`, `_snapshot_encode`,
-`_snapshot_decode`, `_snapshot_inspect`).
+This package's face gathers the snapshot API; the format (versions, checksums, the walk and the
+rebuild, stable names), the encoder, the decoder and the inspection each live in a module of
+their own (`_format`, `_encode`, `_decode`, `_inspect`). The park tiers and the device movers,
+which move storages through the same walk, are `sessionstate._park` and `sessionstate._movers`.
 """
 
 from __future__ import annotations
 
-from sessionstate._snapshot_decode import load_state, loads_state, read_header
-from sessionstate._snapshot_encode import dumps_state, save_state
-from sessionstate._snapshot_format import (
+from sessionstate._storage._decode import load_state, loads_state, read_header
+from sessionstate._storage._encode import dumps_state, save_state
+from sessionstate._storage._format import (
     CHECKSUM_KEY,
     CRC32_KEY,
     FORMAT_VERSION,
@@ -54,7 +55,7 @@ from sessionstate._snapshot_format import (
     resolve_record,
     storage_bytes,
 )
-from sessionstate._snapshot_inspect import inspect_snapshot
+from sessionstate._storage._inspect import inspect_snapshot
 
 __all__ = [
     "CHECKSUM_KEY",

@@ -10,6 +10,7 @@ bytes are a function of the record alone; safetensors reads them (tested).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import torch
 
 from sessionstate._checks import describe
 from sessionstate._frozen import FrozenDict
-from sessionstate._snapshot_format import (
+from sessionstate._storage._format import (
     FORMAT_VERSION,
     MAX_DEPTH,
     METADATA_KEY,
@@ -38,6 +39,8 @@ from sessionstate._snapshot_format import (
     storage_bytes,
 )
 from sessionstate._tree import PyTree
+
+_LIBRARY_VERSION = importlib.metadata.version("sessionstate")  # one place: pyproject.toml
 
 # -- encoding -------------------------------------------------------------------------------------
 
@@ -174,12 +177,10 @@ def _encode(state: PyTree, metadata: Mapping[str, str] | None) -> tuple[bytes, l
         described.append(
             {"nbytes": len(raw), "device": device, XXH3.field: XXH3.to_json(XXH3.of(raw))}
         )
-    import sessionstate
-
     document = {
         "format": "sessionstate.snapshot",
         "format_version": FORMAT_VERSION,
-        "library_version": sessionstate.__version__,
+        "library_version": _LIBRARY_VERSION,
         "torch_version": torch.__version__,
         "metadata": dict(metadata or {}),
         "storages": described,
