@@ -8,6 +8,7 @@ import re
 import pytest
 
 from sessionstate import ENV_MAX_BYTES, OmniDiffusionConfig, resolve_session_state_config
+from sessionstate._env import ENV_KV_POOL_BYTES
 
 GIB = 2**30
 
@@ -188,3 +189,30 @@ def test_one_budget_text_reads_alike_in_python_yaml_and_the_environment(
     from_python = OmniDiffusionConfig(session_state_max_bytes=text).session_state_max_bytes
     from_env = resolve_session_state_config(None, {ENV_MAX_BYTES: text}).max_bytes
     assert from_yaml == from_python == from_env == 24 * GIB
+
+
+def test_kv_pool_bytes_field_env_override_and_messages(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = OmniDiffusionConfig(session_state_kv_pool_bytes="2GiB")
+    assert cfg.session_state_kv_pool_bytes == 2 * GIB
+    assert resolve_session_state_config(cfg, {}).kv_pool_bytes == 2 * GIB
+    assert resolve_session_state_config(None, {}).kv_pool_bytes is None
+    env = {ENV_KV_POOL_BYTES: " 3GiB "}
+    assert resolve_session_state_config(cfg, env).kv_pool_bytes == 3 * GIB
+    assert resolve_session_state_config(cfg, {ENV_KV_POOL_BYTES: " "}).kv_pool_bytes == 2 * GIB
+    loaded = OmniDiffusionConfig.from_dict({"session_state_kv_pool_bytes": 4096})
+    assert loaded.session_state_kv_pool_bytes == 4096
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        settings = resolve_session_state_config(cfg, {ENV_KV_POOL_BYTES: "0"})
+    assert settings.kv_pool_bytes == 2 * GIB
+    assert (
+        f"Ignoring {ENV_KV_POOL_BYTES}='0': `{ENV_KV_POOL_BYTES}` must be at least 1 byte: '0' "
+        "reads as 0 bytes, a budget that refuses every session; give a positive budget such as "
+        "'24GiB', or none for no budget. Using the config value "
+        f"session_state_kv_pool_bytes={2 * GIB}."
+    ) in caplog.text
+    msg = (
+        "`session_state_kv_pool_bytes` must be a byte count: a non-negative int or a string like "
+        "'24GiB', '512MiB' or '1.5GB'; got 'big' (str)."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OmniDiffusionConfig(session_state_kv_pool_bytes="big")

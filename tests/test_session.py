@@ -435,3 +435,19 @@ def test_a_tensor_default_is_seen_by_accounting_leaves_and_moves() -> None:
     manager.put("a", state)
     manager.put("b", WithTable())
     assert manager.stats()["nbytes:cpu"] == 16  # one default, shared by both sessions
+
+
+def test_object_typed_by_a_class_returns_it_or_names_both_types() -> None:
+    from sessionstate import EncodeOnceKV
+
+    state = SessionState(objects={"ring": LatentBuffer().allocate(maxlen=2)})
+    ring = state.object("ring", LatentBuffer)
+    assert ring is state.object("ring")
+    msg = (
+        "State object `ring` holds a LatentBuffer, but EncodeOnceKV was asked for; store one "
+        "under `ring`, or ask for LatentBuffer."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        state.object("ring", EncodeOnceKV)
+    with pytest.raises(KeyError, match=re.escape("Session has no state object `kv`")):
+        state.object("kv", EncodeOnceKV)

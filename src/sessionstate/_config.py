@@ -16,6 +16,7 @@ import yaml
 from sessionstate._env import (
     ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
+    ENV_KV_POOL_BYTES,
     ENV_MAX_BYTES,
     ENV_MAX_SESSIONS,
     ENV_ON_FULL,
@@ -27,6 +28,7 @@ from sessionstate._park import Tier, check_tier
 __all__ = [
     "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
+    "ENV_KV_POOL_BYTES",
     "ENV_MAX_BYTES",
     "ENV_MAX_SESSIONS",
     "ENV_ON_FULL",
@@ -143,6 +145,10 @@ def _positive_budget(value: object, name: str) -> int:
     return n
 
 
+def _to_kv_pool_bytes(value: Any) -> int | None:
+    return None if value is None else _positive_budget(value, "session_state_kv_pool_bytes")
+
+
 def _to_tier(value: Any) -> Tier:
     try:
         return check_tier(value)
@@ -243,6 +249,10 @@ class OmniDiffusionConfig:
             or ``"disk"``.
         session_state_spool_dir: The directory the disk tier writes under (a temporary one
             when None).
+        session_state_kv_pool_bytes: The bytes of an engine-owned KV pool (an int or a string
+            such as ``"40GiB"``): the pool holds as many whole blocks as fit. None (default)
+            leaves the size to the model. The environment variable
+            ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_KV_POOL_BYTES`` overrides it.
 
     >>> OmniDiffusionConfig(enable_session_state_manager=True).enable_session_state_manager
     True
@@ -258,6 +268,9 @@ class OmniDiffusionConfig:
     )
     session_state_park_tier: Tier = attrs.field(default="host", converter=_to_tier, kw_only=True)
     session_state_spool_dir: str | None = attrs.field(default=None, kw_only=True)
+    session_state_kv_pool_bytes: int | None = attrs.field(
+        default=None, converter=_to_kv_pool_bytes, kw_only=True
+    )
     source: str | None = attrs.field(default=None, kw_only=True, repr=False, eq=False)
     """The file this config was loaded from (set by `from_yaml`), named in its errors."""
 
@@ -300,7 +313,8 @@ class OmniDiffusionConfig:
         ... # doctest: +NORMALIZE_WHITESPACE
         OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}),
             session_state_on_full='evict', session_state_max_bytes=None,
-            session_state_park_tier='host', session_state_spool_dir=None)
+            session_state_park_tier='host', session_state_spool_dir=None,
+            session_state_kv_pool_bytes=None)
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
@@ -376,6 +390,7 @@ class SessionStateSettings:
     max_bytes: MaxBytes | None = None
     park_tier: Tier = "host"
     spool_dir: str | None = None
+    kv_pool_bytes: int | None = None
 
 
 def parse_env_flag(value: str | None, /) -> bool | None:
@@ -422,6 +437,9 @@ def resolve_session_state_config(
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES`` overrides the config's byte budget (a
     count such as ``24GiB``, or ``cuda:0=24GiB,cpu=8GiB``); an unparsable value logs a warning
     naming the variable and the value and is ignored.
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_KV_POOL_BYTES`` overrides the config's
+    ``session_state_kv_pool_bytes`` (one positive count such as ``40GiB``); an unparsable or
+    zero value logs a warning naming the variable and the value and is ignored.
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL`` (``evict`` or ``refuse``, any case)
     overrides the config's ``session_state_on_full``; unset or empty falls back to the config,
     and any other value logs a warning naming the variable and the value and is ignored.
@@ -434,7 +452,8 @@ def resolve_session_state_config(
     >>> resolve_session_state_config(cfg, {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "off"})
     ... # doctest: +NORMALIZE_WHITESPACE
     SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False,
-        on_full='evict', max_bytes=None, park_tier='host', spool_dir=None)
+        on_full='evict', max_bytes=None, park_tier='host', spool_dir=None,
+        kv_pool_bytes=None)
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -506,7 +525,28 @@ def resolve_session_state_config(
         max_bytes=max_bytes,
         park_tier=config.session_state_park_tier if config is not None else "host",
         spool_dir=config.session_state_spool_dir if config is not None else None,
+        kv_pool_bytes=_resolve_kv_pool_bytes(config, env),
     )
+
+
+def _resolve_kv_pool_bytes(
+    config: OmniDiffusionConfig | None, env: Mapping[str, str]
+) -> int | None:
+    configured = config.session_state_kv_pool_bytes if config is not None else None
+    raw = env.get(ENV_KV_POOL_BYTES)
+    if raw is None or not raw.strip():
+        return configured
+    try:
+        return _positive_budget(raw.strip(), ENV_KV_POOL_BYTES)
+    except (TypeError, ValueError) as exc:
+        logger.warning(
+            "Ignoring %s=%r: %s Using the config value session_state_kv_pool_bytes=%r.",
+            ENV_KV_POOL_BYTES,
+            raw,
+            exc,
+            configured,
+        )
+        return configured
 
 
 def _resolve_on_full(config: OmniDiffusionConfig | None, env: Mapping[str, str]) -> OnFull:

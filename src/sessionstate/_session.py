@@ -229,24 +229,39 @@ class SessionState:
         """
         return MappingProxyType(self._attrs)
 
-    def object(self, name: str, /) -> StateObject:
-        """The state object called ``name``.
+    @overload
+    def object(self, name: str, /) -> StateObject: ...
+    @overload
+    def object(self, name: str, cls: type[_O], /) -> _O: ...
+    def object(self, name: str, cls: type[StateObject] = StateObject, /) -> StateObject:
+        """The state object called ``name``; typed as ``cls`` when one is given.
 
         Raises:
             KeyError: naming the missing object and the ones the session has.
+            TypeError: if the object is not a ``cls``, naming both types.
 
         >>> from sessionstate import LatentBuffer
-        >>> SessionState(objects={"ring": LatentBuffer()}).object("ring").name
+        >>> SessionState(objects={"ring": LatentBuffer()}).object("ring", LatentBuffer).name
         'buffer'
         """
         try:
-            return self._objects[name]
+            obj = self._objects[name]
         except KeyError:
             msg = (
                 f"Session has no state object `{name}`; it has {sorted(self._objects)}. "
                 "Add it with `state.with_object(name, obj)`."
             )
             raise MissingKeyError(msg) from None
+        if not isinstance(obj, cls):
+            held = type(obj).__name__
+            fix = (
+                "unpark the session first (`state.unpark()`)."
+                if isinstance(obj, ParkedObject)
+                else f"store one under `{name}`, or ask for {held}."
+            )
+            msg = f"State object `{name}` holds a {held}, but {cls.__name__} was asked for; {fix}"
+            raise TypeError(msg)
+        return obj
 
     def with_object(self: _St, name: str, obj: StateObject, /) -> _St:
         """Return a new state with ``obj`` stored under ``name`` (added or replaced).

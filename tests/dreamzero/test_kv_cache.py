@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
 from dz_support import assert_same_output, observations, pipeline_pair, tiny
 
-from sessionstate import KVHandle, SessionStateManager
+from sessionstate import (
+    ENV_ENABLE,
+    ENV_MAX_SESSIONS,
+    KVHandle,
+    OmniDiffusionConfig,
+    SessionStateManager,
+)
+from sessionstate._env import ENV_KV_POOL_BYTES
 from sessionstate.cli import size_table
-from sessionstate.models.dreamzero import DreamZeroPipeline, DreamZeroSession
+from sessionstate.models.dreamzero import DreamZeroPipeline, DreamZeroSession, kv
 from sessionstate.models.dreamzero.kv import read_blocks
 
 
@@ -108,3 +116,70 @@ def test_drop_evict_and_held_records_return_every_block_once() -> None:
     for sid in ("b", "c"):
         assert pipe.drop_session(sid)
     assert pipe.kv_pool.free_blocks == initial
+
+
+def test_the_pool_is_sized_by_bytes_and_publishes_its_capacity() -> None:
+    cfg = tiny()
+    block = kv.block_nbytes(cfg)
+    env = {ENV_ENABLE: "1", ENV_KV_POOL_BYTES: str(10 * block + block // 2)}
+    pipe = DreamZeroPipeline(cfg, environ=env)
+    pool = pipe.kv_pool
+    assert pool is not None
+    assert pool.num_blocks == 10  # whole blocks only, whatever the session cap
+    assert pool.storage.untyped_storage().nbytes() == 10 * block
+    (obs,) = observations(cfg, 1, seed=0)
+    pipe.forward(obs, "s")
+    stats = pipe.stats()
+    assert stats["kv_pool_blocks"] == 10
+    assert stats["kv_pool_free_blocks"] == pool.free_blocks < 10
+    assert stats["kv_pool_block_nbytes"] == block
+    assert stats["kv_pool_resident_sessions"] == 10 // kv.handle_blocks(cfg)
+
+
+def test_the_config_field_sizes_the_pool_and_the_env_overrides_it() -> None:
+    cfg = tiny()
+    block = kv.block_nbytes(cfg)
+    deploy = OmniDiffusionConfig(
+        enable_session_state_manager=True,
+        model={"preset": "tiny"},
+        session_state_kv_pool_bytes=8 * block,
+    )
+    pool = DreamZeroPipeline(deploy, environ={}).kv_pool
+    assert pool is not None
+    assert pool.num_blocks == 8
+    pool = DreamZeroPipeline(deploy, environ={ENV_KV_POOL_BYTES: str(12 * block)}).kv_pool
+    assert pool is not None
+    assert pool.num_blocks == 12
+
+
+def test_without_a_figure_the_pool_keeps_room_for_twice_the_cap() -> None:
+    cfg = tiny()
+    pipe = DreamZeroPipeline(cfg, environ={ENV_ENABLE: "1", ENV_MAX_SESSIONS: "3"})
+    assert pipe.kv_pool is not None
+    assert pipe.kv_pool.num_blocks == 2 * 4 * kv.handle_blocks(cfg)
+
+
+def test_a_pool_too_small_for_one_window_says_the_bytes_needed() -> None:
+    cfg = tiny()
+    block, need = kv.block_nbytes(cfg), kv.handle_blocks(cfg)
+    msg = (
+        f"A DreamZero KV pool of {need * block - 1} bytes holds {need - 1} blocks of {block} "
+        f"bytes, but one session's window needs {need} blocks ({need * block} bytes); set "
+        f"`session_state_kv_pool_bytes` (or {ENV_KV_POOL_BYTES}) to at least {need * block}."
+    )
+    env = {ENV_ENABLE: "1", ENV_KV_POOL_BYTES: str(need * block - 1)}
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        DreamZeroPipeline(cfg, environ=env)
+    pool = DreamZeroPipeline(cfg, environ={**env, ENV_KV_POOL_BYTES: str(need * block)}).kv_pool
+    assert pool is not None
+    assert pool.num_blocks == need
+
+
+def test_one_window_of_blocks_runs_a_session_to_its_sliding_window() -> None:
+    cfg = tiny()
+    need = kv.handle_blocks(cfg)
+    env = {ENV_ENABLE: "1", ENV_KV_POOL_BYTES: str(need * kv.block_nbytes(cfg))}
+    small = DreamZeroPipeline(cfg, environ=env)
+    bespoke, _ = pipeline_pair(cfg)
+    for i, o in enumerate(observations(cfg, 11, seed=3)):
+        assert_same_output(bespoke.forward(o, "s"), small.forward(o, "s"), f"step {i}")

@@ -74,24 +74,17 @@ class Cosmos3Session(SessionState):
     @property
     def text_kv(self) -> EncodeOnceKV:
         """The reasoner's per-layer K/V of the prompt and the negative prompt."""
-        obj = self.object("text_kv")
-        assert isinstance(obj, EncodeOnceKV)
-        return obj
+        return self.object("text_kv", EncodeOnceKV)
 
     @property
     def context_latents(self) -> LatentBuffer:
         """Ring of the last ``context_chunks`` generated chunks (the next chunk's context)."""
-        return self._buffer("context_latents")
+        return self.object("context_latents", LatentBuffer)
 
     @property
     def video_latents(self) -> LatentBuffer:
         """Every generated chunk of the session, on the host."""
-        return self._buffer("video_latents")
-
-    def _buffer(self, name: str) -> LatentBuffer:
-        obj = self.object(name)
-        assert isinstance(obj, LatentBuffer)
-        return obj
+        return self.object("video_latents", LatentBuffer)
 
     def values(self) -> dict[str, object]:
         """Every session value by name (for accounting and comparison)."""

@@ -71,10 +71,12 @@ class ManagedPath:
         self.manager: SessionStateManager[DreamZeroSession] = build_manager(
             DreamZeroSession, settings, model.device
         )
-        # Engine-owned: the path owns the pool, records hold handles to its blocks.
-        self.kv_pool: KVPool = kv_cache.build_kv_pool(
-            model.cfg, model.device, settings.max_sessions
-        )
+        # Engine-owned: the path owns the pool, records hold handles to its blocks. Sized by
+        # bytes: the configured figure, else today's room for twice the cap's windows.
+        nbytes = settings.kv_pool_bytes
+        if nbytes is None:
+            nbytes = kv_cache.default_pool_bytes(model.cfg, settings.max_sessions)
+        self.kv_pool: KVPool = kv_cache.build_kv_pool(model.cfg, model.device, nbytes)
 
     def forward(
         self, obs: Observation, session_id: Hashable, begin: bool | None
@@ -109,8 +111,8 @@ class ManagedPath:
 
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every latent chunk generated for the session, joined along time (None if none)."""
-        latents = self.session_values(session_id)["video_latents_across_time"]
-        assert isinstance(latents, LatentBuffer)
+        state = resident(self.manager, session_id, unknown_session)
+        latents = state.object("video_latents_across_time", LatentBuffer)
         return latents.concat() if len(latents) else None
 
     def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
@@ -121,8 +123,20 @@ class ManagedPath:
         self.manager.put(session_id, state)
 
     def stats(self) -> dict[str, int]:
-        """The manager's `stats()`."""
-        return self.manager.stats()
+        """The manager's `stats()`, and the KV pool's total and free blocks.
+
+        ``kv_pool_resident_sessions`` is how many sessions' full windows the pool holds at once.
+        """
+        pool = self.kv_pool
+        return {
+            **self.manager.stats(),
+            "kv_pool_blocks": pool.num_blocks,
+            "kv_pool_free_blocks": pool.free_blocks,
+            "kv_pool_block_nbytes": pool.block_nbytes,
+            "kv_pool_resident_sessions": kv_cache.resident_sessions(
+                self.model.cfg, pool.num_blocks
+            ),
+        }
 
     def step(
         self, state: DreamZeroSession, obs: Observation

@@ -21,44 +21,102 @@ import math
 import torch
 
 from sessionstate import KVHandle, KVPool
+
+# The variable is not a public name yet; its one home is `_env`.
+from sessionstate._env import ENV_KV_POOL_BYTES
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 
 __all__ = [
     "append_blocks",
     "append_handle",
+    "block_nbytes",
     "build_kv_pool",
+    "default_pool_bytes",
+    "handle_blocks",
     "pool_blocks",
     "read_blocks",
+    "resident_sessions",
     "window_tokens",
 ]
 
 
-def pool_blocks(cfg: DreamZeroConfig, max_sessions: int) -> int:
-    """Blocks a pipeline's pool holds: room for twice ``max_sessions`` full windows.
+def handle_blocks(cfg: DreamZeroConfig) -> int:
+    """Blocks one session's handle can hold at once: a full window, a partial block, a step.
 
-    The slack is for records kept by callers past their session's eviction and for a step in
-    flight, whose new blocks exist before its predecessor's are released.
-
-    >>> pool_blocks(DreamZeroConfig.preset("tiny"), 1)
-    16
+    >>> handle_blocks(DreamZeroConfig.preset("tiny"))
+    4
     """
     step_tokens = cfg.num_frame_per_block * cfg.frame_seqlen
-    window_tokens = cfg.kv_window_frames * cfg.frame_seqlen
-    per_handle = math.ceil(
-        (window_tokens + cfg.kv_block_tokens + step_tokens) / cfg.kv_block_tokens
-    )
-    return 2 * (max_sessions + 1) * per_handle
+    return math.ceil((window_tokens(cfg) + cfg.kv_block_tokens + step_tokens) / cfg.kv_block_tokens)
 
 
-def build_kv_pool(cfg: DreamZeroConfig, device: torch.device | str, max_sessions: int) -> KVPool:
-    """The managed path's engine-owned KV pool on ``device`` (nothing allocated on ``meta``).
+def block_nbytes(cfg: DreamZeroConfig) -> int:
+    """Bytes of one KV block: ``kv_block_tokens`` tokens of `DreamZeroConfig.kv_token_shape`.
 
-    >>> pool = build_kv_pool(DreamZeroConfig.preset("tiny"), "cpu", 1)
+    >>> block_nbytes(DreamZeroConfig.preset("tiny"))
+    2048
+    """
+    itemsize = torch.empty((), dtype=cfg.torch_dtype, device="meta").element_size()
+    return cfg.kv_block_tokens * math.prod(cfg.kv_token_shape) * itemsize
+
+
+def default_pool_bytes(cfg: DreamZeroConfig, max_sessions: int) -> int:
+    """The pool's bytes when no figure is given: room for twice ``max_sessions`` windows.
+
+    The slack is for records kept by callers past their session's eviction and for a step in
+    flight, whose new blocks exist before its predecessor's are released. Give
+    ``session_state_kv_pool_bytes`` at a deploy geometry: there this figure is far more than
+    a device holds.
+
+    >>> default_pool_bytes(DreamZeroConfig.preset("tiny"), 1) // 2048
+    16
+    """
+    return 2 * (max_sessions + 1) * handle_blocks(cfg) * block_nbytes(cfg)
+
+
+def pool_blocks(cfg: DreamZeroConfig, nbytes: int) -> int:
+    """The whole blocks ``nbytes`` holds.
+
+    Raises:
+        ValueError: if they cannot hold one session's window, giving the bytes it needs.
+
+    >>> pool_blocks(DreamZeroConfig.preset("tiny"), 10_000)
+    4
+    """
+    block, need = block_nbytes(cfg), handle_blocks(cfg)
+    blocks = nbytes // block
+    if blocks < need:
+        msg = (
+            f"A DreamZero KV pool of {nbytes} bytes holds {blocks} blocks of {block} bytes, "
+            f"but one session's window needs {need} blocks ({need * block} bytes); set "
+            f"`session_state_kv_pool_bytes` (or {ENV_KV_POOL_BYTES}) to at least "
+            f"{need * block}."
+        )
+        raise ValueError(msg)
+    return blocks
+
+
+def resident_sessions(cfg: DreamZeroConfig, num_blocks: int) -> int:
+    """Sessions whose full windows a pool of ``num_blocks`` blocks holds at once.
+
+    >>> resident_sessions(DreamZeroConfig.preset("tiny"), 16)
+    4
+    """
+    return num_blocks // handle_blocks(cfg)
+
+
+def build_kv_pool(cfg: DreamZeroConfig, device: torch.device | str, nbytes: int) -> KVPool:
+    """The managed path's engine-owned KV pool of ``nbytes`` on ``device`` (none on ``meta``).
+
+    Raises:
+        ValueError: if ``nbytes`` cannot hold one session's window (see `pool_blocks`).
+
+    >>> pool = build_kv_pool(DreamZeroConfig.preset("tiny"), "cpu", 32 * 1024)
     >>> pool.num_blocks, pool.block_tokens, pool.token_shape
     (16, 16, (1, 2, 2, 8))
     """
     return KVPool(
-        pool_blocks(cfg, max_sessions),
+        pool_blocks(cfg, nbytes),
         block_tokens=cfg.kv_block_tokens,
         token_shape=cfg.kv_token_shape,
         dtype=cfg.torch_dtype,
