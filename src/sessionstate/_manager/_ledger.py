@@ -25,7 +25,6 @@ from sessionstate._accounting import (
     StorageEntry,
     _RefusedError,
     _storages,
-    count_entries,
     derivation,
     storage_entries,
 )
@@ -281,6 +280,10 @@ class SessionLedger:
     A put walks only the values that changed (`values_for`, which changes nothing), then moves
     the ledger by the difference (`set`). The caller serialises access.
 
+    With ``per_session=True`` it also keeps one `Ledger` per session, moved by the same
+    difference, so what a session holds alone (`session_total`, each storage once) costs what
+    changed too; a byte budget needs it to refuse a record that alone exceeds a device's budget.
+
     >>> import torch
     >>> from sessionstate import SessionState
     >>> ledger = SessionLedger()
@@ -288,11 +291,17 @@ class SessionLedger:
     >>> _ = ledger.set("a", ledger.values_for("a", state))
     >>> ledger.totals()
     {'cpu': 16}
+    >>> budgeted = SessionLedger(per_session=True)
+    >>> _ = budgeted.set("a", budgeted.values_for("a", state))
+    >>> _ = budgeted.set("b", budgeted.values_for("b", state))
+    >>> budgeted.totals(), budgeted.session_total("b", "cpu")
+    ({'cpu': 16}, 16)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_session: bool = False) -> None:
         self._ledger = Ledger()
         self._values: dict[Hashable, Values] = {}
+        self._alone: dict[Hashable, Ledger] | None = {} if per_session else None
 
     def values_for(self, session_id: Hashable, state: SessionState, /) -> Values:
         """``state``'s values, reusing the stored ones it shares (only changed values walked).
@@ -326,7 +335,12 @@ class SessionLedger:
         derived from the one stored (its base) moves by the difference: the leaves it added,
         the leaves its base dropped.
         """
-        ledger = self._ledger
+        ledgers = [self._ledger]
+        if self._alone is not None:
+            alone = self._alone.get(session_id)
+            if alone is None:
+                alone = self._alone[session_id] = Ledger()
+            ledgers.append(alone)
         previous = self._values.get(session_id, {})
         for key, item in values.items():
             old = previous.get(key)
@@ -334,20 +348,24 @@ class SessionLedger:
                 continue
             kept = len(old.leaves) - item.dropped if old is not None and item.base is old else 0
             for entries in item.per_leaf(kept):
-                ledger.add(entries)
+                for ledger in ledgers:
+                    ledger.add(entries)
         for key, old in previous.items():
             new = values.get(key)
             if new is old:
                 continue
             gone = new.dropped if new is not None and new.base is old else len(old.leaves)
             for entries in old.per_leaf(0, gone):
-                ledger.remove(entries)
+                for ledger in ledgers:
+                    ledger.remove(entries)
         for item in values.values():
             item.base = None
         if values:
             self._values[session_id] = values
         else:
             self._values.pop(session_id, None)
+            if self._alone is not None:
+                del self._alone[session_id]
         return previous
 
     def total(self, device: str, /) -> int:
@@ -358,11 +376,18 @@ class SessionLedger:
         """Resident bytes per device, for devices holding any."""
         return self._ledger.totals()
 
+    def session_total(self, session_id: Hashable, device: str, /) -> int:
+        """Bytes ``session_id``'s stored values alone hold on ``device``, each storage once.
+
+        Raises:
+            RuntimeError: if the ledger was built without ``per_session=True``.
+        """
+        if self._alone is None:
+            msg = "`session_total` needs a ledger built with `SessionLedger(per_session=True)`."
+            raise RuntimeError(msg)
+        alone = self._alone.get(session_id)
+        return 0 if alone is None else alone.total(device)
+
     def engine_totals(self) -> dict[str, int]:
         """Bytes of engine-owned blocks per device, for devices holding any."""
         return self._ledger.engine_totals()
-
-
-def count_values(values: Mapping[ValueKey, _Item], /) -> dict[str, int]:
-    """Bytes per device of ``values`` alone (each storage once)."""
-    return count_entries(entries_of(values))

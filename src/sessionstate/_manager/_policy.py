@@ -14,7 +14,7 @@ import torch
 from sessionstate._accounting import EngineBlock
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionAdmissionError
-from sessionstate._manager._ledger import SessionLedger, Values, count_values, entries_of
+from sessionstate._manager._ledger import SessionLedger, Values, entries_of
 from sessionstate._objects import StateObject
 
 __all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "parse_nbytes"]
@@ -113,14 +113,21 @@ class BudgetPolicy:
     def __init__(self, max_bytes: Mapping[str, int], /) -> None:
         self.max_bytes = dict(max_bytes)
 
-    def refusal(self, session_id: Hashable, values: Values, /) -> SessionAdmissionError | None:
-        """The error for a record that alone exceeds a device's whole budget, or None."""
-        alone = count_values(values)
+    def refusal(
+        self, session_id: Hashable, ledger: SessionLedger, /
+    ) -> SessionAdmissionError | None:
+        """The error for a session whose stored record alone exceeds a device's whole budget.
+
+        Reads the ledger's per-session totals (moved by the put that stored the record, at the
+        cost of what changed), so the check costs one lookup per budgeted device, not a walk
+        of the record; ``ledger`` must be built with ``per_session=True``.
+        """
         for device, budget in self.max_bytes.items():
-            if alone.get(device, 0) > budget:
+            alone = ledger.session_total(session_id, device)
+            if alone > budget:
                 msg = (
                     f"Cannot store session {session_id!r}: its record holds "
-                    f"{alone[device]} bytes on {device}, more than the whole budget of "
+                    f"{alone} bytes on {device}, more than the whole budget of "
                     f"{budget} bytes there (`max_bytes`). Raise the budget for {device}, or "
                     "keep less of the session on that device."
                 )

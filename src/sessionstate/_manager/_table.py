@@ -124,7 +124,7 @@ class SessionStateManager(Generic[SessionT]):
         # The parts: the accounting of what is stored, the budget's decisions, and parking
         # (which carries them out). The table, its lock and counters and the make-room loop
         # are the manager's own.
-        self._ledger = SessionLedger()
+        self._ledger = SessionLedger(per_session=budget is not None)
         self._policy = None if budget is None else BudgetPolicy(budget)
         self._parking = Parking(
             check_tier(park_tier), None if spool_dir is None else os.fspath(spool_dir)
@@ -544,17 +544,20 @@ class SessionStateManager(Generic[SessionT]):
         # Nothing changes unless the whole put succeeds, except that other sessions may have
         # been parked (losslessly) or evicted to make room.
         values = self._ledger.values_for(session_id, state)
-        if self._policy is not None:
-            refused = self._policy.refusal(session_id, values)
-            if refused is not None:
-                raise refused
-        if session_id in self._table:
-            if touch:
-                self._table.move_to_end(session_id)
-        else:
-            self._admit(session_id)
+        # Stored in the ledger first, so the budget reads what the record holds alone from the
+        # per-session totals this put just moved (the cost of what changed, not a walk of the
+        # record); a refusal moves the ledger back.
         previous = self._ledger.set(session_id, values)
         try:
+            if self._policy is not None:
+                refused = self._policy.refusal(session_id, self._ledger)
+                if refused is not None:
+                    raise refused
+            if session_id in self._table:
+                if touch:
+                    self._table.move_to_end(session_id)
+            else:
+                self._admit(session_id)
             self._make_room(session_id, {})
         except BaseException:
             self._ledger.set(session_id, previous)
