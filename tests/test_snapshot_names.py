@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -141,3 +143,20 @@ def test_a_moved_library_class_loads_from_its_new_module_by_its_stable_name(
         document = json.loads(f.metadata()["sessionstate"])
     assert _classes(document["tree"]) == {"sessionstate._old_home:Moved"}
     assert _python(patch + _READ.format(path=path)).strip() == "ok"
+
+
+def test_the_storage_modules_import_no_package_face() -> None:
+    # The storage package sits below the face in the import graph: code there imports the
+    # private module defining a name, never `sessionstate` itself (its doctests may).
+    package = Path(ss.__file__).with_name("_storage")
+    faces = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                faces += [
+                    f"{path.name}: import {a.name}" for a in node.names if a.name == "sessionstate"
+                ]
+            elif isinstance(node, ast.ImportFrom) and node.module == "sessionstate":
+                faces.append(f"{path.name}: from sessionstate import ...")
+    assert faces == []
+    assert ss.__version__ == importlib.metadata.version("sessionstate")
