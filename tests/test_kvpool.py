@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import sessionstate as ss
-from sessionstate import KVPool, KVPoolExhaustedError, SessionState, StaleKVHandleError
+from sessionstate import KVHandle, KVPool, KVPoolExhaustedError, SessionState, StaleKVHandleError
 
 
 def _pool(blocks: int = 8, bt: int = 4, device: str = "cpu") -> KVPool:
@@ -154,9 +154,34 @@ def test_exhaustion_and_misuse_messages() -> None:
     with pytest.raises(ValueError, match=re.escape(msg)):
         pool.append(pool.empty(), torch.zeros(1, 3))
     with pytest.raises(
-        ValueError, match=re.escape("`num_blocks` must be a positive int, got 0 (int).")
+        ValueError, match=re.escape("`num_blocks` must be a non-negative int, got -1 (int).")
     ):
-        KVPool(0, block_tokens=1, token_shape=())
+        KVPool(-1, block_tokens=1, token_shape=())
+    with pytest.raises(
+        ValueError, match=re.escape("`block_tokens` must be a positive int, got 0 (int).")
+    ):
+        KVPool(1, block_tokens=0, token_shape=())
+
+
+def test_a_pool_of_no_blocks_has_a_block_size_and_refuses_an_append() -> None:
+    pool = KVPool(0, block_tokens=4, token_shape=(2,), name="none")
+    assert (pool.num_blocks, pool.free_blocks, pool.block_nbytes) == (0, 0, 4 * 2 * 4)
+    assert pool.empty().read().shape == (0, 2)
+    with pytest.raises(KVPoolExhaustedError):
+        pool.append(pool.empty(), torch.zeros(1, 2))
+    assert pool.free_blocks == 0
+
+
+def test_a_saved_empty_pool_restores_as_a_pool_of_no_blocks() -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=(3,), name="kv")
+    (back,) = KVHandle.__sessionstate_restore__(
+        KVHandle.__sessionstate_snapshot__([("kv", pool.empty())])
+    )
+    assert back.pool.num_blocks == 0
+    assert back.pool.block_tokens == 2
+    assert back.pool.block_nbytes == pool.block_nbytes
+    assert back.tokens == 0
+    assert torch.equal(back.read(), pool.empty().read())
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -49,8 +49,7 @@ if TYPE_CHECKING:
         StaleKVHandleError,
         UnsupportedTensorError,
     )
-    from sessionstate._kv import EncodeOnceKV, KVPair
-    from sessionstate._kvpool import KVHandle, KVPool
+    from sessionstate._kv import EncodeOnceKV, KVHandle, KVPair, KVPool
     from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
     from sessionstate._movers import to_device
     from sessionstate._objects import LatentBuffer, ParkedObject, StateObject, TensorCache
@@ -166,8 +165,8 @@ _LAZY: dict[str, str] = {
     "UnsupportedTensorError": "sessionstate._errors",
     "EncodeOnceKV": "sessionstate._kv",
     "KVPair": "sessionstate._kv",
-    "KVHandle": "sessionstate._kvpool",
-    "KVPool": "sessionstate._kvpool",
+    "KVHandle": "sessionstate._kv",
+    "KVPool": "sessionstate._kv",
     "DEFAULT_MAX_SESSIONS": "sessionstate._manager",
     "SessionStateManager": "sessionstate._manager",
     "to_device": "sessionstate._movers",

@@ -369,9 +369,9 @@ SNAPSHOT_NAMES: Mapping[str, str] = {
     "sessionstate._session:SessionState": "sessionstate._session:SessionState",
     "sessionstate._objects:LatentBuffer": "sessionstate._objects:LatentBuffer",
     "sessionstate._objects:TensorCache": "sessionstate._objects:TensorCache",
-    "sessionstate._kv:EncodeOnceKV": "sessionstate._kv:EncodeOnceKV",
-    "sessionstate._kv:KVPair": "sessionstate._kv:KVPair",
-    "sessionstate._kvpool:KVHandle": "sessionstate._kvpool:KVHandle",
+    "sessionstate._kv:EncodeOnceKV": "sessionstate._kv._encode_once:EncodeOnceKV",
+    "sessionstate._kv:KVPair": "sessionstate._kv._encode_once:KVPair",
+    "sessionstate._kvpool:KVHandle": "sessionstate._kv._pool:KVHandle",
     "sessionstate.models.dreamzero.state:DreamZeroSession": (
         "sessionstate.models.dreamzero.state:DreamZeroSession"
     ),

@@ -55,7 +55,7 @@ def recount_nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
     >>> recount_nbytes_by_device({"a": x[2:], "b": x.view(2, 4), "m": meta})
     {'cpu': 32, 'meta': 12}
     """
-    from sessionstate._kvpool import KVHandle
+    from sessionstate._kv import KVHandle
 
     spans: dict[str, list[tuple[int, int]]] = {}
     unaddressed: dict[str, dict[object, int]] = {}

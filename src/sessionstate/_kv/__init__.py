@@ -1,0 +1,11 @@
+"""K/V state: encode-once per-layer K/V, and the engine-owned paged pool with its handles.
+
+`EncodeOnceKV` and `KVPair` are a state object's K/V, computed once per session; `KVPool` and
+`KVHandle` are an engine's paged KV cache, of which a record holds immutable handles (and
+whose snapshot codec lives with the pool, the one module that touches its blocks).
+"""
+
+from sessionstate._kv._encode_once import EncodeOnceKV, KVPair
+from sessionstate._kv._pool import KVHandle, KVPool
+
+__all__ = ["EncodeOnceKV", "KVHandle", "KVPair", "KVPool"]
