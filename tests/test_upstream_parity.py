@@ -278,10 +278,10 @@ def test_extend_builds_one_tuple() -> None:
     made = 0
     real = LatentBuffer._with_chunks
 
-    def counting(self: LatentBuffer, new: tuple[torch.Tensor, ...]) -> LatentBuffer:
+    def counting(self: LatentBuffer, new: tuple[torch.Tensor, ...], *rest: int) -> LatentBuffer:
         nonlocal made
         made += 1
-        return real(self, new)
+        return real(self, new, *rest)
 
     LatentBuffer._with_chunks = counting  # type: ignore[method-assign]
     try:
