@@ -239,7 +239,7 @@ def test_max_bytes_validation_messages() -> None:
     with pytest.raises(ValueError, match=re.escape(msg)):
         SessionStateManager(max_bytes={"cuda": 1})
     with pytest.raises(TypeError, match=re.escape("`max_bytes` must map device strings")):
-        SessionStateManager(max_bytes=5)  # type: ignore[arg-type]
+        SessionStateManager(max_bytes=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape("`tier` must be 'host' or 'disk', got 'ssd'")):
         SessionStateManager(park_tier="ssd")  # type: ignore[arg-type]
 

@@ -67,37 +67,84 @@ def parse_nbytes(value: object, /, *, name: str = "max_bytes") -> int:
 def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
     """``max_bytes`` as ``{device string: bytes}``, or None; the manager's argument checked.
 
+    The manager takes the forms a model's config and its environment variable take: a mapping
+    from device string to byte count (``{"cuda:0": "24GiB"}``), or the same as text
+    (``"cuda:0=24GiB,cpu=8GiB"``, each device once). A bare count (``"24GiB"``, ``24 * 2**30``)
+    is refused: a config applies it to its model's device, which a manager does not know, so
+    the message asks for the device.
+
     Raises:
-        TypeError: if it is not a mapping.
-        ValueError: for a key that is not a device string with its index, or a value that is
-            not a byte count.
+        TypeError: if it is neither a mapping nor a str nor an int.
+        ValueError: for a bare count, a key that is not a device string with its index, a
+            device named twice, or a value that is not a byte count.
 
     >>> check_max_bytes({"cuda:0": "1KiB", "cpu": 8})
+    {'cuda:0': 1024, 'cpu': 8}
+    >>> check_max_bytes("cuda:0=1KiB, cpu=8")
     {'cuda:0': 1024, 'cpu': 8}
     """
     if max_bytes is None:
         return None
+    if is_int(max_bytes) or (isinstance(max_bytes, str) and "=" not in max_bytes):
+        count = max_bytes.strip() if isinstance(max_bytes, str) else max_bytes
+        msg = (
+            f"`max_bytes` {max_bytes!r} ({type(max_bytes).__name__}) is one byte count with no "
+            "device, and a manager cannot know which device it should budget (a model's config "
+            "applies a bare count to the model's device). Name the device: "
+            f"`max_bytes={{'cuda:0': {count!r}}}` or `max_bytes='cuda:0={count}'`."
+        )
+        raise ValueError(msg)
+    if isinstance(max_bytes, str):
+        return _from_pairs(max_bytes)
     if not isinstance(max_bytes, Mapping):
         msg = (
             f"`max_bytes` must map device strings to byte budgets, got {max_bytes!r} "
-            f"({type(max_bytes).__name__}); e.g. `max_bytes={{'cuda:0': 24 * 2**30}}`."
+            f"({type(max_bytes).__name__}); e.g. `max_bytes={{'cuda:0': 24 * 2**30}}` or "
+            "`max_bytes='cuda:0=24GiB'`."
         )
         raise TypeError(msg)
     out: dict[str, int] = {}
     for key, value in max_bytes.items():
-        try:
-            device = torch.device(key)
-        except (RuntimeError, TypeError):
-            device = None
-        if device is None or (device.type not in ("cpu", "meta") and device.index is None):
+        out[_device_key(key)] = parse_nbytes(value, name=f"max_bytes[{key!r}]")
+    return out
+
+
+def _from_pairs(text: str) -> dict[str, int]:
+    # `device=count` pairs separated by commas, as the config's environment variable reads.
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        key, _, count = part.partition("=")
+        device = _device_key(key.strip())
+        if device in out:
             msg = (
-                f"`max_bytes` key {key!r} ({type(key).__name__}) is not a device string with "
-                "its index; name each budgeted device as tensors report it, e.g. 'cuda:0' or "
-                "'cpu'."
+                f"`max_bytes` {text!r} names device {device!r} twice; name each device once, "
+                "e.g. 'cuda:0=24GiB,cpu=8GiB'."
             )
             raise ValueError(msg)
-        out[str(device)] = parse_nbytes(value, name=f"max_bytes[{key!r}]")
+        out[device] = parse_nbytes(count.strip(), name=f"max_bytes[{key.strip()!r}]")
     return out
+
+
+def _device_key(key: object) -> str:
+    # The device as its tensors report it ('cuda:0', 'cpu'): a budget keyed 'cpu:0' or
+    # 'cuda' would never apply, since the ledger keys bytes by what tensors report.
+    text = str(key) if isinstance(key, torch.device) else key
+    try:
+        device = torch.device(text) if isinstance(text, str) else None
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if (
+        device is None
+        or str(device) != text
+        or (device.index is None) != (device.type in ("cpu", "meta"))
+    ):
+        msg = (
+            f"`max_bytes` key {key!r} ({type(key).__name__}) is not a device string with "
+            "its index; name each budgeted device as tensors report it, e.g. 'cuda:0' or "
+            "'cpu'."
+        )
+        raise ValueError(msg)
+    return str(device)
 
 
 class BudgetPolicy:

@@ -70,9 +70,12 @@ class SessionStateManager(Generic[SessionT]):
             ``tensor.untyped_storage().fill_()``)
             and inference-mode tensors (which have no counter; a warning says so once) are
             not seen. Off by default, and then free.
-        max_bytes: A byte budget per device (``{"cuda:0": "24GiB"}``); None (default) applies
-            only the session cap. Over budget, the least recently used sessions' parkable
-            objects are parked first, then ``on_full`` applies.
+        max_bytes: A byte budget per device, as a mapping (``{"cuda:0": "24GiB"}``) or the
+            text a model's config and its environment variable take (``"cuda:0=24GiB,cpu=8GiB"``);
+            None (default) applies only the session cap. Over budget, the least recently used
+            sessions' parkable objects are parked first, then ``on_full`` applies. A bare count
+            (``"24GiB"``, an int) raises `ValueError` asking for its device: a config applies it
+            to its model's device, which a manager does not know.
         park_tier: Where the budget parks objects: ``"host"`` (default) or ``"disk"``.
         spool_dir: The root the disk tier spools into (the system temporary directory when
             None). The manager writes into a locked subdirectory of its own, removed with the
@@ -96,7 +99,7 @@ class SessionStateManager(Generic[SessionT]):
         *,
         on_full: OnFull = "evict",
         check_immutable: bool = False,
-        max_bytes: Mapping[str, int | str] | None = None,
+        max_bytes: Mapping[str, int | str] | str | None = None,
         park_tier: Tier = "host",
         spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
