@@ -1,11 +1,13 @@
 """The models the command line knows: how to build, drive, compare and size each one.
 
 `sessionstate ab` and `sessionstate sizes` are written once against `ModelSpec`; each
-reference model registers one. Model packages are imported only when a spec is used.
+reference model registers one, naming its entry points as ``"module:attr"`` strings (`Lazy`):
+model packages are imported only when a spec's entry point is called.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -13,7 +15,7 @@ import attrs
 
 from sessionstate import MissingKeyError
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "ModelSpec", "get_model"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "Lazy", "ModelSpec", "get_model"]
 
 Row = tuple[str, str, str, str]
 
@@ -60,82 +62,38 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-# -- DreamZero -------------------------------------------------------------------------------
+@attrs.frozen
+class Lazy:
+    """A callable named ``"module:attr"``, imported on its first call (vLLM's factory pattern).
+
+    The registry names each model's entry points as strings, so `sessionstate --help` and
+    the registry itself import no model (and no torch).
+
+    >>> Lazy("math:sqrt")(16.0)
+    4.0
+    """
+
+    target: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+    def load(self) -> Callable[..., Any]:
+        """The callable named by `target` (``attr`` may be dotted: ``Class.method``)."""
+        module, _, attr = self.target.partition(":")
+        found: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            found = getattr(found, part)
+        return found  # type: ignore[no-any-return]
 
 
-def _dz_config(model: Mapping[str, Any]) -> Any:
-    from sessionstate.models.dreamzero import DreamZeroConfig
-
-    return DreamZeroConfig.from_dict(model)
-
-
-def _dz_pipeline(deploy: Any, **kwargs: Any) -> Any:
-    from sessionstate.models.dreamzero import DreamZeroPipeline
-
-    return DreamZeroPipeline(deploy, **kwargs)
-
-
-def _dz_episode(cfg: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-    from sessionstate.models.dreamzero.episode import scripted_episode
-
-    return scripted_episode(cfg, **kwargs)
-
-
-def _dz_outputs(out: Any) -> dict[str, Any]:
-    return {"actions": out.actions, "video": out.video_latents, "reset": out.reset}
-
-
-def _dz_finals(pipe: Any) -> dict[str, dict[str, Any]]:
-    decoded = {sid: pipe.decode_video(sid) for sid in pipe.session_ids()}
-    latents = {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}
-    return {"decoded": decoded, "latents": latents}
-
-
-def _dz_sizes(preset: str, steps: int) -> dict[str, Any]:
-    from sessionstate.models.dreamzero.sizes import size_table
-
-    return size_table(preset, steps)
+# -- size table footers: formatting of a size table, no model imported ---------------------
 
 
 def _dz_footer(table: dict[str, Any]) -> tuple[list[Row], list[str]]:
     feat64 = _gib(table["vae_enc_feat_map_64_sessions_nbytes"])
     rows = [("[bold]64 feature caches", "object", feat64, feat64)]
     return rows, [f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors"]
-
-
-# -- Cosmos3 -----------------------------------------------------------------------------------
-
-
-def _c3_config(model: Mapping[str, Any]) -> Any:
-    from sessionstate.models.cosmos3 import Cosmos3Config
-
-    return Cosmos3Config.from_dict(model)
-
-
-def _c3_pipeline(deploy: Any, **kwargs: Any) -> Any:
-    from sessionstate.models.cosmos3 import Cosmos3Pipeline
-
-    return Cosmos3Pipeline(deploy, **kwargs)
-
-
-def _c3_episode(cfg: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-    from sessionstate.models.cosmos3.episode import scripted_episode
-
-    return scripted_episode(cfg, **kwargs)
-
-
-def _c3_outputs(out: Any) -> dict[str, Any]:
-    return {"video": out.video_latents, "reset": out.reset}
-
-
-def _c3_finals(pipe: Any) -> dict[str, dict[str, Any]]:
-    return {"latents": {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}}
-
-
-def _c3_sizes(preset: str, steps: int) -> dict[str, Any]:
-    from sessionstate.models.cosmos3.sizes import size_table
-
-    return size_table(preset, steps)
 
 
 def _c3_footer(table: dict[str, Any]) -> tuple[list[Row], list[str]]:
@@ -159,28 +117,28 @@ MODELS: dict[str, ModelSpec] = {
     "dreamzero": ModelSpec(
         name="dreamzero",
         title="DreamZero",
-        config_from_dict=_dz_config,
-        pipeline=_dz_pipeline,
-        episode=_dz_episode,
-        outputs=_dz_outputs,
+        config_from_dict=Lazy("sessionstate.models.dreamzero:DreamZeroConfig.from_dict"),
+        pipeline=Lazy("sessionstate.models.dreamzero:DreamZeroPipeline"),
+        episode=Lazy("sessionstate.models.dreamzero.episode:scripted_episode"),
+        outputs=Lazy("sessionstate.models.dreamzero.episode:outputs"),
         tensor_outputs=("actions", "video"),
-        finals=_dz_finals,
+        finals=Lazy("sessionstate.models.dreamzero.episode:finals"),
         final_outputs=("latents", "decoded"),
-        size_table=_dz_sizes,
+        size_table=Lazy("sessionstate.models.dreamzero.sizes:size_table"),
         size_steps=400,
         size_footer=_dz_footer,
     ),
     "cosmos3": ModelSpec(
         name="cosmos3",
         title="Cosmos3",
-        config_from_dict=_c3_config,
-        pipeline=_c3_pipeline,
-        episode=_c3_episode,
-        outputs=_c3_outputs,
+        config_from_dict=Lazy("sessionstate.models.cosmos3:Cosmos3Config.from_dict"),
+        pipeline=Lazy("sessionstate.models.cosmos3:Cosmos3Pipeline"),
+        episode=Lazy("sessionstate.models.cosmos3.episode:scripted_episode"),
+        outputs=Lazy("sessionstate.models.cosmos3.episode:outputs"),
         tensor_outputs=("video",),
-        finals=_c3_finals,
+        finals=Lazy("sessionstate.models.cosmos3.episode:finals"),
         final_outputs=("latents",),
-        size_table=_c3_sizes,
+        size_table=Lazy("sessionstate.models.cosmos3.sizes:size_table"),
         size_steps=8,
         size_footer=_c3_footer,
     ),

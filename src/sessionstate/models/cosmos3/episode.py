@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
+from typing import Any
 
 import torch
 
 from sessionstate.models.cosmos3.config import Cosmos3Config
-from sessionstate.models.cosmos3.pipeline import Cosmos3Request
+from sessionstate.models.cosmos3.pipeline import Cosmos3Output, Cosmos3Pipeline, Cosmos3Request
 
-__all__ = ["NEGATIVE_PROMPT", "PROMPTS", "scripted_episode"]
+__all__ = ["NEGATIVE_PROMPT", "PROMPTS", "finals", "outputs", "scripted_episode"]
 
 PROMPTS = (
     "a delivery robot crosses a rainy street at dusk",
@@ -53,3 +54,13 @@ def scripted_episode(
                     negative_prompt=NEGATIVE_PROMPT,
                 ),
             )
+
+
+def outputs(out: Cosmos3Output) -> dict[str, Any]:
+    """One step's outputs `sessionstate ab` compares, by name: tensors first, then ``reset``."""
+    return {"video": out.video_latents, "reset": out.reset}
+
+
+def finals(pipe: Cosmos3Pipeline) -> dict[str, dict[Hashable, Any]]:
+    """Per-session results at the end of an episode: the generated latents."""
+    return {"latents": {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}}

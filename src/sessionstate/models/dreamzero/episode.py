@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
+from typing import Any
 
 import torch
 
 from sessionstate.models.dreamzero.config import DreamZeroConfig
+from sessionstate.models.dreamzero.pipeline import DreamZeroOutput, DreamZeroPipeline
 from sessionstate.models.dreamzero.transform import CAMERAS, Observation
 
-__all__ = ["PROMPTS", "scripted_episode"]
+__all__ = ["PROMPTS", "finals", "outputs", "scripted_episode"]
 
 PROMPTS = (
     "pick up the red block and place it in the bowl",
@@ -59,3 +61,15 @@ def scripted_episode(
                     state=joints[sid].clone(),
                 ),
             )
+
+
+def outputs(out: DreamZeroOutput) -> dict[str, Any]:
+    """One step's outputs `sessionstate ab` compares, by name: tensors first, then ``reset``."""
+    return {"actions": out.actions, "video": out.video_latents, "reset": out.reset}
+
+
+def finals(pipe: DreamZeroPipeline) -> dict[str, dict[Hashable, Any]]:
+    """Per-session results at the end of an episode: decoded video and latents."""
+    decoded = {sid: pipe.decode_video(sid) for sid in pipe.session_ids()}
+    latents = {sid: pipe.video_latents(sid) for sid in pipe.session_ids()}
+    return {"decoded": decoded, "latents": latents}
