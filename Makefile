@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck pytest mutants bench docs docs-serve notebooks sizes-data clean
+.PHONY: demo test lint typecheck pytest mutants bench bench-report docs docs-serve notebooks sizes-data clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ test: lint typecheck pytest
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks docs notebooks tools
-	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/griffe_doctest.py notebooks tools
+	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/gen_bench.py docs/griffe_doctest.py notebooks tools
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -40,6 +40,10 @@ mutants: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --out benchmarks/results/latest.json
 	$(PY) benchmarks/chart.py
+
+# The report (and so the performance page's tables) from the committed JSON alone.
+bench-report: $(STAMP)
+	$(PY) benchmarks/report.py benchmarks/results/latest.json
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site

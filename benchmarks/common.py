@@ -107,8 +107,31 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def code_version() -> dict[str, Any]:
+    """The commit the measured code is at, whether the tree had changes, and the UTC time."""
+    import datetime
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "src")),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
 def machine_info() -> dict[str, Any]:
-    """The machine and runtime a run was measured on."""
+    """The machine and runtime a run was measured on, and the code's commit and the date."""
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -123,6 +146,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "loadavg_start": list(os.getloadavg()),
+        **code_version(),
     }
 
 
