@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import attrs
 import pytest
 import torch
 
@@ -250,3 +251,15 @@ def test_readers_of_a_session_not_held_raise_session_state_lost(environ: dict[st
         with pytest.raises(SessionStateLostError, match=re.escape(msg)):
             read("gone")
     assert pipe.session_ids() == []  # nothing was created
+
+
+def test_an_unknown_model_setting_suggests_the_closest_key() -> None:
+    from sessionstate.models.cosmos3 import Cosmos3Config
+
+    known = sorted(a.name for a in attrs.fields(Cosmos3Config) if a.name != "name")
+    msg = (
+        "Unknown Cosmos3 model setting 'num_layer' (value 3); did you mean 'num_layers'? "
+        f"Known: {['preset', *known]}."
+    )
+    with pytest.raises(KeyError, match=re.escape(msg)):
+        Cosmos3Config.from_dict({"preset": "tiny", "num_layer": 3})

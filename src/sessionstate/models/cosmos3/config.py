@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from sessionstate import MissingKeyError
 from sessionstate._checks import is_int
+from sessionstate.models._presets import from_preset, from_section
 
 __all__ = ["MAX_COSMOS3_SESSIONS", "PRESETS", "Cosmos3Config"]
 
@@ -123,10 +123,7 @@ class Cosmos3Config:
         >>> Cosmos3Config.preset("tiny", seed=3).seed
         3
         """
-        if name not in PRESETS:
-            msg = f"Unknown Cosmos3 preset {name!r}; choose one of {sorted(PRESETS)}."
-            raise MissingKeyError(msg)
-        return attrs.evolve(PRESETS[name], **overrides)
+        return from_preset("Cosmos3", PRESETS, name, **overrides)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> Cosmos3Config:
@@ -138,17 +135,7 @@ class Cosmos3Config:
         >>> Cosmos3Config.from_dict({"preset": "tiny", "guidance_scale": 2.0}).guidance_scale
         2.0
         """
-        data = dict(data)
-        preset = data.pop("preset", "deploy")
-        known = {a.name for a in attrs.fields(cls)} - {"name"}
-        for key in data:
-            if key not in known:
-                msg = (
-                    f"Unknown Cosmos3 model setting {key!r} (value {data[key]!r}); known: "
-                    f"{['preset', *sorted(known)]}."
-                )
-                raise MissingKeyError(msg)
-        return cls.preset(preset, **data)
+        return from_section("Cosmos3", PRESETS, cls, data)
 
 
 PRESETS: dict[str, Cosmos3Config] = {

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import torch
 
-from sessionstate import MissingKeyError
 from sessionstate._checks import is_int
+from sessionstate.models._presets import from_preset, from_section
 
 __all__ = ["FRAMES_PER_CHUNK", "MAX_DREAMZERO_SESSIONS", "PRESETS", "DreamZeroConfig"]
 
@@ -181,10 +180,7 @@ class DreamZeroConfig:
         >>> DreamZeroConfig.preset("tiny", seed=3).seed
         3
         """
-        if name not in PRESETS:
-            msg = f"Unknown DreamZero preset {name!r}; choose one of {sorted(PRESETS)}."
-            raise MissingKeyError(msg)
-        return attrs.evolve(PRESETS[name], **overrides)
+        return from_preset("DreamZero", PRESETS, name, **overrides)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], /) -> DreamZeroConfig:
@@ -196,19 +192,7 @@ class DreamZeroConfig:
         >>> DreamZeroConfig.from_dict({"preset": "tiny", "local_attn_size": 5}).local_attn_size
         5
         """
-        data = dict(data)
-        preset = data.pop("preset", "deploy")
-        known = {a.name for a in attrs.fields(cls)} - {"name"}
-        for key in data:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), ["preset", *known], n=1)
-                hint = f"did you mean {close[0]!r}? Known" if close else "known"
-                msg = (
-                    f"Unknown DreamZero model setting {key!r} (value {data[key]!r}); {hint}: "
-                    f"{['preset', *sorted(known)]}."
-                )
-                raise MissingKeyError(msg)
-        return cls.preset(preset, **data)
+        return from_section("DreamZero", PRESETS, cls, data)
 
 
 PRESETS: dict[str, DreamZeroConfig] = {
