@@ -502,8 +502,7 @@ CORE_MESSAGES = {
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
     "_ids.py": 1 + 2,  # None and NaN ids: pinned in test_session_ids.py
-    "_objects.py": 4 + 1 + 3 + 3,
-    "_chunk_checks.py": 7,  # LatentBuffer's checks, moved out of _objects.py
+    "_objects.py": 4 + 1 + 3 + 3 + 7,  # with the chunk checks
     "_session.py": 6 + 2,
     "_tree.py": 2,
     "_frozen.py": 2,
