@@ -201,7 +201,7 @@ def budget_evictions(results: dict[str, Any]) -> int:
     Under a byte budget the extra evictions are the budget's: the bespoke path, which has no
     budget, kept those sessions, so their later steps restart on one path only.
     """
-    held = {name: res["stats"].get("evictions", 0) for name, res in results.items()}
+    held = {name: int(res["stats"].get("evictions", 0)) for name, res in results.items()}
     return max(0, held["managed"] - held["bespoke"])
 
 
