@@ -28,13 +28,52 @@ from sessionstate import (
     nbytes_by_device,
 )
 
-__all__ = ["SessionTable", "build_manager", "device_key", "managed_forward", "resident"]
+__all__ = [
+    "SessionMessages",
+    "SessionTable",
+    "build_manager",
+    "device_key",
+    "managed_forward",
+    "resident",
+]
 
 logger = logging.getLogger("sessionstate")
 
 S = TypeVar("S")
 R = TypeVar("R", bound=SessionState)
 O = TypeVar("O")  # noqa: E741 - a step's output, as in `step(state, x) -> (state, out)`
+
+
+class SessionMessages:
+    """The messages both paths give for a session that is not held, worded per model.
+
+    Args:
+        model: How messages name the model (``"DreamZero"``).
+        argument: The name of ``forward``'s input in the fix (``"obs"``).
+
+    >>> messages = SessionMessages("Toy", "obs")
+    >>> messages.unknown("a")
+    "Toy session 'a' is not held (never started, dropped or evicted); call `forward(obs, session_id)` to start it."
+    """  # noqa: E501 - a doctest's expected output is one line
+
+    def __init__(self, model: str, argument: str) -> None:
+        self.model = model
+        self.argument = argument
+
+    def unknown(self, session_id: Hashable) -> str:
+        """The message for a lookup of a session that is not held."""
+        return (
+            f"{self.model} session {session_id!r} is not held (never started, dropped or "
+            f"evicted); call `forward({self.argument}, session_id)` to start it."
+        )
+
+    def lost(self, session_id: Hashable) -> str:
+        """The message for ``forward(..., begin=False)`` of a session that is not held."""
+        return (
+            f"Cannot continue {self.model} session {session_id!r}: it is not held (never "
+            "started, dropped or evicted), so its state is lost. Start it again with "
+            f"`forward({self.argument}, {session_id!r}, begin=True)`, or raise the session cap."
+        )
 
 
 class SessionTable(Generic[S]):

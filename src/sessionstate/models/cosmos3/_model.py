@@ -8,12 +8,13 @@ it through ``kv_for(branch)`` and the path encodes on the first read with `encod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
 
 from sessionstate import KVPair
+from sessionstate.models._kit import SessionMessages
 from sessionstate.models.cosmos3.config import Cosmos3Config
 from sessionstate.models.cosmos3.networks import Cosmos3Networks, build_networks
 
@@ -48,29 +49,11 @@ class Cosmos3Output:
     reset: str | None
 
 
-def unknown_session(session_id: Hashable) -> str:
-    """The message for a lookup of a session that is not held.
-
-    >>> unknown_session("a").startswith("Cosmos3 session 'a' is not held")
-    True
-    """
-    return (
-        f"Cosmos3 session {session_id!r} is not held (never started, dropped or evicted); "
-        "call `forward(request, session_id)` to start it."
-    )
-
-
-def lost_continuation(session_id: Hashable) -> str:
-    """The message for ``forward(..., begin=False)`` of a session that is not held.
-
-    >>> lost_continuation("a").startswith("Cannot continue Cosmos3 session 'a'")
-    True
-    """
-    return (
-        f"Cannot continue Cosmos3 session {session_id!r}: it is not held (never started, "
-        "dropped or evicted), so its state is lost. Start it again with "
-        f"`forward(request, {session_id!r}, begin=True)`, or raise the session cap."
-    )
+_MESSAGES = SessionMessages("Cosmos3", "request")
+unknown_session = _MESSAGES.unknown
+"""The message for a lookup of a session that is not held."""
+lost_continuation = _MESSAGES.lost
+"""The message for ``forward(..., begin=False)`` of a session that is not held."""
 
 
 def prompt_changed(

@@ -6,11 +6,10 @@ comes back.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import attrs
 import torch
 
+from sessionstate.models._kit import SessionMessages
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
 from sessionstate.models.dreamzero.transform import Observation
@@ -37,29 +36,11 @@ class DreamZeroOutput:
     reset: str | None
 
 
-def unknown_session(session_id: Hashable) -> str:
-    """The message for a lookup of a session that is not held.
-
-    >>> unknown_session("a").startswith("DreamZero session 'a' is not held")
-    True
-    """
-    return (
-        f"DreamZero session {session_id!r} is not held (never started, dropped or evicted); "
-        "call `forward(obs, session_id)` to start it."
-    )
-
-
-def lost_continuation(session_id: Hashable) -> str:
-    """The message for ``forward(..., begin=False)`` of a session that is not held.
-
-    >>> lost_continuation("a").startswith("Cannot continue DreamZero session 'a'")
-    True
-    """
-    return (
-        f"Cannot continue DreamZero session {session_id!r}: it is not held (never started, "
-        "dropped or evicted), so its state is lost. Start it again with "
-        f"`forward(obs, {session_id!r}, begin=True)`, or raise the session cap."
-    )
+_MESSAGES = SessionMessages("DreamZero", "obs")
+unknown_session = _MESSAGES.unknown
+"""The message for a lookup of a session that is not held."""
+lost_continuation = _MESSAGES.lost
+"""The message for ``forward(..., begin=False)`` of a session that is not held."""
 
 
 def conditioning_frame(frames: torch.Tensor) -> torch.Tensor:
