@@ -97,3 +97,29 @@ def test_import_does_not_pull_in_diffusers() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_type_checkers_imports_are_the_public_table() -> None:
+    # Type checkers and the docs read the TYPE_CHECKING imports; `import sessionstate` serves
+    # the `_PUBLIC` table. A name added to one and not the other would mean something else
+    # to mypy than at run time: each name is imported, from the module the table says.
+    import ast
+    from pathlib import Path
+
+    source = Path(ss.__file__).read_text(encoding="utf-8")
+    guarded = next(
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    static = {
+        alias.name: node.module
+        for node in guarded.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name  # explicit re-exports only
+    }
+    assert static == ss._LAZY
+    assert sorted(ss.__all__) == sorted([*ss._LAZY, "__version__"])
+    for name, module in ss._LAZY.items():
+        assert getattr(ss, name) is getattr(__import__(module, fromlist=[name]), name), name

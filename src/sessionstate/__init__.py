@@ -15,186 +15,162 @@ bytes every session holds, per device.
 import importlib.metadata
 
 # The names below load on first use (PEP 562), so that `import sessionstate` stays light and
-# `sessionstate --help` answers without importing torch; type checkers and the docs read the
-# imports under TYPE_CHECKING.
+# `sessionstate --help` answers without importing torch. `_PUBLIC` is the one table of them:
+# `__all__` and the lazy lookup come from it, and the imports under TYPE_CHECKING (what type
+# checkers and the docs read) are held to it by `tests/test_public_api.py`.
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sessionstate._accounting import nbytes_by_device, nbytes_by_key
-    from sessionstate._config import (
-        OmniDiffusionConfig,
-        SessionStateSettings,
-        parse_env_flag,
-        resolve_session_state_config,
-    )
-    from sessionstate._env import (
-        ENV_CHECK_IMMUTABLE,
-        ENV_ENABLE,
-        ENV_MAX_BYTES,
-        ENV_MAX_SESSIONS,
-        ENV_ON_FULL,
-    )
-    from sessionstate._errors import (
-        ImmutabilityViolationError,
-        ImmutableRecordError,
-        IncompleteStateError,
-        KVPoolExhaustedError,
-        MissingKeyError,
-        NotAllocatedError,
-        ParkedError,
-        ParkingError,
-        SessionAdmissionError,
-        SessionStateLostError,
-        SnapshotError,
-        StaleKVHandleError,
-        UnsupportedTensorError,
-    )
-    from sessionstate._kv import EncodeOnceKV, KVHandle, KVPair, KVPool
-    from sessionstate._manager import DEFAULT_MAX_SESSIONS, SessionStateManager
-    from sessionstate._movers import to_device
-    from sessionstate._objects import LatentBuffer, ParkedObject, StateObject, TensorCache
-    from sessionstate._session import SessionAttr, SessionState
-    from sessionstate._staging import StagedStateObject
-    from sessionstate._storage import (
-        dumps_state,
-        load_state,
-        loads_state,
-        register_snapshot_leaf,
-        save_state,
-    )
-    from sessionstate._tree import (
-        NAMESPACE,
-        PyTree,
-        field,
-        record,
-        register_record,
-        static_field,
-        tree_equal,
-        tree_flatten,
-        tree_flatten_with_keys,
-        tree_leaves,
-        tree_map,
-        tree_unflatten,
-    )
+    from sessionstate._accounting import nbytes_by_device as nbytes_by_device
+    from sessionstate._accounting import nbytes_by_key as nbytes_by_key
+    from sessionstate._config import OmniDiffusionConfig as OmniDiffusionConfig
+    from sessionstate._config import SessionStateSettings as SessionStateSettings
+    from sessionstate._config import parse_env_flag as parse_env_flag
+    from sessionstate._config import resolve_session_state_config as resolve_session_state_config
+    from sessionstate._env import ENV_CHECK_IMMUTABLE as ENV_CHECK_IMMUTABLE
+    from sessionstate._env import ENV_ENABLE as ENV_ENABLE
+    from sessionstate._env import ENV_MAX_BYTES as ENV_MAX_BYTES
+    from sessionstate._env import ENV_MAX_SESSIONS as ENV_MAX_SESSIONS
+    from sessionstate._env import ENV_ON_FULL as ENV_ON_FULL
+    from sessionstate._errors import ImmutabilityViolationError as ImmutabilityViolationError
+    from sessionstate._errors import ImmutableRecordError as ImmutableRecordError
+    from sessionstate._errors import IncompleteStateError as IncompleteStateError
+    from sessionstate._errors import KVPoolExhaustedError as KVPoolExhaustedError
+    from sessionstate._errors import MissingKeyError as MissingKeyError
+    from sessionstate._errors import NotAllocatedError as NotAllocatedError
+    from sessionstate._errors import ParkedError as ParkedError
+    from sessionstate._errors import ParkingError as ParkingError
+    from sessionstate._errors import SessionAdmissionError as SessionAdmissionError
+    from sessionstate._errors import SessionStateLostError as SessionStateLostError
+    from sessionstate._errors import SnapshotError as SnapshotError
+    from sessionstate._errors import StaleKVHandleError as StaleKVHandleError
+    from sessionstate._errors import UnsupportedTensorError as UnsupportedTensorError
+    from sessionstate._kv import EncodeOnceKV as EncodeOnceKV
+    from sessionstate._kv import KVHandle as KVHandle
+    from sessionstate._kv import KVPair as KVPair
+    from sessionstate._kv import KVPool as KVPool
+    from sessionstate._manager import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
+    from sessionstate._manager import SessionStateManager as SessionStateManager
+    from sessionstate._movers import to_device as to_device
+    from sessionstate._objects import LatentBuffer as LatentBuffer
+    from sessionstate._objects import ParkedObject as ParkedObject
+    from sessionstate._objects import StateObject as StateObject
+    from sessionstate._objects import TensorCache as TensorCache
+    from sessionstate._protocols import NamesItsTransition as NamesItsTransition
+    from sessionstate._protocols import ReportsStorages as ReportsStorages
+    from sessionstate._protocols import SnapshotLeaf as SnapshotLeaf
+    from sessionstate._protocols import StorageEntry as StorageEntry
+    from sessionstate._session import SessionAttr as SessionAttr
+    from sessionstate._session import SessionState as SessionState
+    from sessionstate._staging import StagedStateObject as StagedStateObject
+    from sessionstate._storage import dumps_state as dumps_state
+    from sessionstate._storage import load_state as load_state
+    from sessionstate._storage import loads_state as loads_state
+    from sessionstate._storage import register_snapshot_leaf as register_snapshot_leaf
+    from sessionstate._storage import save_state as save_state
+    from sessionstate._tree import NAMESPACE as NAMESPACE
+    from sessionstate._tree import PyTree as PyTree
+    from sessionstate._tree import field as field
+    from sessionstate._tree import record as record
+    from sessionstate._tree import register_record as register_record
+    from sessionstate._tree import static_field as static_field
+    from sessionstate._tree import tree_equal as tree_equal
+    from sessionstate._tree import tree_flatten as tree_flatten
+    from sessionstate._tree import tree_flatten_with_keys as tree_flatten_with_keys
+    from sessionstate._tree import tree_leaves as tree_leaves
+    from sessionstate._tree import tree_map as tree_map
+    from sessionstate._tree import tree_unflatten as tree_unflatten
 
 __version__ = importlib.metadata.version("sessionstate")  # one place: pyproject.toml
 
-__all__ = [
-    "DEFAULT_MAX_SESSIONS",
-    "ENV_CHECK_IMMUTABLE",
-    "ENV_ENABLE",
-    "ENV_MAX_BYTES",
-    "ENV_MAX_SESSIONS",
-    "ENV_ON_FULL",
-    "NAMESPACE",
-    "EncodeOnceKV",
-    "ImmutabilityViolationError",
-    "ImmutableRecordError",
-    "IncompleteStateError",
-    "KVHandle",
-    "KVPair",
-    "KVPool",
-    "KVPoolExhaustedError",
-    "LatentBuffer",
-    "MissingKeyError",
-    "NotAllocatedError",
-    "OmniDiffusionConfig",
-    "ParkedError",
-    "ParkedObject",
-    "ParkingError",
-    "PyTree",
-    "SessionAdmissionError",
-    "SessionAttr",
-    "SessionState",
-    "SessionStateLostError",
-    "SessionStateManager",
-    "SessionStateSettings",
-    "SnapshotError",
-    "StagedStateObject",
-    "StaleKVHandleError",
-    "StateObject",
-    "TensorCache",
-    "UnsupportedTensorError",
-    "__version__",
-    "dumps_state",
-    "field",
-    "load_state",
-    "loads_state",
-    "nbytes_by_device",
-    "nbytes_by_key",
-    "parse_env_flag",
-    "record",
-    "register_record",
-    "register_snapshot_leaf",
-    "resolve_session_state_config",
-    "save_state",
-    "static_field",
-    "to_device",
-    "tree_equal",
-    "tree_flatten",
-    "tree_flatten_with_keys",
-    "tree_leaves",
-    "tree_map",
-    "tree_unflatten",
-]
-
-_LAZY: dict[str, str] = {
-    "nbytes_by_device": "sessionstate._accounting",
-    "nbytes_by_key": "sessionstate._accounting",
-    "ENV_CHECK_IMMUTABLE": "sessionstate._env",
-    "ENV_ENABLE": "sessionstate._env",
-    "ENV_MAX_BYTES": "sessionstate._env",
-    "ENV_MAX_SESSIONS": "sessionstate._env",
-    "ENV_ON_FULL": "sessionstate._env",
-    "OmniDiffusionConfig": "sessionstate._config",
-    "SessionStateSettings": "sessionstate._config",
-    "parse_env_flag": "sessionstate._config",
-    "resolve_session_state_config": "sessionstate._config",
-    "ImmutabilityViolationError": "sessionstate._errors",
-    "ImmutableRecordError": "sessionstate._errors",
-    "IncompleteStateError": "sessionstate._errors",
-    "KVPoolExhaustedError": "sessionstate._errors",
-    "MissingKeyError": "sessionstate._errors",
-    "NotAllocatedError": "sessionstate._errors",
-    "ParkedError": "sessionstate._errors",
-    "ParkingError": "sessionstate._errors",
-    "SessionAdmissionError": "sessionstate._errors",
-    "SessionStateLostError": "sessionstate._errors",
-    "SnapshotError": "sessionstate._errors",
-    "StaleKVHandleError": "sessionstate._errors",
-    "UnsupportedTensorError": "sessionstate._errors",
-    "EncodeOnceKV": "sessionstate._kv",
-    "KVPair": "sessionstate._kv",
-    "KVHandle": "sessionstate._kv",
-    "KVPool": "sessionstate._kv",
-    "DEFAULT_MAX_SESSIONS": "sessionstate._manager",
-    "SessionStateManager": "sessionstate._manager",
-    "to_device": "sessionstate._movers",
-    "LatentBuffer": "sessionstate._objects",
-    "ParkedObject": "sessionstate._objects",
-    "StateObject": "sessionstate._objects",
-    "TensorCache": "sessionstate._objects",
-    "SessionAttr": "sessionstate._session",
-    "SessionState": "sessionstate._session",
-    "dumps_state": "sessionstate._storage",
-    "load_state": "sessionstate._storage",
-    "loads_state": "sessionstate._storage",
-    "register_snapshot_leaf": "sessionstate._storage",
-    "save_state": "sessionstate._storage",
-    "StagedStateObject": "sessionstate._staging",
-    "NAMESPACE": "sessionstate._tree",
-    "PyTree": "sessionstate._tree",
-    "field": "sessionstate._tree",
-    "record": "sessionstate._tree",
-    "register_record": "sessionstate._tree",
-    "static_field": "sessionstate._tree",
-    "tree_equal": "sessionstate._tree",
-    "tree_flatten": "sessionstate._tree",
-    "tree_flatten_with_keys": "sessionstate._tree",
-    "tree_leaves": "sessionstate._tree",
-    "tree_map": "sessionstate._tree",
-    "tree_unflatten": "sessionstate._tree",
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "sessionstate._accounting": (
+        "nbytes_by_device",
+        "nbytes_by_key",
+    ),
+    "sessionstate._config": (
+        "OmniDiffusionConfig",
+        "parse_env_flag",
+        "resolve_session_state_config",
+        "SessionStateSettings",
+    ),
+    "sessionstate._env": (
+        "ENV_CHECK_IMMUTABLE",
+        "ENV_ENABLE",
+        "ENV_MAX_BYTES",
+        "ENV_MAX_SESSIONS",
+        "ENV_ON_FULL",
+    ),
+    "sessionstate._errors": (
+        "ImmutabilityViolationError",
+        "ImmutableRecordError",
+        "IncompleteStateError",
+        "KVPoolExhaustedError",
+        "MissingKeyError",
+        "NotAllocatedError",
+        "ParkedError",
+        "ParkingError",
+        "SessionAdmissionError",
+        "SessionStateLostError",
+        "SnapshotError",
+        "StaleKVHandleError",
+        "UnsupportedTensorError",
+    ),
+    "sessionstate._kv": (
+        "EncodeOnceKV",
+        "KVHandle",
+        "KVPair",
+        "KVPool",
+    ),
+    "sessionstate._manager": (
+        "DEFAULT_MAX_SESSIONS",
+        "SessionStateManager",
+    ),
+    "sessionstate._movers": ("to_device",),
+    "sessionstate._objects": (
+        "LatentBuffer",
+        "ParkedObject",
+        "StateObject",
+        "TensorCache",
+    ),
+    "sessionstate._protocols": (
+        "NamesItsTransition",
+        "ReportsStorages",
+        "SnapshotLeaf",
+        "StorageEntry",
+    ),
+    "sessionstate._session": (
+        "SessionAttr",
+        "SessionState",
+    ),
+    "sessionstate._staging": ("StagedStateObject",),
+    "sessionstate._storage": (
+        "dumps_state",
+        "load_state",
+        "loads_state",
+        "register_snapshot_leaf",
+        "save_state",
+    ),
+    "sessionstate._tree": (
+        "field",
+        "NAMESPACE",
+        "PyTree",
+        "record",
+        "register_record",
+        "static_field",
+        "tree_equal",
+        "tree_flatten",
+        "tree_flatten_with_keys",
+        "tree_leaves",
+        "tree_map",
+        "tree_unflatten",
+    ),
 }
+"""Every public name, by the private module that defines it."""
+
+_LAZY: dict[str, str] = {name: module for module, names in _PUBLIC.items() for name in names}
+
+__all__ = sorted([*_LAZY, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,90 @@
+"""The library's extension points, declared once as `typing.Protocol`s.
+
+Each hook is a method or attribute a class defines to take part in one of the library's
+mechanisms; the modules that call a hook look it up by the name declared here, and the
+Extending page shows each with a runnable example.
+
+- `ReportsStorages`: a leaf that is not a tensor reports the memory it keeps alive to the byte
+  accounting, the ledger and the budget (an engine's handle to blocks it owns: `KVHandle`).
+- `SnapshotLeaf`: a leaf class that snapshots save by value (`register_snapshot_leaf`).
+- `NamesItsTransition`: a record that names, in the error for an assignment to one of its
+  fields, the transition that makes the change instead.
+
+Two more extension points are classes rather than hooks, and are documented with them: a
+`StateObject` subclass (with its ``parkable`` class attribute: whether the budget may park
+it), and `sessionstate.distributed.SessionPipeline`, what a Ray worker needs of a pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol, Self, runtime_checkable
+
+__all__ = [
+    "STORAGE_ENTRIES_HOOK",
+    "NamesItsTransition",
+    "ReportsStorages",
+    "SnapshotLeaf",
+    "StorageEntry",
+]
+
+StorageEntry = tuple[str, Hashable, int, int, Any]
+"""``(device, identity, address, nbytes, keepalive)``: one storage a leaf keeps alive.
+
+``identity`` is the same for every leaf that reaches the storage (so it is counted once),
+``address`` its first byte (so views of one allocation that partly overlap are told apart),
+``keepalive`` an object that keeps the memory alive while the entry is held.
+"""
+
+STORAGE_ENTRIES_HOOK = "__sessionstate_storage_entries__"
+"""The name the byte accounting looks up on a leaf's class (see `ReportsStorages`)."""
+
+
+@runtime_checkable
+class ReportsStorages(Protocol):
+    """A leaf that reports the storages it keeps alive, for the byte accounting.
+
+    Its bytes are then counted like a tensor's: once per storage across a session and across
+    the manager, per device, and held to the byte budget. Parking leaves such a leaf where it
+    is (its owner moves its memory, not the library).
+
+    >>> import torch
+    >>> class Handle:
+    ...     def __init__(self, block):
+    ...         self.block = block
+    ...     def __sessionstate_storage_entries__(self):
+    ...         s = self.block.untyped_storage()
+    ...         return [("cpu", s._cdata, s.data_ptr(), s.nbytes(), s)]
+    >>> isinstance(Handle(torch.zeros(4)), ReportsStorages)
+    True
+    """
+
+    def __sessionstate_storage_entries__(self) -> list[StorageEntry]: ...
+
+
+@runtime_checkable
+class SnapshotLeaf(Protocol):
+    """A leaf class that snapshots save by value (register it with `register_snapshot_leaf`).
+
+    ``__sessionstate_snapshot__(leaves)`` gets every ``(key path, leaf)`` of the class in one
+    snapshot, in tree order, and returns one payload of tensors, JSON values, tuples, lists
+    and dicts describing them all; ``__sessionstate_restore__(payload)`` rebuilds the leaves,
+    in the same order, raising `ValueError` or `TypeError` for a payload it refuses.
+    """
+
+    @classmethod
+    def __sessionstate_snapshot__(cls, leaves: Sequence[tuple[str, Self]], /) -> Any: ...
+
+    @classmethod
+    def __sessionstate_restore__(cls, payload: Any, /) -> Sequence[Self]: ...
+
+
+@runtime_checkable
+class NamesItsTransition(Protocol):
+    """A record that says which transition to call instead of assigning to ``name``.
+
+    The record's frozen ``__setattr__`` raises `ImmutableRecordError`; with this hook its
+    message ends with the returned fix, e.g. ``"state = state.with_attrs(step=...)"``.
+    """
+
+    def __assignment_fix__(self, name: str, /) -> str: ...
