@@ -26,6 +26,7 @@ that already holds the input's entries then counts only the leaves that were add
 from __future__ import annotations
 
 import bisect
+import operator
 import sys
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Sequence
@@ -229,28 +230,55 @@ def count_entries(entries: Iterable[StorageEntry], /) -> dict[str, int]:
     >>> count_entries(storage_entries([x, x[2:], torch.zeros(2, device="meta")]))
     {'cpu': 32, 'meta': 8}
     """
-    seen: set[Hashable] = set()
-    totals: dict[str, int] = {}  # devices in order of first appearance, as `ByteCounter`
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for device, identity, pointer, nbytes, _ in entries:
-        if identity in seen or nbytes == 0:
-            continue
-        seen.add(identity)
-        totals.setdefault(device, 0)
-        if pointer:
-            ranges.setdefault(device, []).append((pointer, pointer + nbytes))
-        else:
-            totals[device] += nbytes
-    for device, spans in ranges.items():
-        spans.sort()
-        covered, reach = 0, 0
-        for start, end in spans:
-            if end <= reach:
+    tally = _Tally()
+    tally.add(entries)
+    return tally.totals()
+
+
+class _Tally:
+    """Storages by identity, and per device the bytes without an address and the ranges."""
+
+    __slots__ = ("flat", "seen", "spans")
+
+    def __init__(self) -> None:
+        self.seen: set[Hashable] = set()
+        self.flat: dict[str, int] = {}  # devices in order of first appearance, as `ByteCounter`
+        self.spans: dict[str, dict[int, int]] = {}  # per device, start -> furthest end
+
+    def add(self, entries: Iterable[StorageEntry], /) -> None:
+        seen, flat, spans = self.seen, self.flat, self.spans
+        for device, identity, pointer, nbytes, _ in entries:
+            if identity in seen or nbytes == 0:
                 continue
-            covered += end - max(start, reach)
-            reach = end
-        totals[device] += covered
-    return totals
+            seen.add(identity)
+            flat.setdefault(device, 0)
+            if pointer:
+                ends = spans.get(device)
+                if ends is None:
+                    ends = spans[device] = {}
+                if ends.get(pointer, 0) < pointer + nbytes:
+                    ends[pointer] = pointer + nbytes
+            else:
+                flat[device] += nbytes
+
+    def totals(self) -> dict[str, int]:
+        totals = self.flat
+        for device, ranges in self.spans.items():
+            starts = sorted(ranges)
+            ends = [ranges[start] for start in starts]
+            if not any(map(operator.gt, ends, starts[1:])):
+                # No range reaches into the next (distinct storages, the common case): the
+                # union is the sum of the lengths, added up without a Python-level loop.
+                totals[device] += sum(ends) - sum(starts)
+                continue
+            covered, reach = 0, 0
+            for start, end in zip(starts, ends, strict=True):
+                if end <= reach:
+                    continue
+                covered += end - max(start, reach)
+                reach = end
+            totals[device] += covered
+        return totals
 
 
 def engine_entries(entries: Iterable[StorageEntry], /) -> list[StorageEntry]:
@@ -308,7 +336,55 @@ def nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
     >>> nbytes_by_device(torch.empty(2, 3, device="meta", dtype=torch.bfloat16))
     {'meta': 12}
     """
-    return count_entries(storage_entries(tree))
+    # The common leaf (a plain dense tensor) is counted inline rather than through
+    # `storage_entries` and its generators, and address ranges sum without a Python loop
+    # when none overlap: about 1.6x faster at 438 leaves, near 2x a hand-written walk
+    # (`accounting/nbytes_by_device` over `accounting/floor_walk` in benchmarks/micro.py).
+    # Every other leaf takes the general path (`_Tally.add`, as `count_entries`).
+    tally = _Tally()
+    seen, flat, spans = tally.seen, tally.flat, tally.spans
+    names = _DEVICE_NAMES
+    leaves = tree_leaves(tree)
+    for index, leaf in enumerate(leaves):
+        if (
+            type(leaf) is torch.Tensor
+            and leaf.layout is _STRIDED
+            and not leaf.is_nested
+            and not leaf.is_quantized
+        ):
+            try:
+                storage = leaf.untyped_storage()
+            except _TORCH_ERRORS:
+                storage_entries(tree)  # raises, naming the leaf's key path
+                raise
+            identity = storage._cdata
+            if identity in seen:
+                continue
+            seen.add(identity)
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                continue
+            device = names.get(leaf.device)
+            if device is None:
+                device = names[leaf.device] = str(leaf.device)
+            flat.setdefault(device, 0)
+            pointer = storage.data_ptr() or (identity << 64)
+            ends = spans.get(device)
+            if ends is None:
+                ends = spans[device] = {}
+            if ends.get(pointer, 0) < pointer + nbytes:
+                ends[pointer] = pointer + nbytes
+        elif type(leaf) not in _SCALARS:
+            try:
+                tally.add(list(_storages(leaf)))
+            except _RefusedError as refused:
+                keys, _, _ = tree_flatten_with_keys(tree)
+                raise _refuse(keys[index], refused) from None
+    return tally.totals()
+
+
+_STRIDED = torch.strided
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # leaves holding no storage
 
 
 def nbytes_by_key(tree: PyTree, /) -> dict[str, dict[str, int]]:
