@@ -50,9 +50,12 @@ class _Ranges:
         self._counts[span] = count + 1
         if count:
             return
-        self.total += (end - start) - self._covered(start, end)
-        bisect.insort(self._spans, span)
-        self._longest = max(self._longest, end - start)
+        spans = self._spans
+        at = bisect.bisect_left(spans, span)
+        self.total += (end - start) - self._covered(start, end, at)
+        spans.insert(at, span)
+        if end - start > self._longest:
+            self._longest = end - start
 
     def remove(self, start: int, end: int) -> None:
         span = (start, end)
@@ -61,15 +64,19 @@ class _Ranges:
             self._counts[span] = count
             return
         del self._counts[span]
-        del self._spans[bisect.bisect_left(self._spans, span)]
-        self.total -= (end - start) - self._covered(start, end)
+        spans = self._spans
+        at = bisect.bisect_left(spans, span)
+        del spans[at]
+        self.total -= (end - start) - self._covered(start, end, at)
 
-    def _covered(self, start: int, end: int) -> int:
-        """Bytes of ``[start, end)`` that the held ranges cover."""
+    def _covered(self, start: int, end: int, at: int) -> int:
+        """Bytes of ``[start, end)`` that the held ranges cover; ``at`` is where it sorts."""
         spans = self._spans
         # A range overlapping [start, end) starts after `start - longest` and before `end`.
-        lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest))
-        hi = bisect.bisect_left(spans, (end, end))
+        lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest), 0, at)
+        if lo == at and (at == len(spans) or spans[at][0] >= end):
+            return 0  # no held range can reach it: distinct allocations, the common case
+        hi = bisect.bisect_left(spans, (end, end), at)
         covered, reach = 0, start
         for s, e in sorted(spans[lo:hi]):
             if e <= reach:
