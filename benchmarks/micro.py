@@ -20,6 +20,15 @@ Benchmarks, by name (``N`` is a session length or a count):
   next to floors (a plain copy, an in-place preallocated ring, a list index assignment), and
   commits into accumulating buffers of N chunks.
 - ``stats/.../N``: `SessionStateManager.stats` over N DreamZero-shaped sessions, and its parts.
+- ``accounting/{nbytes_by_device,floor_walk}``: `nbytes_by_device` of one DreamZero-shaped
+  record (438 leaves, an attribute a view of another) next to a hand-written walk that counts
+  each storage once; the ratio is issue 23's target (<= 2x).
+- ``ledger/{upkeep,floor_walk}/N``: a session stepped (one video chunk committed, a new feature
+  cache) and put, then `stats()`, the session holding N video chunks, the records built
+  untimed; next to a plain walk of the leaves each step changed (added or dropped). The ratio
+  is issue 23's target (<= 1.5x).
+- ``guard/{off,on}/N``: the same steps put and read back (`get`) with and without
+  ``check_immutable``: the guard's cost, and how it grows with the leaves a record holds.
 """
 
 from __future__ import annotations
@@ -35,7 +44,13 @@ import pyperf
 import torch
 from common import FULL, QUICK, Sizes, commit, path_environ, tiny_feat_map, tiny_session
 
-from sessionstate import ENV_CHECK_IMMUTABLE, LatentBuffer, SessionStateManager, tree_leaves
+from sessionstate import (
+    ENV_CHECK_IMMUTABLE,
+    LatentBuffer,
+    SessionStateManager,
+    nbytes_by_device,
+    tree_leaves,
+)
 from sessionstate._accounting import ByteCounter
 from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
 from sessionstate.models.dreamzero.episode import scripted_episode
@@ -299,12 +314,163 @@ def stats_benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
         yield f"stats/floor_walk/{count}", over(floor_walk, "leaves")
 
 
+# -- accounting, ledger upkeep and the guard, each next to its floor --------------------------
+
+ACCOUNTING_CHUNKS = 400  # video chunks of the counted record: 438 leaves, as in issue 23
+UPKEEP_CHUNKS = (10, 400)  # video chunks the stepped session holds
+TARGET_NBYTES_OVER_FLOOR = 2.0
+TARGET_UPKEEP_OVER_FLOOR = 1.5
+
+
+@functools.cache
+def accounting_record() -> Any:
+    """A DreamZero-shaped record of 438 leaves whose ``clip_feas`` is a view of ``ys``."""
+    record = tiny_session(DreamZeroConfig.preset("tiny"), video_chunks=ACCOUNTING_CHUNKS)
+    ys = record.attrs["ys"]
+    return record.with_attrs(clip_feas=ys.view(-1)[:10].view(1, 5, 2))
+
+
+def floor_walk(tree: Any) -> dict[Any, int]:
+    """The least a walk that counts each storage once can do: one lookup per tensor leaf."""
+    seen: dict[int, tuple[Any, int]] = {}
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            if storage._cdata not in seen:
+                seen[storage._cdata] = (storage.device, storage.nbytes())
+    totals: dict[Any, int] = {}
+    for device, nbytes in seen.values():
+        totals[device] = totals.get(device, 0) + nbytes
+    return totals
+
+
+def _steps(chunks: int, count: int) -> tuple[list[Any], list[list[Any]]]:
+    # `count` successive records of one session holding `chunks` video chunks (a ring of that
+    # length, so the length stays fixed), and per step the leaves it added or dropped.
+    cfg = DreamZeroConfig.preset("tiny")
+    record = tiny_session(cfg, video_chunks=0)
+    record = record.update_object(
+        "video_latents_across_time", lambda b: b.reset().allocate(maxlen=chunks)
+    )
+    for _ in range(chunks):
+        record = record.update_object(
+            "video_latents_across_time", commit(torch.zeros(1, 2, 2, 2, 2))
+        )
+    records, changed = [record], []
+    for _ in range(count):
+        new = record.update_object(
+            "video_latents_across_time", commit(torch.zeros(1, 2, 2, 2, 2))
+        ).update_object("vae_enc_feat_map", lambda c: c.commit(tiny_feat_map()))
+        before, after = {id(x): x for x in tree_leaves(record)}, tree_leaves(new)
+        now = {id(x) for x in after}
+        changed.append(
+            [x for x in after if id(x) not in before]
+            + [x for k, x in before.items() if k not in now]
+        )
+        records.append(new)
+        record = new
+    return records, changed
+
+
+def _stepped(chunks: int, run: Callable[[SessionStateManager, Any], object], **kw: Any) -> TimeFunc:
+    def time_func(loops: int) -> float:
+        records, _ = _steps(chunks, loops)
+        manager = SessionStateManager(**kw)
+        manager.put("s", records[0])
+        start = time.perf_counter()
+        for record in records[1:]:
+            run(manager, record)
+        return time.perf_counter() - start
+
+    return time_func
+
+
+def _put_stats(manager: SessionStateManager, record: Any) -> None:
+    manager.put("s", record)
+    manager.stats()
+
+
+def _put_get(manager: SessionStateManager, record: Any) -> None:
+    manager.put("s", record)
+    manager.get("s")
+
+
+def _changed_floor(chunks: int) -> TimeFunc:
+    def time_func(loops: int) -> float:
+        _, changed = _steps(chunks, loops)
+        start = time.perf_counter()
+        for leaves in changed:
+            floor_walk(leaves)
+        return time.perf_counter() - start
+
+    return time_func
+
+
+def accounting_benchmarks() -> Iterator[tuple[str, TimeFunc]]:
+    yield (
+        "accounting/nbytes_by_device",
+        _loop(lambda: functools.partial(nbytes_by_device, accounting_record())),
+    )
+    yield "accounting/floor_walk", _loop(lambda: functools.partial(floor_walk, accounting_record()))
+    for chunks in UPKEEP_CHUNKS:
+        yield f"ledger/upkeep/{chunks}", _stepped(chunks, _put_stats)
+        yield f"ledger/floor_walk/{chunks}", _changed_floor(chunks)
+        yield f"guard/off/{chunks}", _stepped(chunks, _put_get)
+        yield f"guard/on/{chunks}", _stepped(chunks, _put_get, check_immutable=True)
+
+
+def summarize_accounting(us: dict[str, float]) -> dict[str, Any]:
+    """The results' ``accounting`` section: each measurement over its floor, from one run."""
+    record = accounting_record()
+    nbytes, floor = us["accounting/nbytes_by_device"], us["accounting/floor_walk"]
+    upkeep = []
+    guard = []
+    for chunks in UPKEEP_CHUNKS:
+        records, changed = _steps(chunks, 4)
+        step_us, floor_us = us[f"ledger/upkeep/{chunks}"], us[f"ledger/floor_walk/{chunks}"]
+        upkeep.append(
+            {
+                "video_chunks": chunks,
+                "changed_leaves_per_step": len(changed[-1]),
+                "upkeep_us": step_us,
+                "floor_walk_us": floor_us,
+                "upkeep_over_floor": step_us / floor_us,
+                "met": step_us / floor_us <= TARGET_UPKEEP_OVER_FLOOR,
+            }
+        )
+        off, on = us[f"guard/off/{chunks}"], us[f"guard/on/{chunks}"]
+        tensor_leaves = sum(isinstance(x, torch.Tensor) for x in tree_leaves(records[-1]))
+        guard.append(
+            {
+                "video_chunks": chunks,
+                "tensor_leaves": tensor_leaves,
+                "put_get_us": off,
+                "put_get_checked_us": on,
+                "guard_us": on - off,
+                "guard_us_per_tensor_leaf": (on - off) / tensor_leaves,
+            }
+        )
+    return {
+        "nbytes_by_device": {
+            "leaves": len(tree_leaves(record)),
+            "nbytes_by_device_us": nbytes,
+            "floor_walk_us": floor,
+            "over_floor": nbytes / floor,
+            "threshold": TARGET_NBYTES_OVER_FLOOR,
+            "met": nbytes / floor <= TARGET_NBYTES_OVER_FLOOR,
+        },
+        "ledger_upkeep": {"threshold": TARGET_UPKEEP_OVER_FLOOR, "points": upkeep},
+        "check_immutable": {"points": guard},
+    }
+
+
 def benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
     """Every micro-benchmark of this module, by name, in run order."""
     yield from reader_benchmarks(sizes)
     yield from overhead_benchmarks(sizes)
     yield from ring_benchmarks(sizes)
     yield from stats_benchmarks(sizes)
+    yield from accounting_benchmarks()
 
 
 def _add_cmdline_args(cmd: list[str], args: Any) -> None:
@@ -414,6 +580,7 @@ def summarize(medians: dict[str, float], sizes: Sizes) -> dict[str, Any]:
             "prompt_groups_sharing_storages": PROMPT_GROUPS,
             "points": stats,
         },
+        "accounting": summarize_accounting(us),
     }
 
 
