@@ -114,13 +114,13 @@ def test_a_put_after_one_commit_counts_the_new_chunk_only(monkeypatch: pytest.Mo
     state = SessionState(objects={"v": buf}, attrs={"n": 1})
     manager.put("s", state)
     counted: list[object] = []
-    real = ledger_module._storages
+    real = ledger_module.leaf_entries
 
     def counting(leaf: object) -> object:
         counted.append(leaf)
         return real(leaf)
 
-    monkeypatch.setattr(ledger_module, "_storages", counting)
+    monkeypatch.setattr(ledger_module, "leaf_entries", counting)
     chunk = torch.ones(1, 4)
     state = state.update_object("v", lambda b: b.commit(chunk))
     manager.put("s", state)

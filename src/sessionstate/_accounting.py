@@ -45,6 +45,7 @@ __all__ = [
     "count_entries",
     "derivation",
     "engine_entries",
+    "leaf_entries",
     "nbytes_by_device",
     "nbytes_by_key",
     "note_derived",
@@ -314,6 +315,41 @@ def storage_entries(tree: PyTree, /) -> list[StorageEntry]:
             keys, _, _ = tree_flatten_with_keys(tree)
             raise _refuse(keys[index], refused) from None
     return out
+
+
+def leaf_entries(leaf: Any, /) -> list[StorageEntry]:
+    """The storage entries of one leaf: what `storage_entries` lists for it, in order.
+
+    A plain dense tensor, the common leaf, is read inline (no generators), as in
+    `nbytes_by_device`; the manager's ledger walks changed leaves with it.
+
+    Raises:
+        _RefusedError: for a leaf that cannot be counted (the caller names its key path).
+
+    >>> import torch
+    >>> [entry[3] for entry in leaf_entries(torch.zeros(2))], leaf_entries(3)
+    ([8], [])
+    """
+    if (
+        type(leaf) is torch.Tensor
+        and leaf.layout is _STRIDED
+        and not leaf.is_nested
+        and not leaf.is_quantized
+    ):
+        try:
+            storage = leaf.untyped_storage()
+        except _TORCH_ERRORS as exc:
+            raise _no_storage(leaf, exc) from None
+        device = _DEVICE_NAMES.get(leaf.device)
+        if device is None:
+            device = _DEVICE_NAMES[leaf.device] = str(leaf.device)
+        identity = storage._cdata
+        return [
+            (device, identity, storage.data_ptr() or (identity << 64), storage.nbytes(), storage)
+        ]
+    if type(leaf) in _SCALARS:
+        return []
+    return list(_storages(leaf))
 
 
 def nbytes_by_device(tree: PyTree, /) -> dict[str, int]:

@@ -24,8 +24,8 @@ from sessionstate._accounting import (
     EngineBlock,
     StorageEntry,
     _RefusedError,
-    _storages,
     derivation,
+    leaf_entries,
     storage_entries,
 )
 from sessionstate._errors import UnsupportedTensorError
@@ -269,7 +269,7 @@ def _successor(
 
 def _count_leaves(value: object, leaves: Sequence[object]) -> list[list[StorageEntry]]:
     try:
-        return [list(_storages(leaf)) for leaf in leaves]
+        return [leaf_entries(leaf) for leaf in leaves]
     except _RefusedError:
         storage_entries(value)  # raises, naming the leaf's key path
         raise
