@@ -28,6 +28,10 @@ bools, floats or strings; in range; storages inside the file and not overlapping
 loader never allocates more than the file's storages hold; a hostile file gets a
 `SnapshotError` naming the value, never a raw error.
 
+For a transport that moves arrays without copying them (Ray's object store), `dumps_parts`
+returns the same snapshot in parts (the header, then each storage as a NumPy array over the
+record's memory) and `loads_parts` reads it back with the same checks, copying each storage once.
+
 The storage walk (`collect_storages`) and the rebuild (`rebuild_views`) are the library's one
 way to move a record's bytes: whatever moves storages elsewhere and back uses them.
 
@@ -39,13 +43,14 @@ which move storages through the same walk, are `sessionstate._park` and `session
 
 from __future__ import annotations
 
-from sessionstate._storage._decode import load_state, loads_state, read_header
-from sessionstate._storage._encode import dumps_state, save_state
+from sessionstate._storage._decode import load_state, loads_parts, loads_state, read_header
+from sessionstate._storage._encode import dumps_parts, dumps_state, save_state
 from sessionstate._storage._format import (
     CHECKSUM_KEY,
     CRC32_KEY,
     FORMAT_VERSION,
     SNAPSHOT_NAMES,
+    SnapshotParts,
     ViewSpec,
     collect_storages,
     rebuild_views,
@@ -62,11 +67,14 @@ __all__ = [
     "CRC32_KEY",
     "FORMAT_VERSION",
     "SNAPSHOT_NAMES",
+    "SnapshotParts",
     "ViewSpec",
     "collect_storages",
+    "dumps_parts",
     "dumps_state",
     "inspect_snapshot",
     "load_state",
+    "loads_parts",
     "loads_state",
     "read_header",
     "rebuild_views",

@@ -8,10 +8,11 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, TypeGuard, overload
 
 import attrs
+import numpy as np
 import torch
 
 from sessionstate._errors import SnapshotError
@@ -29,6 +30,7 @@ from sessionstate._storage._format import (
     METADATA_KEY,
     XXH3,
     Checksum,
+    SnapshotParts,
     StreamHash,
     ViewSpec,
     _refusal,
@@ -509,11 +511,29 @@ def _load(
 ) -> Any:
     header = read_header(source, stream, size)
     reader = _Reader(source, stream, size)
+
+    def fill(i: int, described: _Storage, out: torch.Tensor, hasher: StreamHash) -> None:
+        reader.read_into(header.data_start + described.start, out, hasher)
+
+    return _build(source, header, fill, device, expect)
+
+
+_Fill = Callable[[int, _Storage, torch.Tensor, StreamHash], None]
+
+
+def _build(
+    source: str,
+    header: Document,
+    fill: _Fill,
+    device: torch.device | str | None,
+    expect: type | None,
+) -> Any:
+    """The tree ``header`` describes, each storage filled (and hashed) by ``fill`` and checked."""
     storages: list[torch.UntypedStorage] = []
     for i, described in enumerate(header.storages):
         data = torch.empty(described.nbytes, dtype=torch.uint8)
         hasher = header.checksum.hasher()
-        reader.read_into(header.data_start + described.start, data, hasher)
+        fill(i, described, data, hasher)
         if hasher.value() != described.checksum:
             raise _fail(
                 source,
@@ -758,3 +778,116 @@ def loads_state(
     # `BytesIO` shares a `bytes` object's buffer instead of copying it.
     buffer = data if isinstance(data, bytes) else bytes(data)
     return _load("(bytes)", io.BytesIO(buffer), len(buffer), device, expect)
+
+
+_UNBOUNDED = 4 * _MAX_INT  # a size no header's offsets reach (each is at most 2**62)
+
+
+def _part_bytes(source: str, i: int, part: Any) -> memoryview:
+    """Part ``i`` as flat bytes, refused unless it is a 1-D, C-contiguous ``uint8`` array."""
+    ok = (
+        isinstance(part, np.ndarray)
+        and part.dtype == np.uint8
+        and part.ndim == 1
+        and part.flags.c_contiguous
+    )
+    if not ok:
+        got = (
+            f"a {part.dtype} array of shape {part.shape}"
+            if isinstance(part, np.ndarray)
+            else f"a {type(part).__qualname__}"
+        )
+        raise _fail(
+            source,
+            f"has a part for storage {i} that is not a 1-D contiguous uint8 array (got {got:.80})",
+            "send the parts `dumps_parts` made unchanged",
+        )
+    return memoryview(part)
+
+
+@overload
+def loads_parts(
+    parts: SnapshotParts, /, *, device: torch.device | str | None = None, expect: type[_R]
+) -> _R: ...
+@overload
+def loads_parts(
+    parts: SnapshotParts, /, *, device: torch.device | str | None = None, expect: None = None
+) -> Any: ...
+
+
+def loads_parts(
+    parts: SnapshotParts,
+    /,
+    *,
+    device: torch.device | str | None = None,
+    expect: type | None = None,
+) -> Any:
+    """Read a snapshot in parts (`dumps_parts`): each storage copied once, hashed as copied.
+
+    The parts may be read-only views of memory the caller does not own (what ``ray.get``
+    returns for NumPy arrays): nothing returned refers to them. The header is checked as a
+    file's is (`read_header`), as if the storages followed it in order; then part ``i`` must
+    be exactly storage ``i`` (its size, at its offset), and each storage's bytes are copied
+    into memory of their own and checked against the header's checksum as they are copied.
+
+    Raises:
+        SnapshotError: as `loads_state` (the message says "(parts)"), and for parts that do
+            not match the header (a count, a size, an offset, a part that is not a buffer).
+
+    >>> import torch
+    >>> from sessionstate._storage import dumps_parts
+    >>> loads_parts(dumps_parts({"step": 3, "x": torch.zeros(2)}))
+    {'step': 3, 'x': tensor([0., 0.])}
+    """
+    source = "(parts)"
+    unchanged = "send the parts `dumps_parts` made unchanged"
+    head, arrays = getattr(parts, "header", None), getattr(parts, "storages", None)
+    if not isinstance(head, bytes) or not isinstance(arrays, tuple):
+        raise _fail(
+            source,
+            f"is a {type(parts).__qualname__}, not a `SnapshotParts` of a header (bytes) and a "
+            "tuple of storages",
+            unchanged,
+        )
+    views = [_part_bytes(source, i, part) for i, part in enumerate(arrays)]
+    declared = 8 + struct.unpack_from("<Q", head)[0] if len(head) >= 8 else None
+    if declared != len(head):
+        problem = (
+            f" where its length prefix declares {declared}"
+            if declared is not None
+            else ", too short for its 8-byte length prefix"
+        )
+        raise _fail(source, f"has a header of {len(head)} bytes{problem}", unchanged)
+    # No storage follows the header here: each is checked against its own part below, more
+    # strictly than a file's (exactly its size, at its offset), before anything is allocated.
+    header = read_header(source, io.BytesIO(head), _UNBOUNDED)
+    if len(views) != len(header.storages):
+        raise _fail(
+            source,
+            f"has {len(views)} storage parts for the {len(header.storages)} storages its "
+            "header describes",
+            unchanged,
+        )
+    start = 0
+    for i, (described, view) in enumerate(zip(header.storages, views, strict=True)):
+        if described.start != start or described.nbytes != len(view):
+            raise _fail(
+                source,
+                f"is inconsistent: its header places storage {i} ({described.nbytes} bytes) "
+                f"at offset {described.start}, but part {i} is {len(view)} bytes at offset "
+                f"{start}",
+                unchanged,
+            )
+        start += len(view)
+
+    def fill(i: int, described: _Storage, out: torch.Tensor, hasher: StreamHash) -> None:
+        # Copied a chunk at a time and hashed right after, while the chunk is in cache: one
+        # pass over the bytes. The copy is what is hashed, so what is kept is what is checked.
+        if out.numel() == 0:
+            return
+        dst, src = out.numpy().data, views[i]
+        for a in range(0, len(src), _CHUNK):
+            dst[a : a + _CHUNK] = src[a : a + _CHUNK]
+            hasher.update(dst[a : a + _CHUNK])
+
+    return _build(source, header, fill, device, expect)

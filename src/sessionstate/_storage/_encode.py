@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from sessionstate._checks import describe
@@ -30,6 +31,7 @@ from sessionstate._storage._format import (
     MAX_DEPTH,
     METADATA_KEY,
     XXH3,
+    SnapshotParts,
     _is_record,
     _is_snapshot_leaf,
     _refusal,
@@ -284,3 +286,23 @@ def dumps_state(state: PyTree, /, *, metadata: Mapping[str, str] | None = None) 
     """
     header, data = _encode(state, metadata)
     return b"".join((header, *data))  # each storage's bytes copied once
+
+
+def dumps_parts(state: PyTree, /, *, metadata: Mapping[str, str] | None = None) -> SnapshotParts:
+    """``state`` as a snapshot in parts, its storages not copied; see `SnapshotParts`.
+
+    The parts are the bytes `dumps_state` would return, split at the storages: the header is
+    byte for byte the same. A CPU storage's array is a view of the record's memory, which is
+    immutable; a storage on another device is copied to the CPU once.
+
+    >>> from sessionstate._storage import loads_parts
+    >>> x = torch.arange(3)
+    >>> parts = dumps_parts((x, x[1:]))
+    >>> len(parts.storages), parts.storages[0].ctypes.data == x.data_ptr()
+    (1, True)
+    >>> a, b = loads_parts(parts)
+    >>> torch.equal(b, x[1:]), a.data_ptr() != x.data_ptr()
+    (True, True)
+    """
+    header, data = _encode(state, metadata)
+    return SnapshotParts(header, tuple(np.frombuffer(raw, dtype=np.uint8) for raw in data))

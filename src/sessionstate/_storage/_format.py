@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
+import numpy as np
 import optree
 import torch
 import xxhash
@@ -251,6 +252,38 @@ def rebuild_views(
             t = t.conj()
         out.append(t)
     return out
+
+
+# -- a snapshot in parts -------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class SnapshotParts:
+    """A snapshot in parts: its container header, and each storage's bytes as a NumPy array.
+
+    The bytes of `dumps_state` are ``header`` followed by every storage in order; here the
+    storages stay apart, as ``uint8`` arrays over the record's own memory (no copy for a CPU
+    storage), so a serialiser that passes NumPy arrays out of band (pickle protocol 5, as
+    Ray's does) moves them without a copy of its own. The header holds the JSON document, its
+    checksum and every storage's checksum: `loads_parts` checks each part against it.
+
+    Attributes:
+        header: The safetensors header (length prefix, JSON, padding), as in a file.
+        storages: Storage ``i``'s bytes, one 1-D ``uint8`` array each.
+    """
+
+    header: bytes
+    storages: tuple[np.ndarray[Any, np.dtype[np.uint8]], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the same snapshot as bytes: header and storages.
+
+        >>> from sessionstate._storage import dumps_parts, dumps_state
+        >>> dumps_parts({"x": torch.zeros(2)}).nbytes == len(dumps_state({"x": torch.zeros(2)}))
+        True
+        """
+        return len(self.header) + sum(int(a.nbytes) for a in self.storages)
 
 
 # -- checksums -----------------------------------------------------------------------------------
