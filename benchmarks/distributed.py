@@ -17,8 +17,8 @@ Three measurements on a local Ray cluster (two worker actors, one torch thread e
 3. ``cluster_rss``: resident memory of every process the local cluster started (the raylet,
    the GCS, the workers), summed from ``/proc``.
 
-Medians after a warm-up; nothing asserts a time. Targets: migration within 2x of put+get per
-MiB, and a tiny session migrating in under 1 s.
+Medians after a warm-up; nothing asserts a time. Targets: migration within 1.3x of put+get
+per MiB (issue 26), and a tiny session migrating in under 1 s.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     results["targets"] = {
-        "migration_within_2x_put_get": results["large_session"]["ratio"] <= 2.0,
+        "migration_within_1.3x_put_get": results["large_session"]["ratio"] <= 1.3,
         "tiny_session_under_1s": results["tiny_session"]["median_s"] < 1.0,
     }
     text = json.dumps(results, indent=2)

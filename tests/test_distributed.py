@@ -21,6 +21,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from sessionstate import SessionState, SessionStateLostError, SessionStateManager  # noqa: E402
+from sessionstate._storage import SnapshotParts  # noqa: E402
 from sessionstate.cli import main  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     DreamZeroFactory,
@@ -60,13 +61,13 @@ class FlakyWorker(SessionWorker):
     def arm(self, stage: str | None) -> None:
         self.fail = stage
 
-    def export_session(self, session_id: str, *, epoch: int) -> tuple[bytes, str]:
+    def export_session(self, session_id: str, *, epoch: int) -> tuple[SnapshotParts, str]:
         if self.fail == "export":
             msg = "export failed"
             raise RuntimeError(msg)
         return super().export_session(session_id, epoch=epoch)
 
-    def import_session(self, session_id: str, data: bytes, *, epoch: int) -> Any:
+    def import_session(self, session_id: str, data: SnapshotParts, *, epoch: int) -> Any:
         ack = super().import_session(session_id, data, epoch=epoch)  # stored, then it fails
         if self.fail == "import":
             msg = "import failed"

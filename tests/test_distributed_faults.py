@@ -28,6 +28,7 @@ from sessionstate import (  # noqa: E402
     SessionStateManager,
     SnapshotError,
 )
+from sessionstate._storage import SnapshotParts  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     MigrationError,
     Router,
@@ -59,6 +60,32 @@ class CounterPipeline:
         return int(count)
 
 
+def _flip_last_storage_byte(parts: SnapshotParts) -> SnapshotParts:
+    # A copy: the exported arrays are views of the source's record, which must stay intact.
+    last = parts.storages[-1].copy()
+    last[-1] ^= 0xFF
+    return attrs.evolve(parts, storages=(*parts.storages[:-1], last))
+
+
+def _shorten_last_storage(parts: SnapshotParts) -> SnapshotParts:
+    return attrs.evolve(parts, storages=(*parts.storages[:-1], parts.storages[-1][:-8]))
+
+
+def _flip_document_byte(parts: SnapshotParts) -> SnapshotParts:
+    # The first character of the torch version: the document stays JSON, its checksum fails.
+    header = bytearray(parts.header)
+    at = header.index(b"torch_version") + len(b'torch_version\\":\\"')  # JSON inside JSON
+    header[at] = ord("0") if header[at] != ord("0") else ord("1")
+    return attrs.evolve(parts, header=bytes(header))
+
+
+_IN_TRANSIT = {
+    "corrupt": _flip_last_storage_byte,
+    "shorten": _shorten_last_storage,
+    "corrupt-document": _flip_document_byte,
+}
+
+
 class FaultyWorker(SessionWorker):
     """Sleeps at, or corrupts, the armed stage (the fence arguments pass through untouched)."""
 
@@ -76,14 +103,14 @@ class FaultyWorker(SessionWorker):
         self._pause("step")
         return super().step(session_id, inputs, **fence)
 
-    def export_session(self, session_id: str, **fence: Any) -> tuple[bytes, str]:
+    def export_session(self, session_id: str, **fence: Any) -> tuple[SnapshotParts, str]:
         self._pause("export")
         data, sha = super().export_session(session_id, **fence)
-        if self.fault == "corrupt":  # a storage byte: the header, and so the digest, still match
-            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        if self.fault in _IN_TRANSIT:  # the digest is the exported header's, as sent
+            data = _IN_TRANSIT[self.fault](data)
         return data, sha
 
-    def import_session(self, session_id: str, data: bytes, **fence: Any) -> Any:
+    def import_session(self, session_id: str, data: SnapshotParts, **fence: Any) -> Any:
         self._pause("import")
         ack = super().import_session(session_id, data, **fence)
         self._pause("acknowledge")  # stored; the acknowledgement is late
@@ -219,8 +246,18 @@ def test_a_timed_out_step_raises_a_library_error_and_is_counted_when_it_complete
     toy.drop(sid)
 
 
-def test_corrupt_bytes_through_a_migration_import_raise_snapshot_error(toy: Router) -> None:
-    sid = "corrupt"
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [
+        ("corrupt", "is corrupt: storage 0 (256 bytes) fails its xxh3-64 check"),
+        ("shorten", "its header places storage 0 (256 bytes) at offset 0, but part 0 is 248"),
+        ("corrupt-document", "is corrupt: its JSON document fails its xxh3-64 check"),
+    ],
+)
+def test_parts_corrupted_in_transit_fail_the_import_with_snapshot_error(
+    toy: Router, fault: str, cause: str
+) -> None:
+    sid = f"in-transit-{fault}"
     toy.step(sid, 64)
     toy.step(sid, 64)
     source, destination = toy.owner(sid), _other(toy, sid)
@@ -231,15 +268,15 @@ def test_corrupt_bytes_through_a_migration_import_raise_snapshot_error(toy: Rout
     tail = f"); the session stays on {source!r} with its record intact. Retry, or pick another "
     tail += "destination."
     with (
-        armed(toy, source, "corrupt"),
+        armed(toy, source, fault),
         pytest.raises(MigrationError, match=re.escape(head) + ".*" + re.escape(tail)) as info,
     ):
         toy.migrate(sid, destination)
     assert isinstance(info.value.__cause__, SnapshotError)
-    assert "fails its xxh3-64 check" in str(info.value.__cause__)
+    assert cause in str(info.value.__cause__)
     assert toy.owner(sid) == source
     assert _holders(toy, sid) == [source]  # nothing was stored at the destination
-    assert toy.step(sid, 64) == 3
+    assert toy.step(sid, 64) == 3  # the source's record is intact and steps again
     toy.drop(sid)
 
 

@@ -20,6 +20,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from sessionstate import SessionState, SessionStateManager  # noqa: E402
+from sessionstate._storage import SnapshotParts  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     MigrationRecord,
     Router,
@@ -55,7 +56,7 @@ class LaggingWorker(SessionWorker):
     def arm(self, fault: str | None) -> None:
         self.fault = fault
 
-    def export_session(self, session_id: str, **fence: Any) -> tuple[bytes, str]:
+    def export_session(self, session_id: str, **fence: Any) -> tuple[SnapshotParts, str]:
         if self.fault == "slow-export":
             time.sleep(1.0)
         return super().export_session(session_id, **fence)

@@ -318,8 +318,10 @@ class Router:
     def migrate(self, session_id: Hashable, destination: str) -> MigrationRecord:
         """Move ``session_id`` to ``destination``: export, import, acknowledge, switch, release.
 
-        The record's bytes go from the source to the destination through Ray's object
-        store; this process only handles their reference and digest. The source keeps the
+        The record goes from the source to the destination through Ray's object store as a
+        snapshot in parts (its storages as NumPy arrays, passed out of band: one copy in,
+        read-only views out, one checked copy into the destination's tensors); this process
+        only handles their reference and the digest of the header. The source keeps the
         record, and refuses steps for it, until the destination's acknowledgement matches
         the exported digest; then the owner and the epoch switch, and the source drops its
         copy (a drop that times out still runs there, and its copy is fenced meanwhile).

@@ -1,7 +1,11 @@
-"""How a session record travels between workers: bytes, and a digest to acknowledge them.
+"""How a session record travels between workers: a snapshot in parts, and a digest of it.
 
-A record travels in the snapshot format (`dumps_state` / `loads_state`): every storage once,
-aliases kept, records rebuilt through their constructors, nothing unpickled.
+A record travels in the snapshot format, in parts (`dumps_parts` / `loads_parts`): the
+checksummed header, and every storage once as a NumPy array over the record's memory. Ray's
+serialiser passes NumPy arrays out of band, so the storages go into the object store with one
+copy and come out of it as read-only views with none; the destination copies each once into
+its own tensors, checking its checksum as it copies. Aliases are kept, records are rebuilt
+through their constructors, nothing is unpickled by the library.
 """
 
 from __future__ import annotations
@@ -9,48 +13,50 @@ from __future__ import annotations
 import hashlib
 
 from sessionstate._session import SessionState
-from sessionstate._storage import dumps_state, loads_state
+from sessionstate._storage import SnapshotParts, dumps_parts, loads_parts
 
 __all__ = ["decode_record", "digest", "encode_record"]
 
 
-def encode_record(state: SessionState, /) -> bytes:
-    """The bytes of ``state``, every storage written once.
+def encode_record(state: SessionState, /) -> SnapshotParts:
+    """``state`` as a snapshot in parts, every storage once and none copied (on the CPU).
 
     >>> from sessionstate import SessionState
-    >>> len(encode_record(SessionState(attrs={"step": 1}))) > 0
+    >>> encode_record(SessionState(attrs={"step": 1})).nbytes > 0
     True
     """
-    return dumps_state(state)
+    return dumps_parts(state)
 
 
-def decode_record(data: bytes, /) -> SessionState:
-    """The record `encode_record` wrote, each storage on the device it was saved from.
+def decode_record(parts: SnapshotParts, /) -> SessionState:
+    """The record `encode_record` made, each storage on the device it was saved from.
+
+    The parts may be read-only views of the object store: the record owns its memory.
 
     Raises:
-        SnapshotError: if ``data`` is not a snapshot of a `SessionState`.
+        SnapshotError: if ``parts`` is not an intact snapshot of a `SessionState` (a
+            storage that fails its checksum, parts that do not match the header).
 
     >>> from sessionstate import SessionState, tree_equal
     >>> state = SessionState(attrs={"step": 1})
     >>> tree_equal(decode_record(encode_record(state)), state)
     True
     """
-    return loads_state(data, expect=SessionState)
+    return loads_parts(parts, expect=SessionState)
 
 
-def digest(data: bytes, /) -> str:
-    """The digest both ends of a migration compute over the same snapshot bytes.
+def digest(parts: SnapshotParts, /) -> str:
+    """The digest both ends of a migration compute over the same snapshot.
 
-    It hashes the snapshot's header only (SHA-256): the header holds a checksum of every
-    storage, and `decode_record` verifies each storage against it, so bytes that decode and
-    carry the same header are the same record. Hashing the header keeps the acknowledgement
-    cheap for sessions of hundreds of MiB.
+    It hashes the snapshot's header only (SHA-256): the header holds the JSON document, its
+    checksum and a checksum of every storage, and `decode_record` verifies each storage and
+    the document against it, so parts that decode and carry the same header are the same
+    record. Hashing the header keeps the acknowledgement cheap for sessions of hundreds of
+    MiB. It is the digest of the same snapshot as bytes (`dumps_state`) would have.
 
     >>> from sessionstate import SessionState
-    >>> data = encode_record(SessionState(attrs={"step": 1}))
-    >>> digest(data) == digest(bytes(data)), len(digest(data))
+    >>> parts = encode_record(SessionState(attrs={"step": 1}))
+    >>> digest(parts) == digest(encode_record(SessionState(attrs={"step": 1}))), len(digest(parts))
     (True, 64)
     """
-    view = memoryview(data)
-    size = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
-    return hashlib.sha256(view[: 8 + size]).hexdigest()
+    return hashlib.sha256(parts.header).hexdigest()

@@ -12,6 +12,7 @@ import torch
 from sessionstate._config import ENV_ENABLE, OmniDiffusionConfig
 from sessionstate._errors import SessionStateLostError
 from sessionstate._manager import SessionStateManager
+from sessionstate._storage import SnapshotParts
 from sessionstate.distributed._outcomes import StaleEpochError
 from sessionstate.distributed._transport import decode_record, digest, encode_record
 
@@ -214,8 +215,8 @@ class SessionWorker:
 
     def step_and_snapshot(
         self, session_id: str, inputs: Any, *, epoch: int, create: bool
-    ) -> tuple[StepReply, bytes]:
-        """`step`, then the session's bytes after it (for restoring it elsewhere).
+    ) -> tuple[StepReply, SnapshotParts]:
+        """`step`, then the session's snapshot after it, in parts (for restoring it elsewhere).
 
         >>> w = SessionWorker("w0", DreamZeroFactory(preset="tiny"))
         >>> w.step_and_snapshot("s", None, epoch=1, create=False)
@@ -226,8 +227,11 @@ class SessionWorker:
         reply = self.step(session_id, inputs, epoch=epoch, create=create)
         return reply, encode_record(self.manager.require(session_id))
 
-    def export_session(self, session_id: str, *, epoch: int) -> tuple[bytes, str]:
-        """The bytes of the session's latest record and their digest; the record stays here.
+    def export_session(self, session_id: str, *, epoch: int) -> tuple[SnapshotParts, str]:
+        """The session's latest record as a snapshot in parts, and its digest; it stays here.
+
+        The parts' storages are views of the record's memory: Ray copies them once into its
+        object store when this call returns.
 
         The session is handed off: this worker keeps its record, and refuses steps at
         ``epoch``, until `drop_session` or `reclaim_session` ends the migration.
@@ -267,12 +271,16 @@ class SessionWorker:
         self._handed_off.discard(session_id)
         return True
 
-    def import_session(self, session_id: str, data: bytes, *, epoch: int) -> ImportAck:
+    def import_session(self, session_id: str, data: SnapshotParts, *, epoch: int) -> ImportAck:
         """Store the record in ``data`` as ``session_id`` at ``epoch``; the ack carries its digest.
+
+        ``data`` may be read-only views of Ray's object store: each storage is copied once
+        into the record's own memory and checked against the header as it is copied.
 
         Raises:
             ValueError: if this worker already holds the session (an import never overwrites).
-            SnapshotError: if ``data`` is not an intact snapshot of a `SessionState`.
+            SnapshotError: if ``data`` is not an intact snapshot of a `SessionState` (a
+                storage that fails its checksum, parts that do not match the header).
 
         >>> from sessionstate import SessionState
         >>> from sessionstate.distributed import encode_record
@@ -289,7 +297,7 @@ class SessionWorker:
         self.manager.put(session_id, decode_record(data))
         self._epochs[session_id] = epoch
         self._handed_off.discard(session_id)
-        return ImportAck(session_id, self.name, digest(data), len(data))
+        return ImportAck(session_id, self.name, digest(data), data.nbytes)
 
     def drop_session(self, session_id: str, *, epoch: int) -> bool:
         """Forget the session held at ``epoch``; returns whether it was held.
