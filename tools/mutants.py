@@ -106,6 +106,17 @@ MUTANTS = (
                 "entry = (storage._cdata, virtual_address(storage), "
                 "t.numel() * t.element_size(), storage)",
             ),
+            (  # the ledger's walk of a changed leaf
+                "(device, identity, storage.data_ptr() or (identity << 64), "
+                "storage.nbytes(), storage)",
+                "(device, identity, storage.data_ptr() or (identity << 64), "
+                "leaf.numel() * leaf.element_size(), storage)",
+            ),
+            (  # nbytes_by_device's inline count
+                "            nbytes = storage.nbytes()\n            if nbytes == 0:",
+                "            nbytes = leaf.numel() * leaf.element_size()\n"
+                "            if nbytes == 0:",
+            ),
         ),
         ("tests/test_manager_stateful.py", "tests/test_manager_threads.py"),
     ),
@@ -117,6 +128,14 @@ MUTANTS = (
             (
                 "entry = (storage._cdata, virtual_address(storage), storage.nbytes(), storage)",
                 "entry = (storage.data_ptr(), storage.data_ptr(), storage.nbytes(), storage)",
+            ),
+            (  # the ledger's walk of a changed leaf
+                "        identity = storage._cdata\n        return [",
+                "        identity = storage.data_ptr()\n        return [",
+            ),
+            (  # nbytes_by_device's inline count
+                "            identity = storage._cdata\n            if identity in seen:",
+                "            identity = storage.data_ptr()\n            if identity in seen:",
             ),
         ),
         ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
@@ -252,11 +271,24 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest))",
-                "lo = bisect.bisect_left(spans, (start, start))",
+                "lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest), "
+                "0, at)",
+                "lo = bisect.bisect_left(spans, (start, start), 0, at)",
             ),
         ),
         ("tests/test_ledger_overlaps.py",),
+    ),
+    Mutant(
+        "budget-refuses-by-table-total",
+        "a put is refused when the whole table, not the record alone, is over a device's budget",
+        "sessionstate/_manager/_policy.py",
+        (
+            (
+                "            alone = ledger.session_total(session_id, device)",
+                "            alone = ledger.total(device)",
+            ),
+        ),
+        ("tests/test_budget_incremental.py",),
     ),
     Mutant(
         "budget-checks-first-device-only",
