@@ -43,7 +43,7 @@ import attrs
 import torch
 
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
-from sessionstate._checks import is_int
+from sessionstate._checks import check_count, is_int
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
 from sessionstate._storage import register_snapshot_leaf
 from sessionstate._tree import tree_equal
@@ -222,18 +222,8 @@ class KVPool:
         device: torch.device | str = "cpu",
         name: str = "kv_pool",
     ) -> None:
-        if not is_int(num_blocks) or num_blocks < 0:
-            msg = (
-                f"`num_blocks` must be a non-negative int, got {num_blocks!r} "
-                f"({type(num_blocks).__name__})."
-            )
-            raise ValueError(msg)
-        if not is_int(block_tokens) or block_tokens <= 0:
-            msg = (
-                f"`block_tokens` must be a positive int, got {block_tokens!r} "
-                f"({type(block_tokens).__name__})."
-            )
-            raise ValueError(msg)
+        check_count(num_blocks, "num_blocks", minimum=0)
+        check_count(block_tokens, "block_tokens")
         self.name = name
         self.block_tokens = block_tokens
         self.token_shape = tuple(int(n) for n in token_shape)
