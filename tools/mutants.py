@@ -195,17 +195,33 @@ MUTANTS = (
     # -- distributed mutants (issue 21) --
     Mutant(
         "migration-import-skips-crc",
-        "the loader skips the storage checksum for in-memory bytes (the migration import path)",
+        "the loader skips the storage checksum for a snapshot in parts (the migration import path)",
         "sessionstate/_storage/_decode.py",
         (
             (
                 "        if hasher.value() != described.checksum:",
-                '        if source != "(bytes)" and hasher.value() != described.checksum:',
+                '        if source != "(parts)" and hasher.value() != described.checksum:',
             ),
         ),
         (
             "tests/test_distributed_faults.py::"
-            "test_corrupt_bytes_through_a_migration_import_raise_snapshot_error",
+            "test_parts_corrupted_in_transit_fail_the_import_with_snapshot_error",
+        ),
+    ),
+    Mutant(
+        "parts-layout-unchecked",
+        "a snapshot in parts is loaded without checking each part's size and offset",
+        "sessionstate/_storage/_decode.py",
+        (
+            (
+                "        if described.start != start or described.nbytes != len(view):",
+                "        if False:",
+            ),
+        ),
+        (
+            "tests/test_snapshot_parts.py::test_a_resized_part_is_refused",
+            "tests/test_snapshot_parts.py::"
+            "test_a_signed_huge_storage_is_refused_before_anything_is_allocated",
         ),
     ),
     Mutant(
