@@ -59,8 +59,11 @@ def _library_classes() -> dict[str, type]:
 def test_the_golden_files_store_exactly_the_tables_names() -> None:
     stored = _stored_names()
     assert stored <= set(SNAPSHOT_NAMES)
-    # The table was seeded with the locations of the day, so new files are byte-identical.
-    assert {SNAPSHOT_NAMES[name] for name in stored} == stored
+    # Classes may move (their table location follows them), but each name a golden file
+    # stores is still the name its class is stored under today, so new files match old ones.
+    classes = _library_classes()
+    for name in stored:
+        assert record_name(classes[SNAPSHOT_NAMES[name]]) == name
 
 
 def test_every_library_class_has_a_stable_name_that_resolves_to_it() -> None:
