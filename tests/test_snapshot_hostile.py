@@ -565,9 +565,14 @@ def test_saving_a_parked_object_is_refused() -> None:
 def test_a_file_holding_a_parked_object_is_refused_and_restore_changes_nothing(
     tmp_path: Path,
 ) -> None:
+    from sessionstate import ParkedObject
+    from sessionstate._storage._format import record_name
+
+    parked = record_name(ParkedObject)
+
     def edit(doc: dict[str, Any]) -> None:
         ring = doc["tree"]["fields"]["objects"]["items"][0][1]
-        ring["class"] = "sessionstate._objects:ParkedObject"
+        ring["class"] = parked
         ring["fields"] = {"handle": {"type": "int", "value": 12345}}
         ring["static"] = {"name": {"type": "str", "value": "ring"}}
 
@@ -577,7 +582,7 @@ def test_a_file_holding_a_parked_object_is_refused_and_restore_changes_nothing(
     before = _state()
     manager.put("s", before)
     msg = (
-        f"Snapshot `{path}` holds a `sessionstate._objects:ParkedObject` at `objects['ring']`, "
+        f"Snapshot `{path}` holds a `{parked}` at `objects['ring']`, "
         "which is never valid snapshot content: its bytes are held by a park tier, outside the "
         "record; write the snapshot again from the unparked record."
     )

@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from sessionstate._manager import SessionStateManager as SessionStateManager
     from sessionstate._movers import to_device as to_device
     from sessionstate._objects import LatentBuffer as LatentBuffer
-    from sessionstate._objects import ParkedObject as ParkedObject
-    from sessionstate._objects import StateObject as StateObject
     from sessionstate._objects import TensorCache as TensorCache
     from sessionstate._protocols import NamesItsTransition as NamesItsTransition
     from sessionstate._protocols import ReportsStorages as ReportsStorages
@@ -62,7 +60,9 @@ if TYPE_CHECKING:
     from sessionstate._protocols import StorageEntry as StorageEntry
     from sessionstate._session import SessionAttr as SessionAttr
     from sessionstate._session import SessionState as SessionState
-    from sessionstate._staging import StagedStateObject as StagedStateObject
+    from sessionstate._stateobject import ParkedObject as ParkedObject
+    from sessionstate._stateobject import StagedStateObject as StagedStateObject
+    from sessionstate._stateobject import StateObject as StateObject
     from sessionstate._storage import dumps_state as dumps_state
     from sessionstate._storage import load_state as load_state
     from sessionstate._storage import loads_state as loads_state
@@ -129,8 +129,6 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "sessionstate._movers": ("to_device",),
     "sessionstate._objects": (
         "LatentBuffer",
-        "ParkedObject",
-        "StateObject",
         "TensorCache",
     ),
     "sessionstate._protocols": (
@@ -143,7 +141,11 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "SessionAttr",
         "SessionState",
     ),
-    "sessionstate._staging": ("StagedStateObject",),
+    "sessionstate._stateobject": (
+        "ParkedObject",
+        "StagedStateObject",
+        "StateObject",
+    ),
     "sessionstate._storage": (
         "dumps_state",
         "load_state",

@@ -1,27 +1,26 @@
 """State objects: units of session state with a lifecycle the manager can act on.
 
-`LatentBuffer`, `ParkedObject` and `TensorCache` are defined here; the `StateObject` contract
-they implement lives in `_stateobject`. A snapshot names these classes by their stable names
-(`SNAPSHOT_NAMES`), so they may move to another module with their table entry.
+`LatentBuffer` and `TensorCache` are defined here; the `StateObject` contract they implement,
+and the `ParkedObject` that stands in for a parked one, live in `_stateobject`. A snapshot
+names these classes by their stable names (`SNAPSHOT_NAMES`), so they may move to another
+module with their table entry.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 import torch
 
 from sessionstate._accounting import note_derived
 from sessionstate._checks import describe, is_int
-from sessionstate._errors import NotAllocatedError, ParkedError
-from sessionstate._park import ParkedBytes, Tier
+from sessionstate._errors import NotAllocatedError
 from sessionstate._stateobject import StateObject
 from sessionstate._tree import field, register_record, static_field
 
-__all__ = ["LatentBuffer", "ParkedObject", "StateObject", "TensorCache"]
+__all__ = ["LatentBuffer", "TensorCache"]
 
 
 # -- the checks a LatentBuffer runs on its configuration and on every chunk it is given --
@@ -356,140 +355,6 @@ class LatentBuffer(StateObject):
                 "call `.allocate(maxlen=...)` first."
             )
             raise NotAllocatedError(msg)
-
-
-def _parked_refusal(obj: ParkedObject, action: str) -> ParkedError:
-    msg = (
-        f"Cannot {action} {obj.kind} `{obj.name}`: it is parked on the {obj.handle.tier} tier "
-        "and not resident. Call `.unpark()` first (a manager does so on `get`, "
-        "`get_or_create` and `require`)."
-    )
-    return ParkedError(msg)
-
-
-@register_record
-@attrs.frozen(eq=False)
-class ParkedObject(StateObject):
-    """A `StateObject` whose storages a tier holds (see `StateObject.park`); not resident.
-
-    It has no tensor leaves, so byte accounting counts nothing for it but the engine-owned
-    leaves it keeps in place (``engine``: a `KVHandle`'s blocks stay in their pool, and stay
-    counted); `nbytes_parked` says what the tier holds. Every read or change raises
-    `ParkedError`, through any method or property of the parked kind (``concat``, ``stage``,
-    ``has_staged``, ``len(...)``); `unpark` returns the object as it was.
-
-    Args:
-        name: The parked object's name (for messages).
-        kind: The parked object's class name.
-        handle: The tier's handle on the bytes.
-        key: Where the object sits in the handle's tree when several objects were parked
-            together (so storages they share stay shared); None when parked alone.
-        engine: The engine-owned leaves left in place (from the handle by default).
-
-    >>> import torch
-    >>> parked = TensorCache(name="feat").allocate().commit((torch.zeros(2),)).park()
-    >>> parked.is_allocated, parked.kind, parked.unpark().view()
-    (False, 'TensorCache', (tensor([0., 0.]),))
-    """
-
-    name: str = static_field()
-    kind: str = static_field()
-    handle: ParkedBytes = static_field(repr=False)
-    key: str | None = static_field(default=None, repr=False)
-    engine: tuple[Any, ...] = field(
-        default=attrs.Factory(lambda self: self.handle.engine.get(self.key, ()), takes_self=True),
-        repr=False,
-    )
-    """The engine-owned leaves (`KVHandle`) the object held: never parked, so counted here."""
-
-    parkable: ClassVar[bool] = False
-
-    def __getattr__(self, attribute: str) -> Any:
-        # Only reached for names the class lacks: the parked kind's own methods and properties
-        # (`concat`, `stage`, `has_staged`, ...) are refused as reads of a parked object.
-        if attribute.startswith("_"):
-            raise AttributeError(attribute)
-        raise _parked_refusal(self, f"use `{attribute}` of")
-
-    def __len__(self) -> int:
-        """Refused: unpark first."""
-        raise _parked_refusal(self, "take the length of")
-
-    def __bool__(self) -> bool:
-        return True
-
-    @property
-    def is_allocated(self) -> bool:
-        """Always False: a parked object cannot be used until unparked."""
-        return False
-
-    @property
-    def is_parked(self) -> bool:
-        """Always True."""
-        return True
-
-    @property
-    def nbytes_parked(self) -> dict[str, int]:
-        """Bytes the tier holds for this object, keyed by tier (``host`` or ``disk``)."""
-        return {self.handle.tier: self.handle.nbytes}
-
-    @property
-    def nbytes_unparked(self) -> dict[str, int]:
-        """Bytes per device that `unpark` makes resident again."""
-        return dict(self.handle.nbytes_by_device)
-
-    def allocate(self, **sizing: Any) -> ParkedObject:
-        """Refused: unpark first."""
-        raise _parked_refusal(self, "allocate")
-
-    def commit(self, payload: Any = None, /) -> ParkedObject:
-        """Refused: unpark first."""
-        raise _parked_refusal(self, "commit to")
-
-    def view(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: unpark first."""
-        raise _parked_refusal(self, "view")
-
-    def reset(self) -> ParkedObject:
-        """Refused: unpark first."""
-        raise _parked_refusal(self, "reset")
-
-    def evict(self) -> ParkedObject:
-        """Refused: unpark first (or drop the whole session)."""
-        raise _parked_refusal(self, "evict")
-
-    def park(
-        self,
-        tier: Tier = "host",
-        /,
-        *,
-        name: str | None = None,
-        spool_dir: str | os.PathLike[str] | None = None,
-    ) -> ParkedObject:
-        """Already parked: returns ``self``."""
-        return self
-
-    def unpark(self) -> StateObject:
-        """Return the object as it was parked: fresh storages, every bit and alias kept.
-
-        Raises:
-            RuntimeError: if the tier no longer holds the bytes (its owner released them), or
-                cannot read them back (a damaged spool file).
-        """
-        restored = self.handle.restore()
-        return self.unpark_from(restored)
-
-    def unpark_from(self, restored: Any, /) -> StateObject:
-        """This object, taken from the tree its handle restored (see `ParkedBytes.restore`).
-
-        >>> import torch
-        >>> parked = TensorCache().allocate().park()
-        >>> parked.unpark_from(parked.handle.restore()).is_allocated
-        True
-        """
-        obj = restored if self.key is None else restored[self.key]
-        assert isinstance(obj, StateObject)
-        return obj
 
 
 @register_record

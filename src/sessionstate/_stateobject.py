@@ -1,18 +1,21 @@
-"""The `StateObject` contract: a unit of session state with a lifecycle the manager acts on."""
+"""The `StateObject` contract (a unit of session state with a lifecycle the manager acts on),
+the `ParkedObject` that stands in for one while a tier holds its bytes, and the two-phase
+`StagedStateObject`."""
 
 from __future__ import annotations
 
 import abc
 import os
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
+
+import attrs
 
 from sessionstate._accounting import nbytes_by_device
-from sessionstate._park import Tier, park_tree
+from sessionstate._errors import ParkedError
+from sessionstate._park import ParkedBytes, Tier, park_tree
+from sessionstate._tree import field, register_record, static_field
 
-if TYPE_CHECKING:
-    from sessionstate._objects import ParkedObject
-
-__all__ = ["StateObject"]
+__all__ = ["ParkedObject", "StagedStateObject", "StateObject"]
 
 _S = TypeVar("_S", bound="StateObject")
 
@@ -111,8 +114,6 @@ class StateObject(abc.ABC):
         """
         label_name = name if name is not None else str(getattr(self, "name", "?"))
         label = f"{type(self).__name__} `{label_name}`"
-        from sessionstate._objects import ParkedObject  # defined on top of this module
-
         handle = park_tree(self, tier, label=label, spool_dir=spool_dir)
         return ParkedObject(name=label_name, kind=type(self).__name__, handle=handle)
 
@@ -125,3 +126,200 @@ class StateObject(abc.ABC):
         True
         """
         return self
+
+
+# -- a state object parked by a tier: what stands in a record while its bytes are away ----
+
+
+def _parked_refusal(obj: ParkedObject, action: str) -> ParkedError:
+    msg = (
+        f"Cannot {action} {obj.kind} `{obj.name}`: it is parked on the {obj.handle.tier} tier "
+        "and not resident. Call `.unpark()` first (a manager does so on `get`, "
+        "`get_or_create` and `require`)."
+    )
+    return ParkedError(msg)
+
+
+@register_record
+@attrs.frozen(eq=False)
+class ParkedObject(StateObject):
+    """A `StateObject` whose storages a tier holds (see `StateObject.park`); not resident.
+
+    It has no tensor leaves, so byte accounting counts nothing for it but the engine-owned
+    leaves it keeps in place (``engine``: a `KVHandle`'s blocks stay in their pool, and stay
+    counted); `nbytes_parked` says what the tier holds. Every read or change raises
+    `ParkedError`, through any method or property of the parked kind (``concat``, ``stage``,
+    ``has_staged``, ``len(...)``); `unpark` returns the object as it was.
+
+    Args:
+        name: The parked object's name (for messages).
+        kind: The parked object's class name.
+        handle: The tier's handle on the bytes.
+        key: Where the object sits in the handle's tree when several objects were parked
+            together (so storages they share stay shared); None when parked alone.
+        engine: The engine-owned leaves left in place (from the handle by default).
+
+    >>> import torch
+    >>> from sessionstate import TensorCache
+    >>> parked = TensorCache(name="feat").allocate().commit((torch.zeros(2),)).park()
+    >>> parked.is_allocated, parked.kind, parked.unpark().view()
+    (False, 'TensorCache', (tensor([0., 0.]),))
+    """
+
+    name: str = static_field()
+    kind: str = static_field()
+    handle: ParkedBytes = static_field(repr=False)
+    key: str | None = static_field(default=None, repr=False)
+    engine: tuple[Any, ...] = field(
+        default=attrs.Factory(lambda self: self.handle.engine.get(self.key, ()), takes_self=True),
+        repr=False,
+    )
+    """The engine-owned leaves (`KVHandle`) the object held: never parked, so counted here."""
+
+    parkable: ClassVar[bool] = False
+
+    def __getattr__(self, attribute: str) -> Any:
+        # Only reached for names the class lacks: the parked kind's own methods and properties
+        # (`concat`, `stage`, `has_staged`, ...) are refused as reads of a parked object.
+        if attribute.startswith("_"):
+            raise AttributeError(attribute)
+        raise _parked_refusal(self, f"use `{attribute}` of")
+
+    def __len__(self) -> int:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "take the length of")
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def is_allocated(self) -> bool:
+        """Always False: a parked object cannot be used until unparked."""
+        return False
+
+    @property
+    def is_parked(self) -> bool:
+        """Always True."""
+        return True
+
+    @property
+    def nbytes_parked(self) -> dict[str, int]:
+        """Bytes the tier holds for this object, keyed by tier (``host`` or ``disk``)."""
+        return {self.handle.tier: self.handle.nbytes}
+
+    @property
+    def nbytes_unparked(self) -> dict[str, int]:
+        """Bytes per device that `unpark` makes resident again."""
+        return dict(self.handle.nbytes_by_device)
+
+    def allocate(self, **sizing: Any) -> ParkedObject:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "allocate")
+
+    def commit(self, payload: Any = None, /) -> ParkedObject:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "commit to")
+
+    def view(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "view")
+
+    def reset(self) -> ParkedObject:
+        """Refused: unpark first."""
+        raise _parked_refusal(self, "reset")
+
+    def evict(self) -> ParkedObject:
+        """Refused: unpark first (or drop the whole session)."""
+        raise _parked_refusal(self, "evict")
+
+    def park(
+        self,
+        tier: Tier = "host",
+        /,
+        *,
+        name: str | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> ParkedObject:
+        """Already parked: returns ``self``."""
+        return self
+
+    def unpark(self) -> StateObject:
+        """Return the object as it was parked: fresh storages, every bit and alias kept.
+
+        Raises:
+            RuntimeError: if the tier no longer holds the bytes (its owner released them), or
+                cannot read them back (a damaged spool file).
+        """
+        restored = self.handle.restore()
+        return self.unpark_from(restored)
+
+    def unpark_from(self, restored: Any, /) -> StateObject:
+        """This object, taken from the tree its handle restored (see `ParkedBytes.restore`).
+
+        >>> import torch
+        >>> from sessionstate import TensorCache
+        >>> parked = TensorCache().allocate().park()
+        >>> parked.unpark_from(parked.handle.restore()).is_allocated
+        True
+        """
+        obj = restored if self.key is None else restored[self.key]
+        assert isinstance(obj, StateObject)
+        return obj
+
+
+# -- two-phase writes: state objects whose writes are staged, then committed or discarded --
+
+_SS = TypeVar("_SS", bound="StagedStateObject")
+
+
+class StagedStateObject(StateObject):
+    """A `StateObject` with two-phase writes: ``stage``, then ``commit()`` or ``discard()``.
+
+    A step that writes in several pieces (one layer at a time, say) stages each piece, reads
+    its own staged writes back with ``view(include_staged=True)``, and commits once at the end,
+    so the writes become visible to ordinary readers only once the whole step succeeded. All
+    three are pure transitions: they return a new object and leave ``self`` unchanged.
+
+    Staged bytes are reported apart from committed ones: `nbytes_by_device` counts committed
+    storages only, `staged_nbytes_by_device` the storages only the staged payload holds.
+    (`sessionstate.nbytes_by_device` over a whole session still counts both: the number
+    describes what the process is holding.)
+
+    >>> import torch
+    >>> from sessionstate import EncodeOnceKV
+    >>> kv = EncodeOnceKV().allocate(num_layers=1, branches=("cond",))
+    >>> staged = kv.stage({"cond": [(torch.zeros(2), torch.zeros(2))]})
+    >>> staged.is_empty, staged.commit().is_empty, staged.discard().has_staged
+    (True, False, False)
+    >>> isinstance(kv, StagedStateObject)
+    True
+    """
+
+    @property
+    @abc.abstractmethod
+    def has_staged(self) -> bool:
+        """Whether a staged payload is waiting for ``commit()`` or ``discard()``."""
+
+    @abc.abstractmethod
+    def stage(self: _SS, payload: Any, /) -> _SS:
+        """Return a new object with ``payload`` staged (not yet visible to ordinary reads)."""
+
+    @abc.abstractmethod
+    def commit(self: _SS, payload: Any = None, /) -> _SS:
+        """Return a new object with the staged payload committed (``payload``: stage it first)."""
+
+    @abc.abstractmethod
+    def discard(self: _SS) -> _SS:
+        """Return a new object with the staged payload dropped, the committed one kept."""
+
+    @abc.abstractmethod
+    def view(self, *, include_staged: bool = False) -> Any:
+        """Read the committed contents, or the staged writes over them."""
+
+    @abc.abstractmethod
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes the committed contents keep alive, per device (staged bytes excluded)."""
+
+    @abc.abstractmethod
+    def staged_nbytes_by_device(self) -> dict[str, int]:
+        """Bytes only the staged payload keeps alive, per device (never counted as committed)."""

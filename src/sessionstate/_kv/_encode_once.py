@@ -11,7 +11,7 @@ import torch
 from sessionstate._accounting import nbytes_by_device
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import IncompleteStateError, MissingKeyError, NotAllocatedError
-from sessionstate._staging import StagedStateObject
+from sessionstate._stateobject import StagedStateObject
 from sessionstate._tree import field, register_record, static_field
 
 __all__ = ["EncodeOnceKV", "KVPair"]

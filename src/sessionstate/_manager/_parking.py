@@ -13,9 +13,9 @@ from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
 from sessionstate._errors import ParkingError
-from sessionstate._objects import ParkedObject
 from sessionstate._park import ParkedBytes, SpoolDir, Tier, reclaim_spool
 from sessionstate._session import SessionState
+from sessionstate._stateobject import ParkedObject
 
 __all__ = ["Parking"]
 

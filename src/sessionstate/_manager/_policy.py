@@ -15,7 +15,7 @@ from sessionstate._accounting import EngineBlock
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionAdmissionError
 from sessionstate._manager._ledger import SessionLedger, Values, entries_of
-from sessionstate._objects import StateObject
+from sessionstate._stateobject import StateObject
 
 __all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "parse_nbytes"]
 

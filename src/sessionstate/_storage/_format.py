@@ -423,7 +423,9 @@ _STABLE_BY_LOCATION: dict[str, str] = {where: name for name, where in SNAPSHOT_N
 
 NEVER_SNAPSHOTTED: Mapping[str, str] = {
     # location -> why (completes "... is never valid snapshot content: <why>").
-    "sessionstate._objects:ParkedObject": "its bytes are held by a park tier, outside the record",
+    "sessionstate._stateobject:ParkedObject": (
+        "its bytes are held by a park tier, outside the record"
+    ),
 }
 """Library record classes that are never valid snapshot content, by location, and why.
 

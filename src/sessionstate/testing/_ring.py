@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sessionstate._accounting import nbytes_by_device
 from sessionstate._errors import NotAllocatedError
-from sessionstate._objects import LatentBuffer, StateObject
+from sessionstate._objects import LatentBuffer
+from sessionstate._stateobject import StateObject
 from sessionstate._tree import tree_equal, tree_leaves
 from sessionstate.testing._common import (
     _DEFAULT_MAXLENS,

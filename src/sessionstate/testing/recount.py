@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from sessionstate._accounting import nbytes_by_device
-from sessionstate._objects import StateObject
+from sessionstate._stateobject import StateObject
 from sessionstate._tree import PyTree, tree_leaves
 
 __all__ = ["recount_nbytes_by_device"]

@@ -17,8 +17,9 @@ import torch
 from hypothesis import strategies as st
 
 from sessionstate._checks import describe, is_int
-from sessionstate._objects import LatentBuffer, StateObject
+from sessionstate._objects import LatentBuffer
 from sessionstate._session import SessionState
+from sessionstate._stateobject import StateObject
 from sessionstate.testing._common import (
     _DEFAULT_MAXLENS,
     _as_maxlen_strategy,
