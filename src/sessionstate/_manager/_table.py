@@ -19,9 +19,9 @@ from typing import Generic, cast
 import torch
 from typing_extensions import TypeVar
 
+from sessionstate._checks import check_session_id as check_session_id
 from sessionstate._checks import is_int
 from sessionstate._errors import SessionAdmissionError, SessionStateLostError
-from sessionstate._ids import check_session_id as check_session_id
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
 from sessionstate._manager._parking import Parking

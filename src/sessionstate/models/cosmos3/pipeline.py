@@ -33,8 +33,7 @@ from sessionstate import (
     SessionStateSettings,
     resolve_session_state_config,
 )
-from sessionstate._checks import is_int
-from sessionstate._ids import check_session_id
+from sessionstate._checks import check_session_id, is_int
 from sessionstate.models.cosmos3._bespoke import BespokePath, instance_cache
 from sessionstate.models.cosmos3._managed import ManagedPath
 from sessionstate.models.cosmos3._model import Cosmos3Model, Cosmos3Output, Cosmos3Request

@@ -27,8 +27,7 @@ from sessionstate import (
     SessionStateSettings,
     resolve_session_state_config,
 )
-from sessionstate._checks import is_int
-from sessionstate._ids import check_session_id
+from sessionstate._checks import check_session_id, is_int
 from sessionstate.models.dreamzero._bespoke import BespokePath
 from sessionstate.models.dreamzero._managed import ManagedPath
 from sessionstate.models.dreamzero._model import DreamZeroModel, DreamZeroOutput
