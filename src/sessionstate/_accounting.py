@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from sessionstate._errors import UnsupportedTensorError
+from sessionstate._protocols import STORAGE_ENTRIES_HOOK, StorageEntry
 from sessionstate._tree import PyTree, tree_flatten_with_keys, tree_leaves
 
 __all__ = [
@@ -53,10 +54,6 @@ __all__ = [
 ]
 
 _HOST = "cpu"
-
-
-StorageEntry = tuple[str, Hashable, int, int, Any]
-"""``(device, identity, data pointer, nbytes, keepalive)`` of one dense storage (or block)."""
 
 
 class EngineBlock(NamedTuple):
@@ -459,7 +456,7 @@ def _storages(leaf: Any) -> Iterator[StorageEntry]:
     if isinstance(leaf, torch.Tensor):
         yield from _tensor_storages(leaf)
         return
-    report = getattr(type(leaf), "__sessionstate_storage_entries__", None)
+    report = getattr(type(leaf), STORAGE_ENTRIES_HOOK, None)
     if report is not None:
         yield from report(leaf)
         return

@@ -51,6 +51,7 @@ import contextlib
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
+from sessionstate._protocols import STORAGE_ENTRIES_HOOK
 from sessionstate._storage import (
     ViewSpec,
     collect_storages,
@@ -98,9 +99,7 @@ def is_engine_leaf(leaf: object, /) -> bool:
     >>> is_engine_leaf(torch.zeros(1)), is_engine_leaf(3)
     (False, False)
     """
-    return not isinstance(leaf, torch.Tensor) and hasattr(
-        type(leaf), "__sessionstate_storage_entries__"
-    )
+    return not isinstance(leaf, torch.Tensor) and hasattr(type(leaf), STORAGE_ENTRIES_HOOK)
 
 
 def check_tier(tier: object) -> Tier:

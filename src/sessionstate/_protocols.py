@@ -21,6 +21,8 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
 __all__ = [
+    "ASSIGNMENT_FIX_HOOK",
+    "SNAPSHOT_HOOKS",
     "STORAGE_ENTRIES_HOOK",
     "NamesItsTransition",
     "ReportsStorages",
@@ -38,6 +40,12 @@ StorageEntry = tuple[str, Hashable, int, int, Any]
 
 STORAGE_ENTRIES_HOOK = "__sessionstate_storage_entries__"
 """The name the byte accounting looks up on a leaf's class (see `ReportsStorages`)."""
+
+ASSIGNMENT_FIX_HOOK = "__assignment_fix__"
+"""The name a record's refused assignment looks up on the record (see `NamesItsTransition`)."""
+
+SNAPSHOT_HOOKS = ("__sessionstate_snapshot__", "__sessionstate_restore__")
+"""The class methods a snapshot leaf class defines (see `SnapshotLeaf`)."""
 
 
 @runtime_checkable

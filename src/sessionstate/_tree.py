@@ -34,6 +34,7 @@ import torch.utils._pytree as torch_pytree
 from optree.integrations import attrs as optree_attrs
 
 from sessionstate._errors import ImmutableRecordError
+from sessionstate._protocols import ASSIGNMENT_FIX_HOOK
 
 __all__ = [
     "NAMESPACE",
@@ -226,7 +227,7 @@ def record(cls: _C | None = None, /) -> _C | Callable[[_C], _C]:
 
 def _assignment_fix(record: object, name: str) -> str:
     # A record may define `__assignment_fix__(name)` naming its own transition method.
-    hook = getattr(record, "__assignment_fix__", None)
+    hook = getattr(record, ASSIGNMENT_FIX_HOOK, None)
     if hook is not None:
         return str(hook(name))
     return f"obj = attrs.evolve(obj, {name}=...)"

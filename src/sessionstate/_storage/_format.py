@@ -16,6 +16,7 @@ import xxhash
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
+from sessionstate._protocols import SNAPSHOT_HOOKS, SnapshotLeaf
 from sessionstate._tree import NAMESPACE
 
 FORMAT_VERSION = 4
@@ -511,10 +512,10 @@ def resolve_record(name: str, /) -> type | None:
 
 _LEAF_CLASSES: dict[str, type] = {}
 
-_T = TypeVar("_T", bound=type)
+_L = TypeVar("_L", bound=type[SnapshotLeaf])
 
 
-def register_snapshot_leaf(cls: _T, /) -> _T:
+def register_snapshot_leaf(cls: _L, /) -> _L:
     """Let snapshots hold leaves of ``cls``, saved by value through two class methods.
 
     A snapshot holds tensors, JSON values and records. A leaf of another class (an engine's
@@ -549,7 +550,7 @@ def register_snapshot_leaf(cls: _T, /) -> _T:
     >>> loads_state(dumps_state({"o": Offset(torch.ones(2))}))["o"].t
     tensor([1., 1.])
     """
-    methods = ("__sessionstate_snapshot__", "__sessionstate_restore__")
+    methods = SNAPSHOT_HOOKS
     missing = [
         m for m in methods if not isinstance(cls, type) or not callable(getattr(cls, m, None))
     ]
