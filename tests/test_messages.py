@@ -510,7 +510,7 @@ CORE_MESSAGES = {
     "_session.py": 6 + 2 + 1,  # `object(name, cls)` of another type: test_session.py
     "_tree.py": 2,
     "_frozen.py": 2,
-    "_movers.py": 0,
+    "_storage/_movers.py": 0,
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sessionstate as ss
-import sessionstate._park as park_module
+import sessionstate._storage._park as park_module
 from sessionstate import (
     LatentBuffer,
     ParkedError,

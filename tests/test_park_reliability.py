@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import sessionstate._park as park_module
+import sessionstate._storage._park as park_module
 from sessionstate import (
     EncodeOnceKV,
     KVHandle,
@@ -208,7 +208,7 @@ _CHILD = """
 import os, sys, time
 sys.path.insert(0, {src!r})
 import torch
-import sessionstate._park as park
+import sessionstate._storage._park as park
 from sessionstate import LatentBuffer, SessionState, SessionStateManager, TensorCache
 
 real = park.save_state

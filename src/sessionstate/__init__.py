@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from sessionstate._kv import KVPool as KVPool
     from sessionstate._manager import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
     from sessionstate._manager import SessionStateManager as SessionStateManager
-    from sessionstate._movers import to_device as to_device
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
     from sessionstate._protocols import NamesItsTransition as NamesItsTransition
@@ -68,6 +67,7 @@ if TYPE_CHECKING:
     from sessionstate._storage import loads_state as loads_state
     from sessionstate._storage import register_snapshot_leaf as register_snapshot_leaf
     from sessionstate._storage import save_state as save_state
+    from sessionstate._storage import to_device as to_device
     from sessionstate._tree import NAMESPACE as NAMESPACE
     from sessionstate._tree import PyTree as PyTree
     from sessionstate._tree import field as field
@@ -126,7 +126,6 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "DEFAULT_MAX_SESSIONS",
         "SessionStateManager",
     ),
-    "sessionstate._movers": ("to_device",),
     "sessionstate._objects": (
         "LatentBuffer",
         "TensorCache",
@@ -152,6 +151,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "loads_state",
         "register_snapshot_leaf",
         "save_state",
+        "to_device",
     ),
     "sessionstate._tree": (
         "field",

@@ -23,7 +23,7 @@ from sessionstate._env import (
 )
 from sessionstate._errors import MissingKeyError
 from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull, parse_nbytes
-from sessionstate._park import Tier, check_tier
+from sessionstate._storage import Tier, check_tier
 
 __all__ = [
     "ENV_CHECK_IMMUTABLE",

@@ -14,8 +14,8 @@ from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._checks import describe
 from sessionstate._errors import MissingKeyError
 from sessionstate._frozen import freeze
-from sessionstate._park import Tier, park_tree
 from sessionstate._stateobject import ParkedObject, StateObject
+from sessionstate._storage import Tier, park_tree
 from sessionstate._tree import (
     field,
     is_record,

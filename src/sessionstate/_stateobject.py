@@ -12,7 +12,7 @@ import attrs
 
 from sessionstate._accounting import nbytes_by_device
 from sessionstate._errors import ParkedError
-from sessionstate._park import ParkedBytes, Tier, park_tree
+from sessionstate._storage import ParkedBytes, Tier, park_tree
 from sessionstate._tree import field, register_record, static_field
 
 __all__ = ["ParkedObject", "StagedStateObject", "StateObject"]

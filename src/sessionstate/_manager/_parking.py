@@ -3,7 +3,7 @@
 `Parking` carries out what the budget policy decided: it parks a session's objects on the
 tier, checks a parked session's bytes before the manager makes room for them, unparks, and
 releases the tier's handles it created once nothing stored needs them. The tiers themselves
-(how bytes move) are `sessionstate._park`'s.
+(how bytes move) are the park tiers' in `sessionstate._storage`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
 from sessionstate._errors import ParkingError
-from sessionstate._park import ParkedBytes, SpoolDir, Tier, reclaim_spool
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject
+from sessionstate._storage import ParkedBytes, SpoolDir, Tier, reclaim_spool
 
 __all__ = ["Parking"]
 

@@ -26,9 +26,8 @@ from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
 from sessionstate._manager._parking import Parking
 from sessionstate._manager._policy import BudgetPolicy, OnFull, check_max_bytes
-from sessionstate._park import Tier, check_tier
 from sessionstate._session import SessionState
-from sessionstate._storage import load_state, save_state
+from sessionstate._storage import Tier, check_tier, load_state, save_state
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager", "SessionT"]
 

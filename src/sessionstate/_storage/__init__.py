@@ -37,8 +37,9 @@ way to move a record's bytes: whatever moves storages elsewhere and back uses th
 
 This package's face gathers the snapshot API; the format (versions, checksums, the walk and the
 rebuild, stable names), the encoder, the decoder and the inspection each live in a module of
-their own (`_format`, `_encode`, `_decode`, `_inspect`). The park tiers and the device movers,
-which move storages through the same walk, are `sessionstate._park` and `sessionstate._movers`.
+their own (`_format`, `_encode`, `_decode`, `_inspect`); so do the park tiers (`_park`: host
+memory and disk, and the spool directories a disk tier writes to) and the device mover
+(`_movers`: `to_device`), which move storages through the same walk.
 """
 
 from __future__ import annotations
@@ -61,27 +62,47 @@ from sessionstate._storage._format import (
     storage_bytes,
 )
 from sessionstate._storage._inspect import inspect_snapshot
+from sessionstate._storage._movers import to_device
+from sessionstate._storage._park import (
+    TIERS,
+    ParkedBytes,
+    SpoolDir,
+    Tier,
+    check_tier,
+    is_engine_leaf,
+    park_tree,
+    reclaim_spool,
+)
 
 __all__ = [
     "CHECKSUM_KEY",
     "CRC32_KEY",
     "FORMAT_VERSION",
     "SNAPSHOT_NAMES",
+    "TIERS",
+    "ParkedBytes",
     "SnapshotParts",
+    "SpoolDir",
+    "Tier",
     "ViewSpec",
+    "check_tier",
     "collect_storages",
     "dumps_parts",
     "dumps_state",
     "inspect_snapshot",
+    "is_engine_leaf",
     "load_state",
     "loads_parts",
     "loads_state",
+    "park_tree",
     "read_header",
     "rebuild_views",
+    "reclaim_spool",
     "record_name",
     "register_snapshot_leaf",
     "resolve_leaf_class",
     "resolve_record",
     "save_state",
     "storage_bytes",
+    "to_device",
 ]

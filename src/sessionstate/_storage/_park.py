@@ -52,14 +52,9 @@ import contextlib
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
 from sessionstate._protocols import STORAGE_ENTRIES_HOOK
-from sessionstate._storage import (
-    ViewSpec,
-    collect_storages,
-    load_state,
-    rebuild_views,
-    save_state,
-    storage_bytes,
-)
+from sessionstate._storage._decode import load_state
+from sessionstate._storage._encode import save_state
+from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
 from sessionstate._tree import (
     PyTree,
     PyTreeSpec,
