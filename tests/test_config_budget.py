@@ -216,3 +216,18 @@ def test_kv_pool_bytes_field_env_override_and_messages(caplog: pytest.LogCapture
     )
     with pytest.raises(ValueError, match=re.escape(msg)):
         OmniDiffusionConfig(session_state_kv_pool_bytes="big")
+
+
+def test_the_config_field_takes_the_per_device_text_the_environment_takes() -> None:
+    from sessionstate._config import parse_max_bytes
+
+    text = "cuda:0=1GiB, cpu=2MiB"
+    from_text = OmniDiffusionConfig.from_dict({"session_state_max_bytes": text})
+    assert dict(from_text.session_state_max_bytes) == parse_max_bytes(text)
+    assert dict(from_text.session_state_max_bytes) == {"cuda:0": 2**30, "cpu": 2 * 2**20}
+    msg = (
+        "`session_state_max_bytes` 'cpu=1,cpu=2' is not a budget: device 'cpu' is named "
+        "twice; name each device once."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OmniDiffusionConfig.from_dict({"session_state_max_bytes": "cpu=1,cpu=2"})

@@ -495,7 +495,8 @@ CORE_MESSAGES = {
     # messages in test_park.py.
     "_accounting.py": 2 + 4,
     # The budget's device and zero-byte refusals are pinned in test_config_budget.py.
-    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1,  # the KV pool's bytes: test_config_budget.py
+    # The KV pool's bytes, and per-device budget text: test_config_budget.py.
+    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1 + 1,
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
     "_manager/_table.py": 11,

@@ -123,6 +123,12 @@ def _zero_problem(raw: object) -> str:
 def _to_max_bytes(value: Any) -> MaxBytes | None:
     if value is None:
         return None
+    if isinstance(value, str) and "=" in value:  # the environment's per-device form
+        parsed = _parse_budget_text(value)
+        if isinstance(parsed, str):
+            msg = f"`session_state_max_bytes` {value!r} is not a budget: {parsed}."
+            raise ValueError(msg)
+        return MappingProxyType(dict(parsed)) if isinstance(parsed, Mapping) else parsed
     if not isinstance(value, Mapping):
         return _positive_budget(value, "session_state_max_bytes")
     out: dict[str, int] = {}
