@@ -18,14 +18,16 @@ from typing import Any
 
 import attrs
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
+# The pipeline and the worker are defined here; workers receive them by value.
+from ray_support import CounterPipeline  # noqa: E402
+from ray_support import get as _get  # noqa: E402
+from ray_support import kill as _kill  # noqa: E402
+from ray_support import other as _other  # noqa: E402
 from sessionstate import (  # noqa: E402
-    SessionState,
     SessionStateLostError,
-    SessionStateManager,
     SnapshotError,
 )
 from sessionstate._storage import SnapshotParts  # noqa: E402
@@ -38,26 +40,10 @@ from sessionstate.distributed import (  # noqa: E402
     init_local_ray,
 )
 
-# The pipeline and the worker are defined here; workers receive them by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 DELAY = 2.5  # seconds an armed stage sleeps on its worker
 SHORT = 1.0  # the router's timeout while a delay is armed: unarmed calls finish within it
-
-
-class CounterPipeline:
-    """A session holds a call count and a payload tensor whose size the first call sets."""
-
-    def __init__(self) -> None:
-        self.manager = SessionStateManager()
-
-    def forward(self, inputs: int, session_id: str) -> int:
-        state = self.manager.get(session_id)
-        if state is None:
-            state = SessionState(attrs={"count": 0, "payload": torch.zeros(inputs)})
-        count = state.attrs["count"] + 1
-        self.manager.put(session_id, state.with_attrs(count=count))
-        return int(count)
 
 
 def _flip_last_storage_byte(parts: SnapshotParts) -> SnapshotParts:
@@ -137,10 +123,6 @@ def toy(cluster: None) -> Iterator[Router]:
     router.shutdown()
 
 
-def _get(ref: Any) -> Any:
-    return ray.get(ref, timeout=60)
-
-
 @contextmanager
 def armed(
     router: Router, worker: str, fault: str, *, delay: float = 0.0, timeout: float | None = None
@@ -156,26 +138,8 @@ def armed(
         _get(router.handle(worker).arm.remote(None))  # runs after the armed call finished
 
 
-def _kill(router: Router, worker: str) -> None:
-    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
-    handle = router.handle(worker)
-    ray.kill(handle)
-    for _ in range(200):
-        try:
-            ray.get(handle.stats.remote(), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    msg = f"{worker!r} still answers after `ray.kill`."
-    raise AssertionError(msg)
-
-
 def _holders(router: Router, session_id: str) -> list[str]:
     return [name for name, s in router.stats().items() if session_id in s.nbytes_by_session]
-
-
-def _other(router: Router, session_id: str) -> str:
-    return next(w for w in router.workers if w != router.owner(session_id))
 
 
 def _intact(sid: str, source: str, destination: str, stage: str, what: str) -> str:

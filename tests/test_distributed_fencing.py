@@ -15,11 +15,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
-from sessionstate import SessionState, SessionStateManager  # noqa: E402
+from ray_support import CounterPipeline  # noqa: E402
+from ray_support import get as _get  # noqa: E402
+from ray_support import kill as _kill  # noqa: E402
+from ray_support import other as _other  # noqa: E402
 from sessionstate._storage import SnapshotParts  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     MigrationRecord,
@@ -31,21 +33,6 @@ from sessionstate.distributed import (  # noqa: E402
 )
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-class CounterPipeline:
-    """A session holds a call count and a payload tensor whose size the first call sets."""
-
-    def __init__(self) -> None:
-        self.manager = SessionStateManager()
-
-    def forward(self, inputs: int, session_id: str) -> int:
-        state = self.manager.get(session_id)
-        if state is None:
-            state = SessionState(attrs={"count": 0, "payload": torch.zeros(inputs)})
-        count = state.attrs["count"] + 1
-        self.manager.put(session_id, state.with_attrs(count=count))
-        return int(count)
 
 
 class LaggingWorker(SessionWorker):
@@ -79,28 +66,6 @@ def toy(cluster: None) -> Iterator[Router]:
     router = Router(CounterPipeline, workers=2, worker_class=LaggingWorker, timeout=60)
     yield router
     router.shutdown()
-
-
-def _get(ref: Any) -> Any:
-    return ray.get(ref, timeout=60)
-
-
-def _kill(router: Router, worker: str) -> None:
-    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
-    handle = router.handle(worker)
-    ray.kill(handle)
-    for _ in range(200):
-        try:
-            ray.get(handle.stats.remote(), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    msg = f"{worker!r} still answers after `ray.kill`."
-    raise AssertionError(msg)
-
-
-def _other(router: Router, session_id: str) -> str:
-    return next(w for w in router.workers if w != router.owner(session_id))
 
 
 def _refusal(worker: str, operation: str, sid: str, sent: int, why: str) -> str:

@@ -11,9 +11,7 @@ permanent, so examples are few and short.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import attrs
 import pytest
@@ -30,6 +28,8 @@ from hypothesis.stateful import (
 
 ray = pytest.importorskip("ray")
 
+from ray_support import get as _get  # noqa: E402
+from ray_support import kill as _kill  # noqa: E402
 from sessionstate import SessionState, SessionStateLostError, SessionStateManager  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     Router,
@@ -64,24 +64,6 @@ class _Model:
     lost: bool = False
     notice: bool = False
     old_epochs: list[int] = attrs.field(factory=list)
-
-
-def _get(ref: Any) -> Any:
-    return ray.get(ref, timeout=60)
-
-
-def _kill(router: Router, worker: str) -> None:
-    """Kill ``worker`` and wait until the kill has landed (a call queued before it may run)."""
-    handle = router.handle(worker)
-    ray.kill(handle)
-    for _ in range(200):
-        try:
-            ray.get(handle.stats.remote(), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    msg = f"{worker!r} still answers after `ray.kill`."
-    raise AssertionError(msg)
 
 
 class RouterMachine(RuleBasedStateMachine):
