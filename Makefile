@@ -30,8 +30,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Two workers (pytest-xdist); the tests that use Ray share one worker and one cluster.
+TEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # Plant known bugs in a copy of src/ and check the tests catch each (slow; not part of `test`).
 mutants: $(STAMP)

@@ -1,6 +1,6 @@
 """Ray scale-out: affinity, migration both ways, failures mid-migration, worker loss.
 
-One local Ray cluster per module (started by a fixture, shut down at teardown); every
+One local Ray cluster for the whole run (`ray_cluster` in conftest, shut down at the end); every
 `ray.get` has a timeout (the router's). Routers are few and shared where a test leaves
 them as it found them: each one starts worker processes that import torch.
 """
@@ -32,7 +32,6 @@ from sessionstate.distributed import (  # noqa: E402
     Router,
     SessionRestoredError,
     SessionWorker,
-    init_local_ray,
 )
 from sessionstate.models.dreamzero import DreamZeroConfig  # noqa: E402
 from sessionstate.models.dreamzero.episode import scripted_episode  # noqa: E402
@@ -65,10 +64,8 @@ class FlakyWorker(SessionWorker):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    init_local_ray(num_cpus=2, object_store_mib=200)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster: None) -> None:
+    """The run's one local cluster (`ray_cluster` in conftest)."""
 
 
 @pytest.fixture(scope="module")

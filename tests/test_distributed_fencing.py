@@ -29,7 +29,6 @@ from sessionstate.distributed import (  # noqa: E402
     SessionRestoredError,
     SessionWorker,
     StaleEpochError,
-    init_local_ray,
 )
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -55,10 +54,8 @@ class LaggingWorker(SessionWorker):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    init_local_ray(num_cpus=2, object_store_mib=200)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster: None) -> None:
+    """The run's one local cluster (`ray_cluster` in conftest)."""
 
 
 @pytest.fixture(scope="module")

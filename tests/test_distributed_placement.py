@@ -13,7 +13,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from sessionstate import SessionState, SessionStateManager  # noqa: E402
-from sessionstate.distributed import Router, init_local_ray  # noqa: E402
+from sessionstate.distributed import Router  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -34,12 +34,10 @@ class CappedPipeline:
 
 
 @pytest.fixture(scope="module")
-def capped() -> Iterator[Router]:
-    init_local_ray(num_cpus=2, object_store_mib=200)
+def capped(ray_cluster: None) -> Iterator[Router]:
     router = Router(CappedPipeline, workers=2, timeout=60)
     yield router
     router.shutdown()
-    ray.shutdown()
 
 
 def test_stats_report_each_workers_bytes_room_and_budget(capped: Router) -> None:

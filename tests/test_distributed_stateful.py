@@ -11,7 +11,6 @@ permanent, so examples are few and short.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 import attrs
 import pytest
@@ -35,7 +34,6 @@ from sessionstate.distributed import (  # noqa: E402
     Router,
     SessionRestoredError,
     StaleEpochError,
-    init_local_ray,
 )
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -159,10 +157,8 @@ class RouterMachine(RuleBasedStateMachine):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    init_local_ray(num_cpus=2, object_store_mib=200)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster: None) -> None:
+    """The run's one local cluster (`ray_cluster` in conftest)."""
 
 
 def test_router_machine(cluster: None) -> None:
