@@ -24,8 +24,15 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["smoke"] is True
     (trip,) = results["round_trip"]
-    for key in ("host_over_floor", "disk_over_torch_save_load", "copy_floor_ms_per_mib"):
+    for key in (
+        "host_over_floor",
+        "host_pool_over_floor",
+        "host_pool_cpu_restores_over_floor",
+        "disk_over_torch_save_load",
+        "copy_floor_ms_per_mib",
+    ):
         assert trip[key] > 0
+    assert trip["spool_files_left"] == 0  # every disk round trip released its handle
     (check,) = results["put_check"]
     assert check["leaves"] > 0
     assert check["check_over_walk"] >= 0

@@ -38,7 +38,8 @@ way to move a record's bytes: whatever moves storages elsewhere and back uses th
 This package's face gathers the snapshot API; the format (versions, checksums, the walk and the
 rebuild, stable names), the encoder, the decoder and the inspection each live in a module of
 their own (`_format`, `_encode`, `_decode`, `_inspect`); so do the park tiers (`_park`: host
-memory and disk, and the spool directories a disk tier writes to) and the device mover
+memory and disk, and the spool directories a disk tier writes to; `_hostpool`: the preallocated
+host buffer pool a host tier may copy into) and the device mover
 (`_movers`: `to_device`), which move storages through the same walk.
 """
 
@@ -61,6 +62,7 @@ from sessionstate._storage._format import (
     resolve_record,
     storage_bytes,
 )
+from sessionstate._storage._hostpool import HostBufferPool, HostPoolFullError
 from sessionstate._storage._inspect import inspect_snapshot
 from sessionstate._storage._movers import to_device
 from sessionstate._storage._park import (
@@ -80,6 +82,8 @@ __all__ = [
     "FORMAT_VERSION",
     "SNAPSHOT_NAMES",
     "TIERS",
+    "HostBufferPool",
+    "HostPoolFullError",
     "ParkedBytes",
     "SnapshotParts",
     "SpoolDir",
