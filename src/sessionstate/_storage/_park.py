@@ -55,6 +55,7 @@ from sessionstate._protocols import STORAGE_ENTRIES_HOOK
 from sessionstate._storage._decode import load_state
 from sessionstate._storage._encode import save_state
 from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
+from sessionstate._storage._hostpool import HostBufferPool
 from sessionstate._tree import (
     PyTree,
     PyTreeSpec,
@@ -220,17 +221,33 @@ def _engine_leaves(tree: PyTree) -> dict[str | None, tuple[Any, ...]]:
 class _HostBytes(ParkedBytes):
     tier: Tier = "host"
 
-    def __init__(self, tree: PyTree, *, label: str) -> None:
+    def __init__(self, tree: PyTree, *, label: str, pool: HostBufferPool | None = None) -> None:
         flat = _Flat(tree, label)
         super().__init__(label=label, storages=flat.storages, engine=flat.engine)
         self._flat = flat
         self._devices = [s.device for s in flat.storages]
-        self._buffers = copy_storages_to_host(flat.storages)
+        self._pool = pool
+        if pool is None:
+            self._buffers = copy_storages_to_host(flat.storages)
+        else:
+            self._buffers = copy_storages_to_host(flat.storages, pool=pool, label=label)
         flat.storages, flat.tensors = [], []  # hold the host copies only
+        if pool is not None:  # the handle owns its ranges: released or collected, they go back
+            offsets = [pool.offset_of(b) for b in self._buffers if b.numel()]
+            self._give_back = weakref.finalize(self, pool.give_back_later, offsets)
 
     def _restore(self) -> PyTree:
-        storages = copy_storages_to_devices(self._buffers, self._devices)
+        if self._pool is None:
+            storages = copy_storages_to_devices(self._buffers, self._devices)
+        else:
+            storages = copy_storages_to_devices(self._buffers, self._devices, pool=self._pool)
         return self._flat.rebuild(rebuild_views(storages, self._flat.views))
+
+    def release(self) -> None:
+        super().release()
+        self._buffers = []
+        if self._pool is not None:
+            self._give_back()
 
 
 class _DiskBytes(ParkedBytes):
@@ -409,9 +426,18 @@ def _collect(
         raise UnsupportedTensorError(msg) from None
 
 
-def copy_storages_to_host(storages: Sequence[torch.UntypedStorage], /) -> list[torch.Tensor]:
-    """Copy each storage into a new host byte tensor (pinned for CUDA sources), synchronised.
+def copy_storages_to_host(
+    storages: Sequence[torch.UntypedStorage],
+    /,
+    *,
+    pool: HostBufferPool | None = None,
+    label: str = "the storages",
+) -> list[torch.Tensor]:
+    """Copy each storage into a host byte tensor (pinned for CUDA sources), synchronised.
 
+    Without ``pool`` each copy is a new host tensor; with one, each is a range of the pool's
+    buffer (`HostBufferPool.allocate`), all of them taken before anything is copied: if they
+    do not all fit, the ranges taken are given back and `HostPoolFullError` names the bytes.
     CUDA copies are issued non-blocking into pinned memory and each device is synchronised once
     at the end, so the copies are complete when this returns.
 
@@ -420,24 +446,64 @@ def copy_storages_to_host(storages: Sequence[torch.UntypedStorage], /) -> list[t
     >>> copy_storages_to_host([x.untyped_storage()])[0].numel()
     16
     """
-    out: list[torch.Tensor] = []
+    if pool is not None:
+        buffers = _pool_buffers(pool, storages, label)
+        try:
+            _copy_out(storages, buffers, pinned=pool.pinned)
+        except BaseException:
+            for buffer in buffers:
+                pool.free(buffer)
+            raise
+        return buffers
+    buffers = [
+        torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=s.device.type == "cuda")
+        for s in storages
+    ]
+    _copy_out(storages, buffers, pinned=True)
+    return buffers
+
+
+def _copy_out(
+    storages: Sequence[torch.UntypedStorage], buffers: Sequence[torch.Tensor], *, pinned: bool
+) -> None:
     synchronise: set[torch.device] = set()
-    for storage in storages:
+    for storage, buffer in zip(storages, buffers, strict=True):
         cuda = storage.device.type == "cuda"
-        buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=cuda)
-        buffer.copy_(storage_bytes(storage), non_blocking=cuda)
+        buffer.copy_(storage_bytes(storage), non_blocking=cuda and pinned)
         if cuda:
             synchronise.add(storage.device)
-        out.append(buffer)
     for device in synchronise:
         torch.cuda.synchronize(device)
-    return out
+
+
+def _pool_buffers(
+    pool: HostBufferPool, storages: Sequence[torch.UntypedStorage], label: str
+) -> list[torch.Tensor]:
+    # Every range first, or none: a park that does not fit takes nothing from the pool.
+    taken: list[torch.Tensor] = []
+    for storage in storages:
+        view = pool.try_allocate(storage.nbytes())
+        if view is None:
+            for t in taken:
+                pool.free(t)
+            asked = sum(s.nbytes() for s in storages)
+            raise pool.full_error(asked, what=f"{label} ({len(storages)} storages)")
+        taken.append(view)
+    return taken
 
 
 def copy_storages_to_devices(
-    buffers: Sequence[torch.Tensor], devices: Sequence[torch.device], /
+    buffers: Sequence[torch.Tensor],
+    devices: Sequence[torch.device],
+    /,
+    *,
+    pool: HostBufferPool | None = None,
 ) -> list[torch.UntypedStorage]:
     """New storages, one on each of ``devices``, holding ``buffers``' bytes; synchronised.
+
+    A CUDA destination is a fresh allocation (the caching allocator reuses memory). A CPU
+    destination is one too, unless ``pool`` serves restores (`HostBufferPool.cpu_restores`):
+    then it is a range of the pool that returns when the storage is freed.
 
     >>> import torch
     >>> buf = torch.arange(4, dtype=torch.uint8)
@@ -448,7 +514,11 @@ def copy_storages_to_devices(
     synchronise: set[torch.device] = set()
     for buffer, device in zip(buffers, devices, strict=True):
         cuda = device.type == "cuda"
-        target = torch.empty(buffer.numel(), dtype=torch.uint8, device=device)
+        target = None
+        if pool is not None and pool.cpu_restores and device.type == "cpu":
+            target = pool.resident(buffer.numel())
+        if target is None:
+            target = torch.empty(buffer.numel(), dtype=torch.uint8, device=device)
         target.copy_(buffer, non_blocking=cuda and buffer.is_pinned())
         if cuda:
             synchronise.add(device)
@@ -486,6 +556,7 @@ def park_tree(
     *,
     label: str = "the tree",
     spool_dir: str | os.PathLike[str] | None = None,
+    pool: HostBufferPool | None = None,
 ) -> ParkedBytes:
     """Move ``tree``'s storages to ``tier``, each once; return the handle that rebuilds it.
 
@@ -497,10 +568,13 @@ def park_tree(
         label: Names what is parked in error messages.
         spool_dir: The directory the disk tier writes to (this process's spool directory in
             the system temporary directory when None, see `default_spool_dir`).
+        pool: The host tier copies into ranges of this `HostBufferPool` (given back when the
+            handle is released or collected) instead of a new host tensor per storage.
 
     Raises:
         UnsupportedTensorError: for a meta, sparse, nested or subclass tensor, naming its key.
         OSError: if the disk tier cannot write its file (the message names the file).
+        HostPoolFullError: if ``pool`` cannot hold the tree's storages (nothing is taken).
 
     >>> import torch
     >>> from sessionstate import tree_equal
@@ -513,5 +587,5 @@ def park_tree(
     """
     tier = check_tier(tier)
     if tier == "host":
-        return _HostBytes(tree, label=label)
+        return _HostBytes(tree, label=label, pool=pool)
     return _DiskBytes(tree, label=label, spool_dir=spool_dir or default_spool_dir())
