@@ -281,6 +281,18 @@ def test_demo_saves_a_session_that_inspect_reads(
     assert report["largest_session"] in capsys.readouterr().out
 
 
+def test_demo_runs_cosmos3_with_its_own_buckets(capsys: pytest.CaptureFixture[str]) -> None:
+    from sessionstate.models.cosmos3.state import BUCKETS
+
+    assert main(["demo", "--model", "cosmos3", "--sessions", "2", "--steps", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "cosmos3"
+    assert report["stats"]["sessions"] == 2
+    buckets = {name: row["bucket"] for name, row in report["values"].items()}
+    assert buckets == {name: BUCKETS[name] for name in BUCKETS}
+    assert buckets["text_kv"] == "object"
+
+
 def test_evictions_the_budget_adds_on_the_managed_path_are_counted() -> None:
     results: dict[str, Any] = {
         "bespoke": {"stats": {"evictions": 1}},

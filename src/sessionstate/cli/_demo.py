@@ -1,4 +1,4 @@
-"""``sessionstate demo``: several DreamZero sessions through the manager, and what they hold."""
+"""``sessionstate demo``: several sessions of a model through the manager, and what they hold."""
 
 from __future__ import annotations
 
@@ -18,28 +18,27 @@ from sessionstate.cli._common import (
     with_budget,
 )
 from sessionstate.cli._sizes import step_bar
+from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sessionstate.models.dreamzero import DreamZeroPipeline
-    from sessionstate.models.dreamzero.episode import scripted_episode
-    from sessionstate.models.dreamzero.state import BUCKETS
-
     check_device(args.device)
-    deploy, cfg = load_model_config(None, args.preset)
+    spec = get_model(args.model)
+    deploy, cfg = load_model_config(None, args.preset, spec.name)
     deploy = with_budget(deploy, args)
     environ = dict(os.environ, **{ENV_ENABLE: "1"})
     if args.max_sessions is not None:
         environ[ENV_MAX_SESSIONS] = str(args.max_sessions)
-    pipe = DreamZeroPipeline(deploy, environ=environ, device=args.device)
+    pipe = spec.pipeline(deploy, environ=environ, device=args.device)
     assert pipe.manager is not None
+    buckets = spec.buckets()
     console = Console()
-    episode = scripted_episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
+    episode = spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
     total = args.steps * args.sessions
-    with step_bar("DreamZero sessions", total) as update:
+    with step_bar(f"{spec.title} sessions", total) as update:
         for i, (sid, obs) in enumerate(episode):
             pipe.forward(obs, sid)
             update(i + 1, total)
@@ -51,15 +50,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     assert state is not None
     # The bucket each value belongs in, as `sessionstate sizes` and the Models page say.
     values = {
-        name: {"bucket": BUCKETS.get(name, "object" if name in state.objects else "attrs"),
+        name: {"bucket": buckets.get(name, "object" if name in state.objects else "attrs"),
                "nbytes": sum(by_device.values())}
         for name, by_device in state.nbytes_by_value().items()
     }  # fmt: skip
     if args.save is not None:
         pipe.manager.snapshot(largest, args.save)
     if args.json:
-        print(json.dumps({"stats": stats, "largest_session": str(largest), "values": values,
-                          "saved": args.save}, indent=2))  # fmt: skip
+        print(json.dumps({"model": spec.name, "stats": stats, "largest_session": str(largest),
+                          "values": values, "saved": args.save}, indent=2))  # fmt: skip
         return 0
     table = Table("stat", "value", title="SessionStateManager.stats()")
     for key, value in stats.items():
@@ -82,9 +81,13 @@ def add_parsers(sub: Any) -> None:
     """Adds ``demo`` to the subcommands ``sub``."""
     demo = sub.add_parser(
         "demo",
-        help="run several DreamZero sessions through the manager and show what they hold",
-        description="Run a multi-session DreamZero workload on the manager-backed path, then "
-        "print stats() and the per-value bytes of the largest session.",
+        help="run several sessions of a model through the manager and show what they hold",
+        description="Run a multi-session workload of a reference model (DreamZero by default) "
+        "on the manager-backed path, then print stats() and the per-value bytes of the largest "
+        "session.",
+    )
+    demo.add_argument(
+        "--model", choices=sorted(MODELS), default=DEFAULT_MODEL, help="model (default dreamzero)"
     )
     demo.add_argument("--preset", choices=["tiny", "deploy"], default="tiny", help="model preset")
     demo.add_argument("--sessions", type=positive_int, default=4, help="interleaved sessions")

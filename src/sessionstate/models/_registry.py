@@ -38,6 +38,8 @@ class ModelSpec:
         size_table: ``size_table(preset, steps)``: the `sessionstate sizes` JSON.
         size_steps: Default ``--steps`` of `sessionstate sizes`.
         size_footer: Extra table rows and lines printed under the size table.
+        buckets: ``buckets()``: every session value's bucket (``attrs``, ``object`` or
+            ``engine``), the model's reference table.
 
     >>> spec = get_model("cosmos3")
     >>> spec.title, spec.tensor_outputs
@@ -56,6 +58,7 @@ class ModelSpec:
     size_table: Callable[[str, int], dict[str, Any]]
     size_steps: int
     size_footer: Callable[[dict[str, Any]], tuple[list[Row], list[str]]]
+    buckets: Callable[[], Mapping[str, str]]
 
 
 def _gib(n: int) -> str:
@@ -127,6 +130,7 @@ MODELS: dict[str, ModelSpec] = {
         size_table=Lazy("sessionstate.models.dreamzero.sizes:size_table"),
         size_steps=400,
         size_footer=_dz_footer,
+        buckets=Lazy("sessionstate.models.dreamzero.state:BUCKETS.copy"),
     ),
     "cosmos3": ModelSpec(
         name="cosmos3",
@@ -141,6 +145,7 @@ MODELS: dict[str, ModelSpec] = {
         size_table=Lazy("sessionstate.models.cosmos3.sizes:size_table"),
         size_steps=8,
         size_footer=_c3_footer,
+        buckets=Lazy("sessionstate.models.cosmos3.state:BUCKETS.copy"),
     ),
 }
 """Every model the command line knows, by ``--model`` name."""
