@@ -11,7 +11,15 @@ Two uses:
   device, the networks' calls replayed from their layouts; nothing is allocated) and
   rewrites ``docs/data/sizes-deploy-400.json``, then ``sessionstate sizes --model cosmos3
   --preset deploy --steps 8 --json`` into ``docs/data/sizes-cosmos3-deploy-8.json``. Run it
-  when a model's state changes, and commit the result.
+  when a model's state changes, and commit the result. It then writes the capacity plans the
+  docs show (``docs/data/plan-*.json``): ``sessionstate plan --sizes-json FILE
+  --device-bytes 80GiB`` (and ``141GiB``) ``--host-bytes 1TiB --bandwidth 50GB/s --json`` for
+  each model, from the size tables just written.
+
+A page containing ``<!-- plan-table: data/plan-a.json data/plan-b.json -->`` gets one
+session's bytes (from the first plan) and a column of sessions per plan.
+``tests/test_cli_plan.py`` checks that the committed plans are what `sessionstate plan`
+computes from the committed size tables.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ DOCS = Path(__file__).resolve().parent
 DEFAULT_DATA = DOCS / "data" / "sizes-deploy-400.json"
 COSMOS3_DATA = DOCS / "data" / "sizes-cosmos3-deploy-8.json"
 MARKER = re.compile(r"<!--\s*sizes-table:\s*(?P<path>\S+)\s*-->")
+PLAN_MARKER = re.compile(r"<!--\s*plan-table:\s*(?P<paths>[^>]+?)\s*-->")
+PLAN_DEVICES = ("80GiB", "141GiB")
+PLAN_HOST = "1TiB"
+PLAN_BANDWIDTH = "50GB/s"
+PLAN_SIZES = {"dreamzero": DEFAULT_DATA, "cosmos3": COSMOS3_DATA}
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
@@ -144,9 +157,114 @@ def load(path: Path) -> dict[str, Any]:
     return table
 
 
+def plan_path(model: str, device: str) -> Path:
+    """Where the committed plan of ``model`` at ``device`` bytes lives.
+
+    >>> plan_path("dreamzero", "80GiB").name
+    'plan-dreamzero-deploy-80GiB.json'
+    """
+    return DOCS / "data" / f"plan-{model}-deploy-{device}.json"
+
+
+def plan_argv(model: str, device: str) -> list[str]:
+    """The `sessionstate plan` arguments of a committed plan (relative to the repository)."""
+    sizes = PLAN_SIZES[model].relative_to(DOCS.parent)
+    return [
+        "plan", "--model", model, "--preset", "deploy", "--sizes-json", str(sizes),
+        "--device-bytes", device, "--host-bytes", PLAN_HOST, "--bandwidth", PLAN_BANDWIDTH,
+        "--json",
+    ]  # fmt: skip
+
+
+def render_plans(plans: list[dict[str, Any]]) -> str:
+    """The markdown for `sessionstate plan --json` results of one model: bytes, then sessions."""
+    from sessionstate.cli._plan import fmt_plan_bytes, fmt_seconds
+
+    first, s = plans[0], plans[0]["session"]
+    b = fmt_plan_bytes
+    rows = [
+        "| one session | on the device | on the host |",
+        "|---|--:|--:|",
+        f"| KV window (engine) | {b(s['kv_nbytes'])} | |",
+        f"| parkable state objects | {b(s['parkable_nbytes'])} | |",
+        f"| attributes (stay on the device when parked) | {b(s['attrs_nbytes'])} | |",
+        f"| kept on the host anyway | | {b(s['host_kept_nbytes'])} |",
+        f"| **resident** | **{b(s['device_nbytes'])}** | {b(s['host_kept_nbytes'])} |",
+        f"| **parked** | {b(s['parked_device_nbytes'])} | **{b(s['parked_host_nbytes'])}** |",
+    ]
+    if first["step_headroom_nbytes"]:
+        rows.append(
+            f"| one step's new KV blocks (once per device) | {b(first['step_headroom_nbytes'])} | |"
+        )
+    head = " | ".join(f"{b(p['device_nbytes'])} device" for p in plans)
+    rows += ["", f"| {b(first['host_nbytes'])} host, {_gbps(first)} | {head} |"]
+    rows.append("|---|" + "--:|" * len(plans))
+
+    def line(label: str, cells: list[str]) -> None:
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    line("available for sessions", [b(p["available_nbytes"]) for p in plans])
+    line(
+        "sessions resident, nothing parked",
+        [str(p["sessions_resident_without_parking"]) for p in plans],
+    )
+    line("**sessions resident**", [f"**{p['sessions_resident']}**" for p in plans])
+    line("**sessions parked**", [f"**{p['sessions_parked']}**" for p in plans])
+    line("sessions in all", [str(p["sessions_total"]) for p in plans])
+    line("device used", [b(p["device_used_nbytes"]) for p in plans])
+    line("host used", [b(p["host_used_nbytes"]) for p in plans])
+    line(
+        f"swap one session in / out ({b(s['swap_nbytes'])})",
+        [f"{fmt_seconds(p['swap_in_s'])} / {fmt_seconds(p['swap_out_s'])}" for p in plans],
+    )
+    from sessionstate.models._registry import get_model
+
+    caption = (
+        f"`sessionstate plan` for {get_model(first['model']).title} at preset "
+        f"`{first['preset']}` after {first['steps']} steps, from the committed size table; "
+        "nothing reserved for the model's own weights and workspace (`--reserved-bytes`: the "
+        "size table does not know them)."
+    )
+    return "\n".join(rows) + "\n\n" + caption + "\n"
+
+
+def _gbps(plan: dict[str, Any]) -> str:
+    return f"{plan['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s"
+
+
+def load_plan(path: Path) -> dict[str, Any]:
+    """Read and check a `sessionstate plan --json` file."""
+    try:
+        plan: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        msg = f"{path} is missing; regenerate it with `python docs/gen_sizes.py`."
+        raise FileNotFoundError(msg) from None
+    if "sessions_resident" not in plan or "session" not in plan:
+        msg = f"{path} is not `sessionstate plan --json` output."
+        raise ValueError(msg)
+    return plan
+
+
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    """mkdocs hook: replace every size-table marker with the rendered table."""
-    return MARKER.sub(lambda m: render(load(DOCS / m.group("path"))), markdown)
+    """mkdocs hook: replace every size-table and plan-table marker with the rendered table."""
+    markdown = MARKER.sub(lambda m: render(load(DOCS / m.group("path"))), markdown)
+    return PLAN_MARKER.sub(
+        lambda m: render_plans([load_plan(DOCS / p) for p in m.group("paths").split()]),
+        markdown,
+    )
+
+
+def write_plans() -> None:
+    """Run `sessionstate plan` on the committed size tables and rewrite the committed plans."""
+    for model in PLAN_SIZES:
+        for device in PLAN_DEVICES:
+            cmd = [sys.executable, "-m", "sessionstate.cli", *plan_argv(model, device)]
+            result = subprocess.run(
+                cmd, check=True, capture_output=True, text=True, cwd=DOCS.parent
+            )
+            path = plan_path(model, device)
+            path.write_text(result.stdout, encoding="utf-8")
+            print(f"wrote {path.relative_to(DOCS.parent)}")
 
 
 def main() -> int:
@@ -167,6 +285,7 @@ def main() -> int:
     result = subprocess.run(cmd, check=True, capture_output=True, text=True)
     COSMOS3_DATA.write_text(result.stdout, encoding="utf-8")
     print(f"wrote {COSMOS3_DATA.relative_to(DOCS.parent)}")
+    write_plans()
     return 0
 
 

@@ -35,7 +35,7 @@ def test_python_dash_m_sessionstate_prints_plain_help() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: sessionstate ")
-    for command in ("ab", "sizes", "demo", "inspect", "cluster"):
+    for command in ("ab", "sizes", "plan", "demo", "inspect", "cluster"):
         assert f"\n    {command} " in done.stdout, command
     assert "``" not in done.stdout  # no raw reST
     assert "_episode" not in done.stdout
@@ -67,8 +67,9 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_internal_episode_command_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["nope"]) == 2
     assert capsys.readouterr().err == (
-        "sessionstate: error: argument {ab,sizes,demo,inspect,cluster}: invalid choice: 'nope' "
-        "(choose from 'ab', 'sizes', 'demo', 'inspect', 'cluster') (see `sessionstate --help`)\n"
+        "sessionstate: error: argument {ab,sizes,plan,demo,inspect,cluster}: invalid choice: "
+        "'nope' (choose from 'ab', 'sizes', 'plan', 'demo', 'inspect', 'cluster') (see "
+        "`sessionstate --help`)\n"
     )
 
 
