@@ -8,7 +8,7 @@ import re
 import pytest
 
 from sessionstate import ENV_MAX_BYTES, OmniDiffusionConfig, resolve_session_state_config
-from sessionstate._env import ENV_KV_POOL_BYTES
+from sessionstate._env import ENV_HOST_POOL_BYTES, ENV_KV_POOL_BYTES
 
 GIB = 2**30
 
@@ -231,3 +231,28 @@ def test_the_config_field_takes_the_per_device_text_the_environment_takes() -> N
     )
     with pytest.raises(ValueError, match=re.escape(msg)):
         OmniDiffusionConfig.from_dict({"session_state_max_bytes": "cpu=1,cpu=2"})
+
+
+def test_host_pool_bytes_field_env_override_and_messages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = OmniDiffusionConfig(session_state_host_pool_bytes="1GiB")
+    assert cfg.session_state_host_pool_bytes == GIB
+    assert resolve_session_state_config(cfg, {}).host_pool_bytes == GIB
+    assert resolve_session_state_config(None, {}).host_pool_bytes is None
+    env = {ENV_HOST_POOL_BYTES: " 2GiB "}
+    assert resolve_session_state_config(cfg, env).host_pool_bytes == 2 * GIB
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        settings = resolve_session_state_config(cfg, {ENV_HOST_POOL_BYTES: "lots"})
+    assert settings.host_pool_bytes == GIB
+    assert ENV_HOST_POOL_BYTES in caplog.text
+    assert "session_state_host_pool_bytes=1073741824" in caplog.text
+    assert resolve_session_state_config(cfg, {}).host_pool_full == "disk"
+    refuse = OmniDiffusionConfig(session_state_host_pool_full="refuse")
+    assert resolve_session_state_config(refuse, {}).host_pool_full == "refuse"
+    msg = (
+        "`session_state_host_pool_full` must be one of ['disk', 'refuse'], got 'ram' (str): "
+        "'disk' spills a park the host pool cannot hold to the disk tier, 'refuse' refuses it."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        OmniDiffusionConfig(session_state_host_pool_full="ram")  # type: ignore[arg-type]

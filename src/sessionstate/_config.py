@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -16,6 +16,7 @@ import yaml
 from sessionstate._env import (
     ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
+    ENV_HOST_POOL_BYTES,
     ENV_KV_POOL_BYTES,
     ENV_MAX_BYTES,
     ENV_MAX_SESSIONS,
@@ -28,6 +29,7 @@ from sessionstate._storage import Tier, check_tier
 __all__ = [
     "ENV_CHECK_IMMUTABLE",
     "ENV_ENABLE",
+    "ENV_HOST_POOL_BYTES",
     "ENV_KV_POOL_BYTES",
     "ENV_MAX_BYTES",
     "ENV_MAX_SESSIONS",
@@ -39,6 +41,9 @@ __all__ = [
 ]
 
 _ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
+
+HostPoolFull = Literal["disk", "refuse"]
+_HOST_POOL_FULL: tuple[HostPoolFull, ...] = ("disk", "refuse")
 
 _UNINDEXED = ("cpu", "meta")
 """Device types tensors report without an index; every other type has one (``cuda:0``)."""
@@ -155,6 +160,20 @@ def _to_kv_pool_bytes(value: Any) -> int | None:
     return None if value is None else _positive_budget(value, "session_state_kv_pool_bytes")
 
 
+def _to_host_pool_bytes(value: Any) -> int | None:
+    return None if value is None else _positive_budget(value, "session_state_host_pool_bytes")
+
+
+def _check_host_pool_full(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in _HOST_POOL_FULL:
+        msg = (
+            f"`session_state_host_pool_full` must be one of {list(_HOST_POOL_FULL)}, got "
+            f"{value!r} ({type(value).__name__}): 'disk' spills a park the host pool cannot "
+            "hold to the disk tier, 'refuse' refuses it."
+        )
+        raise ValueError(msg)
+
+
 def _to_tier(value: Any) -> Tier:
     try:
         return check_tier(value)
@@ -259,6 +278,14 @@ class OmniDiffusionConfig:
             such as ``"40GiB"``): the pool holds as many whole blocks as fit. None (default)
             leaves the size to the model. The environment variable
             ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_KV_POOL_BYTES`` overrides it.
+        session_state_host_pool_bytes: The bytes of the host tier's buffer pool (an int or a
+            string such as ``"64GiB"``): one preallocated, pre-touched (pinned for CUDA)
+            buffer that parks copy into, instead of an allocation per park. None (default)
+            allocates per park. The environment variable
+            ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_HOST_POOL_BYTES`` overrides it.
+        session_state_host_pool_full: What a park the host pool cannot hold does: ``"disk"``
+            (default) spills it to the disk tier, ``"refuse"`` refuses it (the session stays
+            resident, and the budget evicts or refuses as ``session_state_on_full`` says).
 
     >>> OmniDiffusionConfig(enable_session_state_manager=True).enable_session_state_manager
     True
@@ -276,6 +303,12 @@ class OmniDiffusionConfig:
     session_state_spool_dir: str | None = attrs.field(default=None, kw_only=True)
     session_state_kv_pool_bytes: int | None = attrs.field(
         default=None, converter=_to_kv_pool_bytes, kw_only=True
+    )
+    session_state_host_pool_bytes: int | None = attrs.field(
+        default=None, converter=_to_host_pool_bytes, kw_only=True
+    )
+    session_state_host_pool_full: HostPoolFull = attrs.field(
+        default="disk", validator=_check_host_pool_full, kw_only=True
     )
     source: str | None = attrs.field(default=None, kw_only=True, repr=False, eq=False)
     """The file this config was loaded from (set by `from_yaml`), named in its errors."""
@@ -320,7 +353,8 @@ class OmniDiffusionConfig:
         OmniDiffusionConfig(enable_session_state_manager=True, model=mappingproxy({}),
             session_state_on_full='evict', session_state_max_bytes=None,
             session_state_park_tier='host', session_state_spool_dir=None,
-            session_state_kv_pool_bytes=None)
+            session_state_kv_pool_bytes=None, session_state_host_pool_bytes=None,
+            session_state_host_pool_full='disk')
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
@@ -397,6 +431,8 @@ class SessionStateSettings:
     park_tier: Tier = "host"
     spool_dir: str | None = None
     kv_pool_bytes: int | None = None
+    host_pool_bytes: int | None = None
+    host_pool_full: HostPoolFull = "disk"
 
 
 def parse_env_flag(value: str | None, /) -> bool | None:
@@ -445,7 +481,9 @@ def resolve_session_state_config(
     naming the variable and the value and is ignored.
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_KV_POOL_BYTES`` overrides the config's
     ``session_state_kv_pool_bytes`` (one positive count such as ``40GiB``); an unparsable or
-    zero value logs a warning naming the variable and the value and is ignored.
+    zero value logs a warning naming the variable and the value and is ignored;
+    ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_HOST_POOL_BYTES`` likewise overrides
+    ``session_state_host_pool_bytes``.
     ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL`` (``evict`` or ``refuse``, any case)
     overrides the config's ``session_state_on_full``; unset or empty falls back to the config,
     and any other value logs a warning naming the variable and the value and is ignored.
@@ -459,7 +497,7 @@ def resolve_session_state_config(
     ... # doctest: +NORMALIZE_WHITESPACE
     SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False,
         on_full='evict', max_bytes=None, park_tier='host', spool_dir=None,
-        kv_pool_bytes=None)
+        kv_pool_bytes=None, host_pool_bytes=None, host_pool_full='disk')
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -531,25 +569,36 @@ def resolve_session_state_config(
         max_bytes=max_bytes,
         park_tier=config.session_state_park_tier if config is not None else "host",
         spool_dir=config.session_state_spool_dir if config is not None else None,
-        kv_pool_bytes=_resolve_kv_pool_bytes(config, env),
+        kv_pool_bytes=_resolve_pool_bytes(config, env, "session_state_kv_pool_bytes"),
+        host_pool_bytes=_resolve_pool_bytes(config, env, "session_state_host_pool_bytes"),
+        host_pool_full=config.session_state_host_pool_full if config is not None else "disk",
     )
 
 
-def _resolve_kv_pool_bytes(
-    config: OmniDiffusionConfig | None, env: Mapping[str, str]
+_POOL_BYTES_ENV = {
+    "session_state_kv_pool_bytes": ENV_KV_POOL_BYTES,
+    "session_state_host_pool_bytes": ENV_HOST_POOL_BYTES,
+}
+
+
+def _resolve_pool_bytes(
+    config: OmniDiffusionConfig | None, env: Mapping[str, str], field: str
 ) -> int | None:
-    configured = config.session_state_kv_pool_bytes if config is not None else None
-    raw = env.get(ENV_KV_POOL_BYTES)
+    # A pool's byte figure: the environment's if it parses, else the config's.
+    configured: int | None = getattr(config, field) if config is not None else None
+    variable = _POOL_BYTES_ENV[field]
+    raw = env.get(variable)
     if raw is None or not raw.strip():
         return configured
     try:
-        return _positive_budget(raw.strip(), ENV_KV_POOL_BYTES)
+        return _positive_budget(raw.strip(), variable)
     except (TypeError, ValueError) as exc:
         logger.warning(
-            "Ignoring %s=%r: %s Using the config value session_state_kv_pool_bytes=%r.",
-            ENV_KV_POOL_BYTES,
+            "Ignoring %s=%r: %s Using the config value %s=%r.",
+            variable,
             raw,
             exc,
+            field,
             configured,
         )
         return configured
