@@ -7,6 +7,8 @@ Extending page shows each with a runnable example.
 - `ReportsStorages`: a leaf that is not a tensor reports the memory it keeps alive to the byte
   accounting, the ledger and the budget (an engine's handle to blocks it owns: `KVHandle`).
 - `SnapshotLeaf`: a leaf class that snapshots save by value (`register_snapshot_leaf`).
+- `OffloadsStorages`: an engine-owned leaf class whose memory parking may move: it copies
+  what its leaves hold out of its engine, and back into the same engine (`KVHandle`).
 - `NamesItsTransition`: a record that names, in the error for an assignment to one of its
   fields, the transition that makes the change instead.
 
@@ -22,9 +24,11 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 __all__ = [
     "ASSIGNMENT_FIX_HOOK",
+    "OFFLOAD_HOOKS",
     "SNAPSHOT_HOOKS",
     "STORAGE_ENTRIES_HOOK",
     "NamesItsTransition",
+    "OffloadsStorages",
     "ReportsStorages",
     "SnapshotLeaf",
     "StorageEntry",
@@ -47,6 +51,9 @@ ASSIGNMENT_FIX_HOOK = "__assignment_fix__"
 SNAPSHOT_HOOKS = ("__sessionstate_snapshot__", "__sessionstate_restore__")
 """The class methods a snapshot leaf class defines (see `SnapshotLeaf`)."""
 
+OFFLOAD_HOOKS = ("__sessionstate_offload__", "__sessionstate_reload__")
+"""The class methods an engine leaf class defines so that parking moves it (`OffloadsStorages`)."""
+
 
 @runtime_checkable
 class ReportsStorages(Protocol):
@@ -54,7 +61,8 @@ class ReportsStorages(Protocol):
 
     Its bytes are then counted like a tensor's: once per storage across a session and across
     the manager, per device, and held to the byte budget. Parking leaves such a leaf where it
-    is (its owner moves its memory, not the library).
+    is (its owner moves its memory, not the library), unless its class also implements
+    `OffloadsStorages`.
 
     >>> import torch
     >>> class Handle:
@@ -85,6 +93,30 @@ class SnapshotLeaf(Protocol):
 
     @classmethod
     def __sessionstate_restore__(cls, payload: Any, /) -> Sequence[Self]: ...
+
+
+@runtime_checkable
+class OffloadsStorages(Protocol):
+    """An engine-owned leaf class (`ReportsStorages`) whose memory parking moves and restores.
+
+    ``__sessionstate_offload__(leaves)`` gets every ``(key path, leaf)`` of the class in one
+    parked tree, in tree order, and returns one payload (tensors, JSON values, tuples, lists,
+    dicts, and references to the engine) holding a copy of what the leaves hold, each storage
+    they share once: parking moves its tensors to the tier, and the engine frees the leaves'
+    memory once nothing holds them. ``__sessionstate_reload__(payload)`` takes fresh memory
+    from the same engine, copies the bytes back and returns leaves that read bit-identically,
+    in the same order and sharing what they shared; all or nothing: when the engine lacks
+    room it raises (`KVPoolExhaustedError` for a `KVPool`) and takes nothing.
+
+    The payload's tensors stay on the engine's device until the tier moves them, so the parked
+    bytes report the device that unparking fills again.
+    """
+
+    @classmethod
+    def __sessionstate_offload__(cls, leaves: Sequence[tuple[str, Self]], /) -> Any: ...
+
+    @classmethod
+    def __sessionstate_reload__(cls, payload: Any, /) -> Sequence[Self]: ...
 
 
 @runtime_checkable

@@ -21,6 +21,13 @@ The handle reports its blocks to the byte accounting through ``__sessionstate_st
 (one entry per block, identity `EngineBlock`), so a block reached from two handles counts once,
 a handle and a tensor view of the pool count once, and free blocks count for nobody.
 
+Parking moves handles (the offload protocol, `OffloadsStorages`): the blocks the parked
+handles hold are copied once each, only their tokens, and go back to the pool once the
+handles are gone; unparking takes fresh blocks from the same pool, all or nothing (raising
+`KVPoolExhaustedError` with the bytes needed and free), and copies the bytes back, so the new
+handles read bit-identically and share what they shared (block ids may differ). Restored
+handles belong to no transaction: a step that fails never kills them.
+
 A snapshot saves handles by value (`register_snapshot_leaf`): per pool, the blocks its handles
 in the snapshot hold, once each, with only those handles' tokens (the rest of a block is
 zeros), and per handle its block list and token count. Loading rebuilds the handles over a
@@ -48,7 +55,7 @@ from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
 from sessionstate._storage import register_snapshot_leaf
 from sessionstate._tree import tree_equal
 
-__all__ = ["KVHandle", "KVPool"]
+__all__ = ["KVHandle", "KVPool", "offload_payload", "reload_handles"]
 
 
 class _Lease:
@@ -162,6 +169,32 @@ class KVHandle:
         """
         return restore_handles(payload)
 
+    @classmethod
+    def __sessionstate_offload__(cls, leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
+        """What parking moves for ``leaves``: per pool a copy of the blocks they reach (each
+        once, only the tokens they read), and per handle its blocks and token count.
+
+        The copy stays on the pool's device (the tier moves it); the pools' blocks return to
+        them once nothing holds the handles.
+
+        Raises:
+            StaleKVHandleError: for a handle made by a step that was rolled back.
+        """
+        return offload_payload(leaves)
+
+    @classmethod
+    def __sessionstate_reload__(cls, payload: Any) -> list[KVHandle]:
+        """The handles an offload payload describes, on fresh blocks of their own pools.
+
+        Block ids may differ from the offloaded ones; reads are bit-identical and blocks
+        shared between the handles are shared again. All or nothing.
+
+        Raises:
+            KVPoolExhaustedError: if a pool has fewer free blocks than the handles need
+                (naming the bytes needed and free); no block is taken.
+        """
+        return reload_handles(payload)
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -267,6 +300,20 @@ class KVPool:
         """
         with self._lock:
             return len(self._free)
+
+    def owns_entry(self, entry: StorageEntry, /) -> bool:
+        """Whether a storage entry (as the byte accounting reports one) is a block of this pool.
+
+        A planner that needs free blocks here parks the sessions holding such entries.
+
+        >>> import torch
+        >>> pool = KVPool(2, block_tokens=1, token_shape=())
+        >>> (entry,) = pool.append(pool.empty(), torch.zeros(1)).__sessionstate_storage_entries__()
+        >>> pool.owns_entry(entry), KVPool(1, block_tokens=1, token_shape=()).owns_entry(entry)
+        (True, False)
+        """
+        identity = entry[1]
+        return isinstance(identity, EngineBlock) and identity.pool == self._key
 
     def empty(self) -> KVHandle:
         """A handle with no tokens (a fresh cache, as a window or session starts).
@@ -482,7 +529,7 @@ class KVPool:
             log["filled"].setdefault(block, self._filled[block])
         self._filled[block] = filled
 
-    def _handle(self, blocks: tuple[int, ...], tokens: int) -> KVHandle:
+    def _handle(self, blocks: tuple[int, ...], tokens: int, *, logged: bool = True) -> KVHandle:
         lease = _Lease()
         handle = KVHandle(self, blocks, tokens, lease=lease)
         with self._lock:
@@ -491,7 +538,7 @@ class KVPool:
         finalizer = weakref.finalize(handle, self._release, blocks)
         finalizer.atexit = False
         lease.finalizer = finalizer
-        log = getattr(self._local, "log", None)
+        log = getattr(self._local, "log", None) if logged else None
         if log is not None:
             log["leases"].append(lease)
         return handle
@@ -503,6 +550,54 @@ class KVPool:
                 if self._refs[block] == 0:
                     self._filled[block] = 0
                     heapq.heappush(self._free, block)
+
+    def _take(self, n: int, /) -> list[int]:
+        """``n`` free blocks, lowest id first, off the free list (none taken if fewer are free).
+
+        Raises:
+            KVPoolExhaustedError: naming the bytes needed and free.
+        """
+        with self._lock:
+            if len(self._free) < n:
+                size = self.block_nbytes
+                free = len(self._free)
+                msg = (
+                    f"KV pool {self.name!r} cannot take back {n} blocks ({n * size} bytes): "
+                    f"it has {free} free ({free * size} bytes) of {self.num_blocks}. Park or "
+                    "drop other sessions first (a manager parks the least recently used), or "
+                    "build the pool with more bytes."
+                )
+                raise KVPoolExhaustedError(msg)
+            taken = [heapq.heappop(self._free) for _ in range(n)]
+            for block in taken:
+                self._filled[block] = 0
+            return taken
+
+    def _untake(self, blocks: Sequence[int], /) -> None:
+        """Blocks `_take` took and no handle holds: back to the free list."""
+        with self._lock:
+            for block in blocks:
+                if self._refs[block] == 0:
+                    self._filled[block] = 0
+                    heapq.heappush(self._free, block)
+
+    def _reload(
+        self, taken: Sequence[int], data: torch.Tensor, fills: Sequence[int], facts: Sequence[Any]
+    ) -> list[KVHandle]:
+        """Handles over ``taken`` (from `_take`) filled with ``data``, per ``facts``.
+
+        Not part of any transaction: a rolled-back step never kills restored handles.
+        """
+        with self._lock:
+            if taken:
+                index = torch.tensor(list(taken), dtype=torch.long, device=self.storage.device)
+                self.storage.index_copy_(0, index, data.to(self.storage.device))
+            for block, fill in zip(taken, fills, strict=True):
+                self._filled[block] = fill
+            return [
+                self._handle(tuple(taken[i] for i in fact["blocks"]), fact["tokens"], logged=False)
+                for fact in facts
+            ]
 
     def _copy_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
         """A copy of ``blocks``' data, in that order, taken under the pool's lock."""
@@ -541,6 +636,101 @@ def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     >>> payload["handles"], tuple(payload["pools"][0]["blocks"].shape)
     ([{'pool': 0, 'blocks': [0, 1], 'tokens': 3}], (2, 2, 3))
     """
+    pools, slots, fills, handles = _gather(leaves, "snapshot")
+    saved = []
+    for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
+        data = pool._copy_blocks(list(slot_of))
+        for slot, fill in enumerate(filled):
+            data[slot, fill:].zero_()
+        saved.append(
+            {
+                "name": pool.name,
+                "block_tokens": pool.block_tokens,
+                "token_shape": list(pool.token_shape),
+                "dtype": str(pool.storage.dtype).removeprefix("torch."),
+                "blocks": data,
+            }
+        )
+    return {"pools": saved, "handles": handles}
+
+
+# -- the offload codec of `KVHandle` leaves: parking moves their blocks, and back -------------
+#
+# What `KVHandle.__sessionstate_offload__` and `__sessionstate_reload__` return: per pool the
+# blocks the handles reach, copied once each, and the handles' facts; reloading takes fresh
+# blocks from the same pools (all or nothing) and copies the bytes back.
+
+
+def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
+    """What parking moves for ``leaves``: per pool its blocks' data, per handle its facts.
+
+    A block reached by several handles is copied once, with the tokens the longest of them
+    reads (the rest of the block zeros); the copy is on the pool's device.
+
+    Raises:
+        StaleKVHandleError: for a handle made by a step that was rolled back.
+
+    >>> pool = KVPool(4, block_tokens=2, token_shape=(3,))
+    >>> a = pool.append(pool.empty(), torch.ones(3, 3))
+    >>> b = pool.append(a, torch.zeros(1, 3))
+    >>> payload = offload_payload([("a", a), ("b", b)])
+    >>> tuple(payload["pools"][0]["blocks"].shape), payload["handles"][1]
+    ((2, 2, 3), {'pool': 0, 'blocks': [0, 1], 'tokens': 4})
+    >>> del a, b
+    >>> a, b = reload_handles(payload)
+    >>> b.read()[-1].tolist(), a.blocks == b.blocks[:2], pool.free_blocks
+    ([0.0, 0.0, 0.0], True, 2)
+    """
+    pools, slots, fills, handles = _gather(leaves, "park")
+    saved = []
+    for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
+        data = pool._copy_blocks(list(slot_of))
+        for slot, fill in enumerate(filled):
+            data[slot, fill:].zero_()
+        saved.append({"pool": pool, "blocks": data, "fills": filled})
+    return {"pools": saved, "handles": handles}
+
+
+def reload_handles(payload: Any) -> list[KVHandle]:
+    """The handles an offload payload describes (see `offload_payload`), on fresh blocks.
+
+    Each pool gives the blocks first, all of them or none: when one lacks room, the blocks
+    already taken from the others go back and nothing changes.
+
+    Raises:
+        KVPoolExhaustedError: if a pool has fewer free blocks than its handles need, naming
+            the bytes needed and free.
+    """
+    groups = payload["pools"]
+    taken: list[list[int]] = []
+    try:
+        for group in groups:
+            taken.append(group["pool"]._take(int(group["blocks"].shape[0])))
+        facts: list[list[Any]] = [[] for _ in groups]
+        order: list[tuple[int, int]] = []  # per handle: its pool, its index there
+        for fact in payload["handles"]:
+            order.append((fact["pool"], len(facts[fact["pool"]])))
+            facts[fact["pool"]].append(fact)
+        made = [
+            group["pool"]._reload(blocks, group["blocks"], group["fills"], facts[g])
+            for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
+        ]
+    except BaseException:
+        for group, blocks in zip(groups, taken, strict=False):
+            group["pool"]._untake(blocks)
+        raise
+    return [made[g][i] for g, i in order]
+
+
+def _gather(
+    leaves: Sequence[tuple[str, KVHandle]], action: str
+) -> tuple[list[KVPool], list[dict[int, int]], list[list[int]], list[dict[str, Any]]]:
+    """Per pool the blocks ``leaves`` reach (each once, with the tokens the handles read),
+    and per handle its pool, its blocks as indices into its pool's list, and its tokens.
+
+    Raises:
+        StaleKVHandleError: for a handle made by a step that was rolled back.
+    """
     pools: list[KVPool] = []
     slots: list[dict[int, int]] = []  # per pool: block id -> index in its saved blocks
     fills: list[list[int]] = []  # per pool and saved block: tokens the handles read
@@ -548,9 +738,10 @@ def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     for key, handle in leaves:
         if not handle.alive:
             msg = (
-                f"Cannot snapshot the leaf at `{key}`: {handle!r} was made by a step that "
+                f"Cannot {action} the leaf at `{key}`: {handle!r} was made by a step that "
                 f"failed and was rolled back, so its blocks went back to KV pool "
-                f"{handle.pool.name!r}. Snapshot the session's stored record instead."
+                f"{handle.pool.name!r}. {action.capitalize()} the session's stored record "
+                "instead."
             )
             raise StaleKVHandleError(msg)
         pool = handle.pool
@@ -569,21 +760,7 @@ def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
             fills[g][slot] = max(fills[g][slot], fill)
             local.append(slot)
         handles.append({"pool": g, "blocks": local, "tokens": handle.tokens})
-    saved = []
-    for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
-        data = pool._copy_blocks(list(slot_of))
-        for slot, fill in enumerate(filled):
-            data[slot, fill:].zero_()
-        saved.append(
-            {
-                "name": pool.name,
-                "block_tokens": pool.block_tokens,
-                "token_shape": list(pool.token_shape),
-                "dtype": str(pool.storage.dtype).removeprefix("torch."),
-                "blocks": data,
-            }
-        )
-    return {"pools": saved, "handles": handles}
+    return pools, slots, fills, handles
 
 
 def restore_handles(payload: Any) -> list[KVHandle]:
