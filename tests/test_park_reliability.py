@@ -75,42 +75,75 @@ def _held_engine_bytes(pool: KVPool) -> int:
 
 
 @pytest.mark.parametrize("tier", TIERS)
-def test_parking_leaves_engine_handles_in_place_and_counted(tier: str, tmp_path: Path) -> None:
+def test_parking_moves_engine_handles_and_gives_their_blocks_back(
+    tier: str, tmp_path: Path
+) -> None:
     pool = KVPool(8, block_tokens=2, token_shape=(2,))
     a, handle = _kv_session(pool, 1.0)
     b, _ = _kv_session(pool, 2.0)
+    want = handle.read()
     engine = _held_engine_bytes(pool)
     assert engine == 2 * 2 * pool.block_nbytes  # two blocks per session
-    one = nbytes_by_device(b)["cpu"] - 2 * pool.block_nbytes  # b's parkable tensor bytes
-    m = SessionStateManager(max_bytes={"cpu": engine + one}, park_tier=tier, spool_dir=tmp_path)  # type: ignore[arg-type]
+    one = nbytes_by_device(b)["cpu"]  # a whole session, its blocks included
+    m = SessionStateManager(max_bytes={"cpu": one}, park_tier=tier, spool_dir=tmp_path)  # type: ignore[arg-type]
     m.put("a", a)
+    del a, handle
     m.put("b", b)
     assert m.peek("a").parked == ("kv",)  # type: ignore[union-attr]
     stats = m.stats()
-    # The parked session's blocks are still held by the pool, and still counted.
-    assert stats["engine_nbytes:cpu"] == engine == _held_engine_bytes(pool)
-    assert stats["nbytes:cpu"] == engine + one <= m.max_bytes["cpu"]  # type: ignore[index]
+    # The parked session's blocks went to the tier, and back to the pool.
+    assert stats["engine_nbytes:cpu"] == engine // 2 == _held_engine_bytes(pool)
+    assert stats["nbytes:cpu"] == one <= m.max_bytes["cpu"]  # type: ignore[index]
+    assert stats[f"nbytes_parked:{tier}"] == one
+    assert (stats["kv_parks"], stats["kv_unparks"]) == (1, 0)
     _stats_match_recount(m)
-    del a
     got = m.get("a")
     assert got is not None
     back = got.object("kv").view()["kv"]
-    assert back is handle  # the same handle, on its own pool
+    assert back.pool is pool  # fresh blocks of the same pool
+    assert torch.equal(back.read(), want)
     grown = pool.append(back, torch.full((1, 2), 9.0))
-    assert torch.equal(grown.read(), torch.cat([torch.full((3, 2), 1.0), torch.full((1, 2), 9.0)]))
+    assert torch.equal(grown.read(), torch.cat([want, torch.full((1, 2), 9.0)]))
+    assert m.stats()["kv_unparks"] == 1
     _stats_match_recount(m)
 
 
+class _Blocks:
+    """An engine leaf without the offload protocol: parking leaves it in place."""
+
+    def __init__(self, block: torch.Tensor) -> None:
+        self.block = block
+
+    def __sessionstate_storage_entries__(self) -> list[Any]:
+        s = self.block.untyped_storage()
+        return [("cpu", s._cdata, s.data_ptr(), s.nbytes(), s)]
+
+
 @pytest.mark.parametrize("tier", TIERS)
-def test_an_object_parked_alone_keeps_its_engine_handle_counted(tier: str, tmp_path: Path) -> None:
+def test_an_engine_leaf_without_the_offload_protocol_stays_in_place(
+    tier: str, tmp_path: Path
+) -> None:
+    leaf = _Blocks(torch.ones(4))
+    cache = TensorCache(name="kv").allocate().commit({"kv": leaf, "x": torch.zeros(2)})
+    parked = cache.park(tier, spool_dir=tmp_path)  # type: ignore[arg-type]
+    assert parked.engine == (leaf,)
+    assert nbytes_by_device(parked) == {"cpu": 16}
+    back = parked.unpark()
+    assert back.view()["kv"] is leaf
+    assert tree_equal(back, cache)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_object_parked_alone_moves_its_engine_handle(tier: str, tmp_path: Path) -> None:
     pool = KVPool(4, block_tokens=2, token_shape=(2,))
     handle = pool.append(pool.empty(), torch.ones(3, 2))
     cache = TensorCache(name="kv").allocate().commit({"kv": handle, "x": torch.zeros(2)})
     parked = cache.park(tier, spool_dir=tmp_path)  # type: ignore[arg-type]
-    assert parked.engine == (handle,)
-    assert nbytes_by_device(parked) == handle.nbytes_by_device() == {"cpu": 2 * pool.block_nbytes}
+    assert parked.engine == ()
+    assert nbytes_by_device(parked) == {}
+    assert parked.nbytes_unparked == {"cpu": 2 * pool.block_nbytes + 8}
     back = parked.unpark()
-    assert back.view()["kv"] is handle
+    assert back.view()["kv"] is not handle
     assert tree_equal(back, cache)
 
 

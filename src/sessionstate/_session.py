@@ -337,12 +337,15 @@ class SessionState:
         """Return a new state with its parkable objects (or those in ``names``) parked.
 
         The objects are parked together, into one handle of the tier, so a storage two of
-        them share is moved once and shared again after `unpark` (see `StateObject.park`).
-        Attributes are never parked: they stay resident. Objects already parked are skipped.
+        them share is moved once and shared again after `unpark` (see `StateObject.park`);
+        so are the blocks of `KVHandle`s in them (shared blocks stay shared, on fresh blocks
+        of the same pool). Attributes are never parked: they stay resident. Objects already
+        parked are skipped.
 
         Raises:
             UnsupportedTensorError: for a tensor that cannot be moved storage by storage.
             OSError: if the disk tier cannot write its file.
+            StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
 
         >>> import torch
         >>> from sessionstate import LatentBuffer, tree_equal

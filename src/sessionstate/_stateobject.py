@@ -88,6 +88,10 @@ class StateObject(abc.ABC):
     ) -> ParkedObject:
         """Return this object parked: each of its storages moved once to ``tier``.
 
+        Engine-owned leaves whose class offloads (a `KVHandle`) move too: their blocks are
+        copied to the tier and return to their pool once nothing holds ``self``; `unpark`
+        takes fresh blocks from the same pool, all or nothing (`KVPoolExhaustedError`).
+
         A pure transition: ``self`` stays valid (its memory is freed once nothing else holds
         it). The parked object is not resident and refuses reads until `unpark`, which
         rebuilds this object bit for bit with its aliases (two views of one storage stay views
@@ -146,8 +150,9 @@ class ParkedObject(StateObject):
     """A `StateObject` whose storages a tier holds (see `StateObject.park`); not resident.
 
     It has no tensor leaves, so byte accounting counts nothing for it but the engine-owned
-    leaves it keeps in place (``engine``: a `KVHandle`'s blocks stay in their pool, and stay
-    counted); `nbytes_parked` says what the tier holds. Every read or change raises
+    leaves it keeps in place (``engine``: those whose class does not implement the offload
+    protocol; a `KVHandle`'s blocks move to the tier with the object and return to their
+    pool); `nbytes_parked` says what the tier holds. Every read or change raises
     `ParkedError`, through any method or property of the parked kind (``concat``, ``stage``,
     ``has_staged``, ``len(...)``); `unpark` returns the object as it was.
 
@@ -157,7 +162,8 @@ class ParkedObject(StateObject):
         handle: The tier's handle on the bytes.
         key: Where the object sits in the handle's tree when several objects were parked
             together (so storages they share stay shared); None when parked alone.
-        engine: The engine-owned leaves left in place (from the handle by default).
+        engine: The engine-owned leaves left in place, those without the offload protocol
+            (from the handle by default).
 
     >>> import torch
     >>> from sessionstate import TensorCache
@@ -174,7 +180,7 @@ class ParkedObject(StateObject):
         default=attrs.Factory(lambda self: self.handle.engine.get(self.key, ()), takes_self=True),
         repr=False,
     )
-    """The engine-owned leaves (`KVHandle`) the object held: never parked, so counted here."""
+    """The engine-owned leaves left in place (no offload protocol): still held, counted here."""
 
     parkable: ClassVar[bool] = False
 

@@ -16,9 +16,14 @@ original's.
   `ParkedBytes.release` deletes it, and so does the handle's finalizer once nothing holds it.
 
 Engine-owned leaves (those reporting their own storages through
-``__sessionstate_storage_entries__``, such as a `KVHandle`) are never moved: they stay in
-memory, in place, and come back as the same objects, on their own pool. `ParkedBytes.engine`
-lists them so the byte accounting keeps counting what they hold.
+``__sessionstate_storage_entries__``) whose class implements the offload protocol
+(`OffloadsStorages`, as `KVHandle` does) are moved too: their engine copies what they hold
+(``__sessionstate_offload__``, each block once) and the tier holds the copy with the tree's
+tensors; unparking asks the engine for fresh memory (``__sessionstate_reload__``: the same
+pool, all or nothing) and puts the new leaves where the old ones were. The old leaves' memory
+returns to the engine once nothing holds them. Engine leaves without the protocol stay in
+memory, in place, and come back as the same objects; `ParkedBytes.engine` lists them so the
+byte accounting keeps counting what they hold.
 
 A spool directory that a process writes into is its own subdirectory of the spool root
 (`SpoolDir`), named ``sessionstate-spool-<pid>-<token>`` and holding a lock file locked for as
@@ -51,7 +56,7 @@ import contextlib
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
-from sessionstate._protocols import STORAGE_ENTRIES_HOOK
+from sessionstate._protocols import OFFLOAD_HOOKS, STORAGE_ENTRIES_HOOK
 from sessionstate._storage._decode import load_state
 from sessionstate._storage._encode import save_state
 from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
@@ -71,6 +76,7 @@ __all__ = [
     "Tier",
     "check_tier",
     "is_engine_leaf",
+    "is_offloadable",
     "park_tree",
     "reclaim_spool",
 ]
@@ -82,6 +88,7 @@ TIERS: tuple[Tier, ...] = ("host", "disk")
 
 _names = itertools.count()
 _TENSOR: Any = object()  # marks a tensor leaf's place among the kept leaves
+_OFFLOADED: Any = object()  # marks an offloaded engine leaf's place among the kept leaves
 _SPOOL_PREFIX = "sessionstate-spool-"
 _STAGING_PREFIX = f".{_SPOOL_PREFIX}staging-"
 _LOCK_NAME = ".lock"
@@ -96,6 +103,18 @@ def is_engine_leaf(leaf: object, /) -> bool:
     (False, False)
     """
     return not isinstance(leaf, torch.Tensor) and hasattr(type(leaf), STORAGE_ENTRIES_HOOK)
+
+
+def is_offloadable(leaf: object, /) -> bool:
+    """Whether ``leaf`` is an engine leaf whose class parking moves (`OffloadsStorages`).
+
+    >>> import torch
+    >>> from sessionstate import KVPool
+    >>> is_offloadable(KVPool(1, block_tokens=1, token_shape=()).empty()), is_offloadable(3)
+    (True, False)
+    """
+    cls = type(leaf)
+    return is_engine_leaf(leaf) and all(hasattr(cls, hook) for hook in OFFLOAD_HOOKS)
 
 
 def check_tier(tier: object) -> Tier:
@@ -120,9 +139,10 @@ class ParkedBytes:
         label: What was parked, for messages (e.g. ``"object `cache` of session 'a'"``).
         nbytes: Bytes the tier holds (each storage once).
         nbytes_by_device: Bytes that unparking makes resident again, per device.
-        engine: The engine-owned leaves left in place, per top-level key of the parked tree
-            when it is a dict (how `SessionState.park` parks several objects), else under
-            None; they still hold their engine's memory and are counted where they are.
+        engine: The engine-owned leaves left in place (those without the offload protocol),
+            per top-level key of the parked tree when it is a dict (how `SessionState.park`
+            parks several objects), else under None; they still hold their engine's memory
+            and are counted where they are.
     """
 
     tier: Tier
@@ -191,30 +211,71 @@ class ParkedBytes:
 
 
 class _Flat:
-    """A tree split into its tensors and the rest (structure, other leaves kept in place)."""
+    """A tree split into its tensors and the rest (structure, other leaves kept in place).
+
+    Offloadable engine leaves are replaced by their classes' offload payloads: the payloads'
+    tensors join the tree's (so the tier moves them with the rest), their other values are
+    kept, and `rebuild` reloads the leaves into their engines.
+    """
 
     def __init__(self, tree: PyTree, label: str) -> None:
         keys, leaves, treespec = tree_flatten_with_keys(tree)
+        groups: dict[type, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if is_offloadable(x):
+                groups.setdefault(type(x), []).append(i)
+        payloads = [
+            getattr(cls, OFFLOAD_HOOKS[0])([(keys[i], leaves[i]) for i in at])
+            for cls, at in groups.items()
+        ]
+        p_keys, p_leaves, self.payload_spec = tree_flatten_with_keys(payloads)
+        self.groups = [(cls, at) for cls, at in groups.items()]
         self.tensors = [
             (k, x) for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)
+        ] + [
+            (f"<offloaded {k}>", x)
+            for k, x in zip(p_keys, p_leaves, strict=True)
+            if isinstance(x, torch.Tensor)
         ]
         self.storages, self.views = _collect(self.tensors, label)
         self.treespec: PyTreeSpec = treespec
-        self.leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.engine = _engine_leaves(tree)
+        offloaded = {i for _, at in self.groups for i in at}
+        self.leaves = [
+            _OFFLOADED if i in offloaded else _TENSOR if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(leaves)
+        ]
+        self.payload_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in p_leaves]
+        self.engine = _engine_leaves(tree) if len(offloaded) < _engine_count(leaves) else {}
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> PyTree:
         it = iter(tensors)
-        return tree_unflatten(self.treespec, [next(it) if x is _TENSOR else x for x in self.leaves])
+        leaves = [next(it) if x is _TENSOR else x for x in self.leaves]
+        if self.groups:
+            payloads = tree_unflatten(
+                self.payload_spec,
+                [next(it) if x is _TENSOR else x for x in self.payload_leaves],
+            )
+            # All or nothing: a reload that fails drops the leaves reloaded before it, whose
+            # memory goes back to their engines with them.
+            for (cls, at), payload in zip(self.groups, payloads, strict=True):
+                for i, leaf in zip(at, getattr(cls, OFFLOAD_HOOKS[1])(payload), strict=True):
+                    leaves[i] = leaf
+        return tree_unflatten(self.treespec, leaves)
+
+
+def _engine_count(leaves: Sequence[Any]) -> int:
+    return sum(map(is_engine_leaf, leaves))
 
 
 def _engine_leaves(tree: PyTree) -> dict[str | None, tuple[Any, ...]]:
+    # The engine leaves parking leaves in place: those without the offload protocol.
+    def stays(leaf: object) -> bool:
+        return is_engine_leaf(leaf) and not is_offloadable(leaf)
+
     if isinstance(tree, dict):
-        out = {
-            key: tuple(filter(is_engine_leaf, tree_leaves(value))) for key, value in tree.items()
-        }
+        out = {key: tuple(filter(stays, tree_leaves(value))) for key, value in tree.items()}
         return {key: leaves for key, leaves in out.items() if leaves}
-    leaves = tuple(filter(is_engine_leaf, tree_leaves(tree)))
+    leaves = tuple(filter(stays, tree_leaves(tree)))
     return {None: leaves} if leaves else {}
 
 
@@ -563,7 +624,9 @@ def park_tree(
     Pure: ``tree`` is left unchanged (its storages are freed once nothing else holds them).
 
     Args:
-        tree: A pytree of plain dense tensors and other leaves (kept in memory as they are).
+        tree: A pytree of plain dense tensors, engine leaves that offload (`KVHandle`: their
+            blocks are moved too, and reloaded into the same pool) and other leaves (kept in
+            memory as they are).
         tier: ``"host"`` or ``"disk"``.
         label: Names what is parked in error messages.
         spool_dir: The directory the disk tier writes to (this process's spool directory in
@@ -574,6 +637,7 @@ def park_tree(
     Raises:
         UnsupportedTensorError: for a meta, sparse, nested or subclass tensor, naming its key.
         OSError: if the disk tier cannot write its file (the message names the file).
+        StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
         HostPoolFullError: if ``pool`` cannot hold the tree's storages (nothing is taken).
 
     >>> import torch
