@@ -12,10 +12,13 @@ import tempfile
 from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
-from sessionstate._errors import ParkingError
+from sessionstate._errors import KVPoolExhaustedError, ParkingError
+from sessionstate._kv import EncodeOnceKV, KVCache
 from sessionstate._session import SessionState
-from sessionstate._stateobject import ParkedObject
+from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import ParkedBytes, SpoolDir, Tier, reclaim_spool
+from sessionstate._storage._park import is_offloadable
+from sessionstate._tree import tree_leaves
 
 __all__ = ["Parking"]
 
@@ -51,6 +54,9 @@ class Parking:
         self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
         self._parks = 0
         self._unparks = 0
+        self._kv_parks = 0  # parks that moved K/V (see `_holds_kv`)
+        self._kv_unparks = 0
+        self._kv_parked: set[Hashable] = set()  # sessions whose parked objects hold K/V
         if tier == "disk":  # what dead processes left on this spool root goes now
             reclaim_spool(spool_root if spool_root is not None else tempfile.gettempdir())
 
@@ -67,11 +73,14 @@ class Parking:
                 self._release(handle)
         if parked:
             self._parked[session_id] = parked
+        else:
+            self._kv_parked.discard(session_id)
 
     def untrack(self, session_id: Hashable, /) -> None:
         """``session_id`` is gone from the table: release the handles it held."""
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
             self._release(handle)
+        self._kv_parked.discard(session_id)
 
     def park(self, session_id: Hashable, state: _S, names: list[str], /) -> _S:
         """``state`` with ``names`` parked on the tier, tracked as stored for ``session_id``.
@@ -82,6 +91,8 @@ class Parking:
         Raises:
             ParkingError: if the tier cannot take the objects.
         """
+        # Parks are rare (under pressure only): a walk of the parked objects is affordable.
+        moves_kv = any(_holds_kv(state.objects[name]) for name in names)
         try:
             new = state.park(self.tier, names=names, spool_dir=self._spool())
         except Exception as exc:
@@ -96,6 +107,9 @@ class Parking:
             self._handles[id(handle)] = handle
         self._parked[session_id] = parked
         self._parks += 1
+        if moves_kv:
+            self._kv_parks += 1
+            self._kv_parked.add(session_id)
         return new
 
     def check(self, session_id: Hashable, /) -> dict[str, int]:
@@ -130,7 +144,9 @@ class Parking:
         """``state`` resident again, its parked bytes released; counted as an unpark.
 
         Raises:
-            ParkingError: if the bytes cannot be restored; the session stays parked.
+            KVPoolExhaustedError: if a `KVPool` lacks the blocks to take the session's KV
+                back (naming the bytes needed and free); the session stays parked.
+            ParkingError: if the bytes cannot be restored otherwise; the session stays parked.
         """
         parked = self._parked[session_id]
         try:
@@ -141,10 +157,23 @@ class Parking:
         for handle in _handles_of(parked.values()):
             self._release(handle)
         self._unparks += 1
+        if session_id in self._kv_parked:
+            self._kv_parked.discard(session_id)
+            self._kv_unparks += 1
         return new
 
+    @property
+    def used(self) -> bool:
+        """Whether anything was ever parked here."""
+        return self._parks > 0
+
     def stats(self) -> dict[str, int]:
-        """The parking keys of the manager's `stats()`."""
+        """The parking keys of the manager's `stats()`.
+
+        ``kv_parks`` and ``kv_unparks`` count the parks (and unparks) that moved K/V: an
+        `EncodeOnceKV` or `KVCache` object, or any object holding a `KVHandle` (whose blocks
+        move with it).
+        """
         parked = {"host": 0, "disk": 0}
         for objects in self._parked.values():
             for handle in _handles_of(objects.values()):
@@ -153,11 +182,17 @@ class Parking:
             "parked_sessions": len(self._parked),
             "parks": self._parks,
             "unparks": self._unparks,
+            "kv_parks": self._kv_parks,
+            "kv_unparks": self._kv_unparks,
             "nbytes_parked:host": parked["host"],
             "nbytes_parked:disk": parked["disk"],
         }
 
-    def _unpark_error(self, session_id: Hashable, exc: Exception) -> ParkingError:
+    def _unpark_error(
+        self, session_id: Hashable, exc: Exception
+    ) -> ParkingError | KVPoolExhaustedError:
+        # A pool that lacks the blocks to take a session's KV back stays a pool exhaustion
+        # (the planner of the model that owns the pool answers it); anything else is the tier's.
         parked = self._parked[session_id]
         tiers = sorted({obj.handle.tier for obj in parked.values()})
         msg = (
@@ -165,6 +200,8 @@ class Parking:
             f"{' and '.join(tiers)} tier: {exc}. The session stays parked and intact; "
             "retry once the cause is fixed, or `drop` it."
         )
+        if isinstance(exc, KVPoolExhaustedError):
+            return KVPoolExhaustedError(msg)
         return ParkingError(msg)
 
     def _spool(self) -> SpoolDir | None:
@@ -183,6 +220,13 @@ class Parking:
         # keeps its bytes for whoever parked them.
         if self._handles.pop(id(handle), None) is handle:
             handle.release()
+
+
+def _holds_kv(obj: StateObject) -> bool:
+    # K/V state: the library's K/V objects, or an object holding an engine leaf that offloads.
+    if isinstance(obj, (EncodeOnceKV, KVCache)):
+        return True
+    return any(is_offloadable(leaf) for leaf in tree_leaves(obj))
 
 
 def _handles_of(objects: Iterable[ParkedObject]) -> list[ParkedBytes]:

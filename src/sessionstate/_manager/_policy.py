@@ -6,18 +6,18 @@ returns device lists, object names and refusals. The manager's make-room loop ac
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Literal
 
 import torch
 
-from sessionstate._accounting import EngineBlock
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionAdmissionError
 from sessionstate._manager._ledger import SessionLedger, Values, entries_of
+from sessionstate._protocols import StorageEntry
 from sessionstate._stateobject import StateObject
 
-__all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "parse_nbytes"]
+__all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "objects_to_park", "parse_nbytes"]
 
 OnFull = Literal["evict", "refuse"]
 
@@ -147,6 +147,49 @@ def _device_key(key: object) -> str:
     return str(device)
 
 
+def objects_to_park(
+    values: Values,
+    objects: Mapping[str, StateObject],
+    frees: Callable[[StorageEntry], bool],
+    /,
+) -> list[str]:
+    """The objects of one session to park (in table order) to free the storages ``frees`` picks.
+
+    The parkable objects holding bytes in such a storage, except any sharing a storage with a
+    value that stays resident (an attribute): parking it would free nothing, and unparking
+    would split the alias into two copies. A `KVHandle`'s blocks (`EngineBlock` entries) count:
+    its class implements the offload protocol, so parking moves them to the tier and they
+    return to their pool.
+
+    >>> import torch
+    >>> from sessionstate import SessionState, TensorCache
+    >>> from sessionstate._manager._ledger import SessionLedger
+    >>> state = SessionState(objects={"c": TensorCache().allocate().commit(torch.zeros(2))})
+    >>> values = SessionLedger().values_for("a", state)
+    >>> objects_to_park(values, state.objects, lambda entry: entry[0] == "cpu")
+    ['c']
+    """
+    candidates = {
+        name
+        for name, obj in objects.items()
+        if obj.parkable and any(entry[3] and frees(entry) for entry in values[("o", name)].entries)
+    }
+    if not candidates:
+        return []
+    staying = {
+        entry[1]
+        for key, item in values.items()
+        if not (key[0] == "o" and key[1] in candidates)
+        for entry in item.entries
+    }
+    return [
+        name
+        for name in objects
+        if name in candidates
+        and not any(entry[1] in staying for entry in values[("o", name)].entries)
+    ]
+
+
 class BudgetPolicy:
     """A byte budget per device, and the decisions that keep the table within it.
 
@@ -194,32 +237,11 @@ class BudgetPolicy:
     ) -> list[str]:
         """The objects to park (in table order) to free bytes on ``devices``.
 
-        The parkable objects holding bytes there, except any sharing a storage with a value
-        that stays resident (an attribute): parking it would free nothing, and unparking would
-        split the alias into two copies. Engine blocks stay where they are when their object
-        is parked, so they free nothing either.
+        See `objects_to_park`: the parkable objects holding bytes there (a `KVHandle`'s
+        blocks included: parking moves them), except any sharing a storage with a value that
+        stays resident.
         """
-        candidates = {
-            name
-            for name, obj in objects.items()
-            if obj.parkable
-            and any(
-                entry[0] in devices and entry[3] and not isinstance(entry[1], EngineBlock)
-                for entry in values[("o", name)].entries
-            )
-        }
-        staying = {
-            entry[1]
-            for key, item in values.items()
-            if not (key[0] == "o" and key[1] in candidates)
-            for entry in item.entries
-        }
-        return [
-            name
-            for name in objects
-            if name in candidates
-            and not any(entry[1] in staying for entry in values[("o", name)].entries)
-        ]
+        return objects_to_park(values, objects, lambda entry: entry[0] in devices)
 
     def holds_on(self, values: Values, devices: Sequence[str], /) -> bool:
         """Whether ``values`` hold any bytes on ``devices`` (evicting them would free some)."""

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Generic, cast
 
 import torch
@@ -25,7 +25,13 @@ from sessionstate._errors import SessionAdmissionError, SessionStateLostError
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
 from sessionstate._manager._parking import Parking
-from sessionstate._manager._policy import BudgetPolicy, OnFull, check_max_bytes
+from sessionstate._manager._policy import (
+    BudgetPolicy,
+    OnFull,
+    check_max_bytes,
+    objects_to_park,
+)
+from sessionstate._protocols import StorageEntry
 from sessionstate._session import SessionState
 from sessionstate._storage import Tier, check_tier, load_state, save_state
 
@@ -409,13 +415,16 @@ class SessionStateManager(Generic[SessionT]):
         memory usually is not, so the per-device keys are the ones to watch. The byte keys count
         resident bytes only (a parked object's bytes are held by its tier).
 
-        With a byte budget (``max_bytes``), also: ``max_bytes:<device>`` per budgeted device,
-        ``parked_sessions`` (sessions with a parked object), ``parks`` and ``unparks`` (times
-        a session's objects were parked, and brought back), and ``nbytes_parked:host`` and
-        ``nbytes_parked:disk`` (bytes the tiers hold).
+        With a byte budget (``max_bytes``), also: ``max_bytes:<device>`` per budgeted device;
+        and with a budget or once `park_until` parked anything: ``parked_sessions`` (sessions
+        with a parked object), ``parks`` and ``unparks`` (times a session's objects were
+        parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
+        a `KVHandle`'s blocks too), and ``nbytes_parked:host`` and ``nbytes_parked:disk``
+        (bytes the tiers hold).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
-        block once; they are never parked.
+        block once; parking an object moves its handles' blocks to the tier with it (the pool
+        gets them back), and unparking takes fresh blocks from the same pool.
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
@@ -435,11 +444,11 @@ class SessionStateManager(Generic[SessionT]):
                 out[f"nbytes:{device}"] = nbytes
             for device, nbytes in self._ledger.engine_totals().items():
                 out[f"engine_nbytes:{device}"] = nbytes
-            if self._policy is None:
-                return out
-            for device in sorted(self._policy.max_bytes):
-                out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
-            out.update(self._parking.stats())
+            if self._policy is not None:
+                for device in sorted(self._policy.max_bytes):
+                    out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
+            if self._policy is not None or self._parking.used:
+                out.update(self._parking.stats())
             return out
 
     def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
@@ -455,6 +464,54 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             items = list(self._table.items())
         return {sid: state.nbytes_by_device() for sid, state in items}
+
+    def park_until(
+        self,
+        done: Callable[[], bool],
+        /,
+        *,
+        frees: Callable[[StorageEntry], bool],
+        keep: Collection[Hashable] = (),
+    ) -> bool:
+        """Park least recently used sessions until ``done()`` holds; return whether it holds.
+
+        For memory outside the byte budget that parking gives back, such as a `KVPool`'s
+        blocks: oldest first and never the sessions in ``keep``, each session's parkable
+        objects holding a storage ``frees`` picks (a `StorageEntry`, as the accounting
+        reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked again. A session
+        whose objects hold no such storage is left alone; without a byte budget too. Parked
+        sessions unpark on their next `get`, as under a budget.
+
+        ``done`` runs under the manager's lock, before the first park and after each; it must
+        not call the manager.
+
+        Raises:
+            ParkingError: if the tier cannot take a session's objects (that session stays
+                resident and intact; those parked before it stay parked).
+
+        >>> import torch
+        >>> from sessionstate import KVPool, SessionState, TensorCache
+        >>> pool = KVPool(2, block_tokens=1, token_shape=())
+        >>> kv = TensorCache().allocate().commit(pool.append(pool.empty(), torch.ones(2)))
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(objects={"kv": kv})); del kv
+        >>> m.park_until(lambda: pool.free_blocks >= 1, frees=pool.owns_entry)
+        True
+        >>> m.peek("a").parked, pool.free_blocks, m.stats()["kv_parks"]
+        (('kv',), 2, 1)
+        """
+        with self._lock:
+            if done():
+                return True
+            for other in list(self._table):
+                if other in keep:
+                    continue
+                names = objects_to_park(self._ledger.held(other), self._table[other].objects, frees)
+                if names:
+                    self._park(other, names)
+                    if done():
+                        return True
+            return False
 
     def snapshot(
         self,
