@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from sessionstate._errors import StaleKVHandleError as StaleKVHandleError
     from sessionstate._errors import UnsupportedTensorError as UnsupportedTensorError
     from sessionstate._kv import EncodeOnceKV as EncodeOnceKV
+    from sessionstate._kv import KVCache as KVCache
     from sessionstate._kv import KVHandle as KVHandle
     from sessionstate._kv import KVPair as KVPair
     from sessionstate._kv import KVPool as KVPool
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
     from sessionstate._protocols import NamesItsTransition as NamesItsTransition
+    from sessionstate._protocols import OffloadsStorages as OffloadsStorages
     from sessionstate._protocols import ReportsStorages as ReportsStorages
     from sessionstate._protocols import SnapshotLeaf as SnapshotLeaf
     from sessionstate._protocols import StorageEntry as StorageEntry
@@ -118,6 +120,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "sessionstate._kv": (
         "EncodeOnceKV",
+        "KVCache",
         "KVHandle",
         "KVPair",
         "KVPool",
@@ -132,6 +135,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "sessionstate._protocols": (
         "NamesItsTransition",
+        "OffloadsStorages",
         "ReportsStorages",
         "SnapshotLeaf",
         "StorageEntry",

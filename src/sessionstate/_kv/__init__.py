@@ -2,10 +2,12 @@
 
 `EncodeOnceKV` and `KVPair` are a state object's K/V, computed once per session; `KVPool` and
 `KVHandle` are an engine's paged KV cache, of which a record holds immutable handles (and
-whose snapshot codec lives with the pool, the one module that touches its blocks).
+whose snapshot and offload codecs live with the pool, the one module that touches its
+blocks); `KVCache` is the state object a record holds a handle in, so the manager can park it.
 """
 
+from sessionstate._kv._cache import KVCache
 from sessionstate._kv._encode_once import EncodeOnceKV, KVPair
 from sessionstate._kv._pool import KVHandle, KVPool
 
-__all__ = ["EncodeOnceKV", "KVHandle", "KVPair", "KVPool"]
+__all__ = ["EncodeOnceKV", "KVCache", "KVHandle", "KVPair", "KVPool"]

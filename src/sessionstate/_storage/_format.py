@@ -406,6 +406,7 @@ SNAPSHOT_NAMES: Mapping[str, str] = {
     "sessionstate._kv:EncodeOnceKV": "sessionstate._kv._encode_once:EncodeOnceKV",
     "sessionstate._kv:KVPair": "sessionstate._kv._encode_once:KVPair",
     "sessionstate._kvpool:KVHandle": "sessionstate._kv._pool:KVHandle",
+    "sessionstate._kv:KVCache": "sessionstate._kv._cache:KVCache",
     "sessionstate.models.dreamzero.state:DreamZeroSession": (
         "sessionstate.models.dreamzero.state:DreamZeroSession"
     ),
