@@ -2,7 +2,10 @@
 
 ``step(state, obs) -> (state, out)`` never changes ``state``; `forward` reads the latest
 record from a `SessionStateManager`, steps it, and stores the result only when the whole step
-succeeded. The KV cache lives in an engine-owned `KVPool`; records hold handles to its blocks.
+succeeded. The KV cache lives in an engine-owned `KVPool`; records hold handles to its blocks
+in a `KVCache` object. Before a step, when the pool lacks the blocks the step can need, the
+least recently used other sessions' KV is parked (`SessionStateManager.park_until`): their
+blocks move to the park tier and return to the pool.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import attrs
 import torch
 
 from sessionstate import (
+    KVCache,
     KVPool,
+    KVPoolExhaustedError,
     LatentBuffer,
     SessionStateManager,
     SessionStateSettings,
@@ -81,17 +86,64 @@ class ManagedPath:
     def forward(
         self, obs: Observation, session_id: Hashable, begin: bool | None
     ) -> DreamZeroOutput:
-        """One step of ``session_id``; see `DreamZeroPipeline.forward`."""
-        return managed_forward(
-            self.manager,
-            session_id,
-            begin,
-            new=self.new_session,
-            step=lambda state: self.step(state, obs),
-            lost=lost_continuation,
-            # A failed step returns the KV blocks it took, so the pool is as it was too.
-            guard=self.kv_pool.transaction(),
+        """One step of ``session_id``; see `DreamZeroPipeline.forward`.
+
+        Raises:
+            KVPoolExhaustedError: if the pool lacks the blocks the step needs even after
+                parking every other session's KV the manager can park (naming the bytes
+                needed and held); the stored record and the pool are as they were.
+        """
+        self._make_kv_room(session_id)
+        try:
+            return managed_forward(
+                self.manager,
+                session_id,
+                begin,
+                new=self.new_session,
+                step=lambda state: self.step(state, obs),
+                lost=lost_continuation,
+                # A failed step returns the KV blocks it took, so the pool is as it was too.
+                guard=self.kv_pool.transaction(),
+            )
+        except KVPoolExhaustedError as exc:
+            raise self._kv_shortfall(session_id) from exc
+
+    def _kv_need(self, session_id: Hashable) -> int:
+        # The blocks a step of `session_id` can take: a whole window (unparking it) and a
+        # step's new blocks with a copied partial one, less what it holds resident here.
+        need = kv_cache.handle_blocks(self.model.cfg) + 1
+        state = self.manager.peek(session_id)
+        cache = None if state is None else state.objects.get("kv_cache")
+        handle = cache.handle if isinstance(cache, KVCache) else None
+        if handle is not None and handle.pool is self.kv_pool:
+            need -= len(handle.blocks)
+        return max(need, 0)
+
+    def _make_kv_room(self, session_id: Hashable) -> None:
+        # Before the step (outside its transaction): while the pool lacks the blocks the step
+        # can need, park the least recently used other sessions' KV. Free blocks to spare
+        # cost one lookup; only a pool under pressure reads the session's record.
+        pool = self.kv_pool
+        if pool.free_blocks > kv_cache.handle_blocks(self.model.cfg):
+            return
+        need = self._kv_need(session_id)
+        self.manager.park_until(
+            lambda: pool.free_blocks >= need, frees=pool.owns_entry, keep=(session_id,)
         )
+
+    def _kv_shortfall(self, session_id: Hashable) -> KVPoolExhaustedError:
+        pool, block = self.kv_pool, self.kv_pool.block_nbytes
+        need, free = self._kv_need(session_id), pool.free_blocks
+        held = (pool.num_blocks - free) * block
+        msg = (
+            f"DreamZero session {session_id!r}: a step can need {need} KV blocks "
+            f"({need * block} bytes) of pool {pool.name!r}, which has {free} free "
+            f"({free * block} bytes); live handles hold the other {held} bytes, and no other "
+            "session's KV the manager holds is left to park (records kept outside the manager "
+            "hold their blocks). Drop finished sessions, or raise `session_state_kv_pool_bytes` "
+            f"to at least {(pool.num_blocks - free + need) * block} bytes."
+        )
+        return KVPoolExhaustedError(msg)
 
     def new_session(self) -> DreamZeroSession:
         """An empty session for this model's geometry."""
@@ -180,7 +232,7 @@ class ManagedPath:
             )
         previous = None if state.current_start_frame == 0 else state.kv_cache  # `_kv_create`
         handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
-        state = state.with_attrs(kv_cache=handle)
+        state = state.update_object("kv_cache", lambda c: c.commit(handle))
         assert state.ys is not None
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None

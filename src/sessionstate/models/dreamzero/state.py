@@ -5,9 +5,11 @@ a list of video latents, an encoder output grown by concatenation forever. `Drea
 is the same state as an immutable `SessionState` record: the frames, video latents and
 encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per_block``
 latent frames), the Wan encoder's causal-conv cache is a `TensorCache` (replaced
-wholesale, and parkable under a byte budget), everything else is a `SessionAttr`. Which
-value goes in which bucket follows one rule: what the manager can act on is an object, what
-it can only carry is an attribute, whatever its size.
+wholesale, and parkable under a byte budget), the denoiser's KV is a `KVCache` (a handle to
+blocks of the pipeline's `KVPool`, parked with the session: its blocks move to the tier and
+go back to the pool), everything else is a `SessionAttr`. Which value goes in which bucket
+follows one rule: what the manager can act on is an object, what it can only carry is an
+attribute, whatever its size.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Literal, TypeVar
 import torch
 
 from sessionstate import (
+    KVCache,
     KVHandle,
     LatentBuffer,
     SessionAttr,
@@ -60,7 +63,9 @@ BUCKETS: dict[str, Literal["attrs", "object", "engine"]] = {
 """Every DreamZero session value and its bucket (the reference table).
 
 ``engine`` marks the denoiser's KV cache: engine-owned memory (a `KVPool`'s blocks) that the
-managed record reaches through a `KVHandle` attribute, counted but never moved by the manager.
+managed record holds through a `KVHandle` in a parkable `KVCache` object. Its bytes are
+reported as engine bytes; the manager parks it with the session's other objects (the blocks
+move to the park tier and return to the pool; unparking takes fresh blocks of the same pool).
 """
 
 
@@ -198,9 +203,24 @@ class DreamZeroSession(SessionState):
     vae_pending_body_frames = SessionAttr[torch.Tensor | None](
         None, doc="Pixel frames awaiting a 4-frame body chunk (fewer than 4)."
     )
-    kv_cache = SessionAttr[KVHandle | None](
-        None, doc="The window's denoiser KV: a handle to blocks of the pipeline's `KVPool`."
-    )
+
+    def __attrs_post_init__(self) -> None:
+        # The upgrade of the earlier layout: records written before the KV moved into an
+        # object (snapshot format 2 to 4 files) hold its handle as the attribute `kv_cache`;
+        # built from such a file, the record holds it in its `KVCache` object instead.
+        if "kv_cache" in self._attrs:
+            handle = self._attrs.pop("kv_cache")
+            if "kv_cache" not in self._objects:
+                self._objects["kv_cache"] = KVCache(name="kv_cache").allocate().commit(handle)
+        super().__attrs_post_init__()
+
+    @property
+    def kv_cache(self) -> KVHandle | None:
+        """The window's denoiser KV: a handle to blocks of the pipeline's `KVPool`, or None.
+
+        Held in the `KVCache` object of the same name, so the manager can park it.
+        """
+        return self._typed("kv_cache", KVCache).view()
 
     @property
     def stitched_buffer(self) -> LatentBuffer:
@@ -265,6 +285,7 @@ def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
                 maxlen=cfg.num_frame_per_block
             ),
             "vae_enc_feat_map": TensorCache(name="vae_enc_feat_map").allocate(),
+            "kv_cache": KVCache(name="kv_cache").allocate(),
         }
     )
 
@@ -277,4 +298,5 @@ def window_reset(state: DreamZeroSession) -> DreamZeroSession:
     cache (its blocks return to the pool once no record holds them).
     """
     state = state.update_object("stitched_buffer", lambda b: b.reset())
-    return state.clear_attrs("call_count", "current_start_frame", "clip_feas", "ys", "kv_cache")
+    state = state.update_object("kv_cache", lambda c: c.reset())
+    return state.clear_attrs("call_count", "current_start_frame", "clip_feas", "ys")
