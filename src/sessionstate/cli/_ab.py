@@ -26,11 +26,15 @@ from sessionstate.cli._common import (
     add_budget_arguments,
     check_device,
     load_model_config,
+    nbytes,
     positive_int,
     with_budget,
 )
 from sessionstate.cli._sizes import progress_columns
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_model
+
+# The counters each path reports under a byte budget or a KV pool size (0 on the bespoke path).
+_PARKING_KEYS = ("parks", "unparks", "kv_parks", "kv_unparks", "evictions", "parked_sessions")
 
 # The child's stderr protocol: one line per step, one when the decode phase starts.
 _PROGRESS = "PROGRESS "
@@ -46,6 +50,13 @@ def run_episode(args: argparse.Namespace) -> int:
     spec = get_model(args.model)
     deploy, cfg = load_model_config(args.config, args.preset, spec.name)
     deploy = with_budget(deploy, args)
+    if args.kv_pool_bytes is not None:  # the managed path's engine pool (the bespoke has none)
+        import attrs
+
+        deploy = attrs.evolve(deploy, session_state_kv_pool_bytes=args.kv_pool_bytes)
+        if args.max_bytes is None:  # where the pool's planner parks KV: as `with_budget` picks
+            tier = args.park_tier or ("host" if str(args.device).startswith("cuda") else "disk")
+            deploy = attrs.evolve(deploy, session_state_park_tier=tier)
     pipe = spec.pipeline(deploy, device=args.device, max_bespoke_sessions=args.max_sessions)
     total = args.steps * args.sessions
     records: list[dict[str, Any]] = []
@@ -92,8 +103,10 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
         cmd += ["--device", args.device]
     if args.max_bytes is not None:
         cmd += ["--max-bytes", str(args.max_bytes)]
-        if args.park_tier:
-            cmd += ["--park-tier", args.park_tier]
+    if args.park_tier and (args.max_bytes is not None or args.kv_pool_bytes is not None):
+        cmd += ["--park-tier", args.park_tier]
+    if args.kv_pool_bytes is not None:
+        cmd += ["--kv-pool-bytes", str(args.kv_pool_bytes)]
     return cmd
 
 
@@ -285,11 +298,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                 },
                 "sessions_held": res["stats"]["sessions"],
                 **(
-                    {
-                        key: res["stats"].get(key, 0)
-                        for key in ("parks", "unparks", "evictions", "parked_sessions")
-                    }
-                    if args.max_bytes is not None
+                    {key: res["stats"].get(key, 0) for key in _PARKING_KEYS}
+                    if args.max_bytes is not None or args.kv_pool_bytes is not None
                     else {"evictions": res["stats"].get("evictions", 0)}
                 ),
                 **({"refusals": refusals[name]} if show_refusals else {}),
@@ -306,6 +316,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     if args.max_bytes is not None:
         report["max_bytes"] = args.max_bytes
         report["device"] = args.device
+    if args.kv_pool_bytes is not None:
+        report["kv_pool_bytes"] = args.kv_pool_bytes
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -339,9 +351,11 @@ def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
         console.print(f"first mismatch: {report['first_mismatch']}")
     # Counters only: a short run's step time is noise (`--json` has it; `benchmarks/` times).
     counters = [
-        key for key in ("evictions", "parks", "unparks", "refusals") if key in _first(report)
+        key
+        for key in ("evictions", "parks", "unparks", "kv_parks", "kv_unparks", "refusals")
+        if key in _first(report)
     ]
-    headers = {"refusals": "refused steps"}
+    headers = {"refusals": "refused steps", "kv_parks": "KV parks", "kv_unparks": "KV unparks"}
     table = Table("path", "bytes held at end", "sessions", *(headers.get(k, k) for k in counters))
     for name, path in report["paths"].items():
         held = ", ".join(f"{d}: {n / MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
@@ -388,6 +402,13 @@ def add_parsers(sub: Any) -> None:
         "path and must agree",
     )
     add_budget_arguments(ab)
+    ab.add_argument(
+        "--kv-pool-bytes",
+        type=nbytes,
+        help="the managed path's KV pool size (e.g. 64MiB; default: the config's "
+        "session_state_kv_pool_bytes); when a step needs blocks the pool lacks, the least "
+        "recently used sessions' KV is parked",
+    )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -405,6 +426,7 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--device", default="cpu")
     episode.add_argument("--max-bytes", type=int)
     episode.add_argument("--park-tier", choices=["host", "disk"])
+    episode.add_argument("--kv-pool-bytes", type=int)
     episode.add_argument("--model", default=DEFAULT_MODEL)
     episode.set_defaults(func=run_episode, command="_episode")
     return episode
