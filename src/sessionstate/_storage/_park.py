@@ -33,6 +33,7 @@ is free: their process ended (even by ``kill -9``) without removing them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -146,6 +147,7 @@ class ParkedBytes:
     """
 
     tier: Tier
+    _flat: _Flat  # set by every tier: the tree's structure and how to rebuild it
 
     def __init__(
         self,
@@ -163,6 +165,10 @@ class ParkedBytes:
         self.nbytes_by_device = {d: n for d, n in by_device.items() if n}
         self.nbytes = sum(self.nbytes_by_device.values())
         self.released = False
+        self.last_restore_prefetched = False
+        """Whether the last `restore` took the tree a background restore built."""
+        self._background: concurrent.futures.Future[tuple[str, Any]] | None = None
+        self._background_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ParkedBytes(tier={self.tier!r}, label={self.label!r}, nbytes={self.nbytes})"
@@ -170,11 +176,71 @@ class ParkedBytes:
     def restore(self) -> PyTree:
         """Rebuild the parked tree: fresh storages on their devices, every leaf a view of one.
 
+        Takes the tree a background restore (`start_prefetch`) built, waiting for it if it is
+        still running; else (none started, or it failed) restores in the foreground, raising
+        the foreground's own error.
+
+        Raises:
+            RuntimeError: if the bytes were released by their owner.
+            KVPoolExhaustedError: if an engine pool lacks the blocks to take its leaves back.
+        """
+        self._check_held()
+        self.last_restore_prefetched = False
+        loaded = self._take_background()
+        if loaded is not None:
+            kind, value = loaded
+            if kind == "tree":
+                self.last_restore_prefetched = True
+                return value
+            # CUDA: the transfer ran on a side stream (complete: synchronised); the engine
+            # reload runs here, on the consumer's stream, ordered with its work.
+            _record_on_current_streams(value)
+            tree = self._flat.rebuild(value)
+            self.last_restore_prefetched = True
+            return tree
+        return self._restore()
+
+    def start_prefetch(self) -> None:
+        """Start rebuilding the tree on the background worker; `restore` takes the result.
+
+        One worker thread per process runs the background restores, one at a time. A tree of
+        CPU storages is restored whole there (engine leaves reloaded too: the blocks it takes
+        are off their pool's free list until the tree is taken or dropped, and return to the
+        pool when a dropped tree is collected). With CUDA storages only the transfer runs
+        there, on a side stream that first waits for the caller's current stream; it is
+        synchronised before the result is handed over, and `restore` records the consumer's
+        stream on the new storages (``record_stream``: the caching allocator then does not
+        reuse them for the side stream while the consumer's work may still read them). The
+        engine reload (taking a pool's blocks, a device-to-device copy) waits for `restore`,
+        on the consumer's stream: a block the consumer frees while its kernels still read it
+        is never written from another stream.
+
+        A background restore that fails costs nothing but its work: `restore` and `prefetch`
+        then run in the foreground and raise their own errors. Starting twice starts once.
+
         Raises:
             RuntimeError: if the bytes were released by their owner.
         """
         self._check_held()
-        return self._restore()
+        with self._background_lock:
+            if self._background is not None:
+                return
+            streams = _consumer_streams(self.nbytes_by_device)
+            if streams:
+                self._background = _executor().submit(_load_on_side_streams, self, streams)
+            else:
+                self._background = _executor().submit(_restore_whole, self)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether a background restore was started and not yet taken or dropped."""
+        return self._background is not None
+
+    def wait_prefetch(self) -> None:
+        """Wait for a started background restore to finish (its errors are kept for later)."""
+        future = self._background
+        if future is not None:
+            concurrent.futures.wait([future])
 
     def prefetch(self) -> None:
         """Read the bytes into host memory and check them, so `restore` only copies them back.
@@ -182,20 +248,63 @@ class ParkedBytes:
         Allocates no device memory: a manager checks a parked session this way before it
         makes room on a device for it. The host tier holds its bytes in host memory already;
         the disk tier reads its file (checksums verified) and keeps the host copy for the next
-        `restore` (or until `discard_prefetch`).
+        `restore` (or until `discard_prefetch`). A background restore (`start_prefetch`) is
+        waited for: if it succeeded, its tree is the check; if it failed, it is dropped and
+        the check runs in the foreground, so the answer is the one it would have been
+        without it (a damaged file raises here again).
 
         Raises:
             RuntimeError: if the bytes were released by their owner.
             SnapshotError: if the disk tier's file is damaged.
         """
         self._check_held()
+        future = self._background
+        if future is None:
+            self._check()
+            return
+        concurrent.futures.wait([future])
+        if future.exception() is None:
+            return
+        with self._background_lock:
+            if self._background is future:
+                self._background = None
+        logger.debug("A background restore of %s failed: %s", self.label, future.exception())
+        self._check()
 
     def discard_prefetch(self) -> None:
-        """Drop the host copy `prefetch` read, if any."""
+        """Drop what `prefetch` read and what a background restore built or is building.
+
+        A running background restore's result is dropped when it finishes (engine blocks it
+        took go back to their pool once the tree is collected).
+        """
+        with self._background_lock:
+            self._background = None
 
     def release(self) -> None:
         """Give the bytes back to the tier; `restore` refuses afterwards."""
         self.released = True
+        self.discard_prefetch()
+
+    def _check(self) -> None:
+        # The foreground check `prefetch` runs (the disk tier reads its file).
+        return
+
+    def _take_background(self) -> tuple[str, Any] | None:
+        with self._background_lock:
+            future, self._background = self._background, None
+        if future is None:
+            return None
+        try:
+            result: tuple[str, Any] = future.result()
+        except Exception as exc:  # not fatal: the foreground retries and raises its own
+            logger.debug("A background restore of %s failed: %s", self.label, exc)
+            return None
+        return result
+
+    def _load(self) -> list[torch.Tensor]:
+        # The tier's bytes as tensors on their devices (the tree's tensors, then the offload
+        # payloads'), before the engine leaves are reloaded.
+        raise NotImplementedError
 
     def _check_held(self) -> None:
         if self.released:
@@ -207,7 +316,59 @@ class ParkedBytes:
             raise RuntimeError(msg)
 
     def _restore(self) -> PyTree:
-        raise NotImplementedError
+        return self._flat.rebuild(self._load())
+
+
+_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # per process id
+_executor_lock = threading.Lock()
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    # One worker per process (a forked child makes its own: the parent's thread is not there).
+    with _executor_lock:
+        pool = _executors.get(os.getpid())
+        if pool is None:
+            pool = _executors[os.getpid()] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="sessionstate-prefetch"
+            )
+        return pool
+
+
+def _restore_whole(handle: ParkedBytes) -> tuple[str, Any]:
+    handle._check_held()
+    return "tree", handle._restore()
+
+
+def _consumer_streams(nbytes_by_device: Mapping[str, int]) -> dict[torch.device, Any]:
+    # The caller's current stream on each CUDA device the bytes go back to (none on CPU).
+    devices = [torch.device(d) for d in nbytes_by_device if d.startswith("cuda")]
+    return {d: torch.cuda.current_stream(d) for d in devices}
+
+
+def _load_on_side_streams(
+    handle: ParkedBytes, consumers: Mapping[torch.device, Any]
+) -> tuple[str, Any]:
+    handle._check_held()
+    with contextlib.ExitStack() as stack:
+        for device, consumer in consumers.items():
+            with _executor_lock:
+                side = _side_streams.get(device)
+                if side is None:
+                    side = _side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(consumer)  # after what the consumer queued before the prefetch
+            stack.enter_context(torch.cuda.stream(side))
+        # The copy functions synchronise each device they copy to before returning.
+        return "loaded", handle._load()
+
+
+def _record_on_current_streams(tensors: Sequence[torch.Tensor]) -> None:
+    # Storages allocated on a side stream, now used on the consumer's: without this the
+    # caching allocator could hand their memory to the side stream again as soon as they are
+    # freed, while the consumer's queued kernels still read them.
+    for t in tensors:
+        if t.device.type == "cuda":
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class _Flat:
@@ -297,18 +458,23 @@ class _HostBytes(ParkedBytes):
             offsets = [pool.offset_of(b) for b in self._buffers if b.numel()]
             self._give_back = weakref.finalize(self, pool.give_back_later, offsets)
 
-    def _restore(self) -> PyTree:
+    def _load(self) -> list[torch.Tensor]:
         if self._pool is None:
             storages = copy_storages_to_devices(self._buffers, self._devices)
         else:
             storages = copy_storages_to_devices(self._buffers, self._devices, pool=self._pool)
-        return self._flat.rebuild(rebuild_views(storages, self._flat.views))
+        return rebuild_views(storages, self._flat.views)
 
     def release(self) -> None:
+        running = self._background
         super().release()
         self._buffers = []
         if self._pool is not None:
-            self._give_back()
+            if running is not None and not running.done():
+                # A background restore may still read the ranges: they go back when it ends.
+                running.add_done_callback(lambda _: self._give_back())
+            else:
+                self._give_back()
 
 
 class _DiskBytes(ParkedBytes):
@@ -336,19 +502,19 @@ class _DiskBytes(ParkedBytes):
         # The handle owns its file: released, or collected with nobody holding it, it goes.
         self._remove = weakref.finalize(self, _unlink, str(self.path), os.getpid())
 
-    def prefetch(self) -> None:
-        super().prefetch()
+    def _check(self) -> None:
         if self._prefetched is None:
             self._prefetched = load_state(self.path, device="cpu")
 
     def discard_prefetch(self) -> None:
+        super().discard_prefetch()
         self._prefetched = None
 
-    def _restore(self) -> PyTree:
+    def _load(self) -> list[torch.Tensor]:
         host, self._prefetched = self._prefetched, None
         if host is None:
             host = load_state(self.path, device="cpu")
-        return self._flat.rebuild(_to_devices(host, self._devices))
+        return _to_devices(host, self._devices)
 
     def release(self) -> None:
         super().release()
