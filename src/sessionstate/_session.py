@@ -15,7 +15,7 @@ from sessionstate._checks import describe
 from sessionstate._errors import MissingKeyError
 from sessionstate._frozen import freeze
 from sessionstate._stateobject import ParkedObject, StateObject
-from sessionstate._storage import Tier, park_tree
+from sessionstate._storage import HostBufferPool, Tier, park_tree
 from sessionstate._tree import (
     field,
     is_record,
@@ -333,6 +333,7 @@ class SessionState:
         *,
         names: Iterable[str] | None = None,
         spool_dir: str | os.PathLike[str] | None = None,
+        pool: HostBufferPool | None = None,
     ) -> _St:
         """Return a new state with its parkable objects (or those in ``names``) parked.
 
@@ -340,12 +341,14 @@ class SessionState:
         them share is moved once and shared again after `unpark` (see `StateObject.park`);
         so are the blocks of `KVHandle`s in them (shared blocks stay shared, on fresh blocks
         of the same pool). Attributes are never parked: they stay resident. Objects already
-        parked are skipped.
+        parked are skipped. The host tier copies into ranges of ``pool`` (a `HostBufferPool`)
+        when one is given (see `park_tree`).
 
         Raises:
             UnsupportedTensorError: for a tensor that cannot be moved storage by storage.
             OSError: if the disk tier cannot write its file.
             StaleKVHandleError: for a `KVHandle` made by a step that was rolled back.
+            HostPoolFullError: if ``pool`` cannot hold the objects' storages (nothing taken).
 
         >>> import torch
         >>> from sessionstate import LatentBuffer, tree_equal
@@ -365,7 +368,7 @@ class SessionState:
         if not tree:
             return self
         label = f"state objects {sorted(tree)}"
-        handle = park_tree(tree, tier, label=label, spool_dir=spool_dir)
+        handle = park_tree(tree, tier, label=label, spool_dir=spool_dir, pool=pool)
         objects = dict(self._objects)
         for name, obj in tree.items():
             objects[name] = ParkedObject(

@@ -4,25 +4,40 @@
 tier, checks a parked session's bytes before the manager makes room for them, unparks, and
 releases the tier's handles it created once nothing stored needs them. The tiers themselves
 (how bytes move) are the park tiers' in `sessionstate._storage`.
+
+It also owns the host tier's `HostBufferPool` (when the manager is given its bytes) and the
+prefetches: a parked session whose handles are being restored in the background, with the
+bytes that restore makes resident reserved (charged to the budget) until the session is
+unparked or the prefetch is dropped.
 """
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Hashable, Iterable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError
 from sessionstate._kv import EncodeOnceKV, KVCache
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject, StateObject
-from sessionstate._storage import ParkedBytes, SpoolDir, Tier, reclaim_spool
+from sessionstate._storage import (
+    HostBufferPool,
+    HostPoolFullError,
+    ParkedBytes,
+    SpoolDir,
+    Tier,
+    reclaim_spool,
+)
 from sessionstate._storage._park import is_offloadable
 from sessionstate._tree import tree_leaves
 
-__all__ = ["Parking"]
+__all__ = ["HostPoolFull", "Parking"]
 
 _S = TypeVar("_S", bound=SessionState)
+
+HostPoolFull = Literal["disk", "refuse"]
+"""What a park the host buffer pool cannot hold does: spill to the disk tier, or refuse."""
 
 
 class Parking:
@@ -36,6 +51,12 @@ class Parking:
             None); the spool directory itself is created on the first park. A disk tier
             reclaims, when it is built, what processes that ended without cleaning up left
             in the root.
+        host_pool: The host tier copies into ranges of this pool (given back when the
+            session is unparked, dropped or evicted); None: a new host tensor per storage.
+        host_pool_full: A park the host pool cannot hold: ``"disk"`` parks it to the disk
+            tier instead (in the spool directory; counted as a spill), ``"refuse"`` raises
+            `ParkingError` (caused by `HostPoolFullError`), which the budget treats as a
+            session with nothing parkable.
 
     >>> import torch
     >>> from sessionstate import SessionState, TensorCache
@@ -46,10 +67,20 @@ class Parking:
     (('c',), 16)
     """
 
-    def __init__(self, tier: Tier, spool_root: str | None, /) -> None:
+    def __init__(
+        self,
+        tier: Tier,
+        spool_root: str | None,
+        /,
+        *,
+        host_pool: HostBufferPool | None = None,
+        host_pool_full: HostPoolFull = "disk",
+    ) -> None:
         self.tier: Tier = tier
         self._spool_root = spool_root
         self._spool_dir: SpoolDir | None = None
+        self.host_pool = host_pool if tier == "host" else None
+        self._host_pool_full: HostPoolFull = host_pool_full
         self._parked: dict[Hashable, dict[str, ParkedObject]] = {}
         self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
         self._parks = 0
@@ -57,6 +88,13 @@ class Parking:
         self._kv_parks = 0  # parks that moved K/V (see `_holds_kv`)
         self._kv_unparks = 0
         self._kv_parked: set[Hashable] = set()  # sessions whose parked objects hold K/V
+        self._spills = 0  # parks the host pool could not hold, spooled to disk instead
+        # Prefetched sessions: the bytes their background restores make resident, per device
+        # (charged to the budget until the session is unparked or the prefetch dropped).
+        self._reserved: dict[Hashable, dict[str, int]] = {}
+        self._prefetches = 0
+        self._prefetch_hits = 0
+        self._prefetches_dropped = 0
         if tier == "disk":  # what dead processes left on this spool root goes now
             reclaim_spool(spool_root if spool_root is not None else tempfile.gettempdir())
 
@@ -68,7 +106,9 @@ class Parking:
         """``state`` is now stored for ``session_id``: keep its parked objects' handles."""
         parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
         kept = {id(handle) for handle in _handles_of(parked.values())}
+        self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+            handle.discard_prefetch()
             if id(handle) not in kept:
                 self._release(handle)
         if parked:
@@ -78,7 +118,9 @@ class Parking:
 
     def untrack(self, session_id: Hashable, /) -> None:
         """``session_id`` is gone from the table: release the handles it held."""
+        self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+            handle.discard_prefetch()
             self._release(handle)
         self._kv_parked.discard(session_id)
 
@@ -86,20 +128,36 @@ class Parking:
         """``state`` with ``names`` parked on the tier, tracked as stored for ``session_id``.
 
         The objects are parked (a pure transition) before anything is tracked, so a failure
-        leaves the session resident and intact.
+        leaves the session resident and intact. On the host tier with a host pool that cannot
+        hold them, they go to the disk tier (``host_pool_full="disk"``) or the park is refused.
 
         Raises:
-            ParkingError: if the tier cannot take the objects.
+            ParkingError: if the tier cannot take the objects (caused by `HostPoolFullError`
+                when the host pool refuses them).
         """
         # Parks are rare (under pressure only): a walk of the parked objects is affordable.
         moves_kv = any(_holds_kv(state.objects[name]) for name in names)
+        spilled = False
         try:
-            new = state.park(self.tier, names=names, spool_dir=self._spool())
+            try:
+                new = state.park(
+                    self.tier, names=names, spool_dir=self._spool(), pool=self.host_pool
+                )
+            except HostPoolFullError:
+                if self._host_pool_full != "disk":
+                    raise
+                new = state.park("disk", names=names, spool_dir=self._spool(spill=True))
+                spilled = True
         except Exception as exc:
+            fix = (
+                "make `host_pool_bytes` larger, pass `host_pool_full='disk'` to spill to "
+                "disk, or raise `max_bytes`"
+                if isinstance(exc, HostPoolFullError)
+                else "free room on the tier (or pick the other one), or raise `max_bytes`"
+            )
             msg = (
                 f"Cannot park session {session_id!r} (objects {names}) on the "
-                f"{self.tier} tier: {exc}. The session is left resident and intact; "
-                "free room on the tier (or pick the other one), or raise `max_bytes`."
+                f"{self.tier} tier: {exc}. The session is left resident and intact; {fix}."
             )
             raise ParkingError(msg) from exc
         parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
@@ -107,10 +165,75 @@ class Parking:
             self._handles[id(handle)] = handle
         self._parked[session_id] = parked
         self._parks += 1
+        self._spills += spilled
         if moves_kv:
             self._kv_parks += 1
             self._kv_parked.add(session_id)
         return new
+
+    # -- prefetch -----------------------------------------------------------------------------
+
+    def parked_need(self, session_id: Hashable, /) -> dict[str, int]:
+        """The bytes unparking ``session_id`` makes resident, per device (nothing is read)."""
+        need: dict[str, int] = {}
+        for handle in _handles_of(self._parked[session_id].values()):
+            for device, nbytes in handle.nbytes_by_device.items():
+                need[device] = need.get(device, 0) + nbytes
+        return need
+
+    def is_prefetched(self, session_id: Hashable, /) -> bool:
+        """Whether a prefetch of ``session_id`` was started and not yet taken or dropped."""
+        return session_id in self._reserved
+
+    def start_prefetch(self, session_id: Hashable, need: dict[str, int], /) -> None:
+        """Start restoring ``session_id``'s parked handles in the background; reserve ``need``.
+
+        Nothing here waits for the restore, or lets it take the manager's lock.
+        """
+        for handle in _handles_of(self._parked[session_id].values()):
+            handle.start_prefetch()
+        self._reserved[session_id] = dict(need)
+        self._prefetches += 1
+
+    def count_dropped_prefetch(self) -> None:
+        """Count a prefetch that was asked for and did not fit."""
+        self._prefetches_dropped += 1
+
+    def reserved(self, *, besides: Hashable | None = None) -> dict[str, int]:
+        """The bytes prefetches hold resident, per device, except ``besides``' (all when None)."""
+        out: dict[str, int] = {}
+        for session_id, need in self._reserved.items():
+            if besides is not None and session_id == besides:
+                continue
+            for device, nbytes in need.items():
+                out[device] = out.get(device, 0) + nbytes
+        return out
+
+    def pending(self, session_id: Hashable, /) -> list[ParkedBytes]:
+        """``session_id``'s handles with a background restore started (for waiting)."""
+        if session_id not in self._reserved:
+            return []
+        return [h for h in _handles_of(self._parked[session_id].values()) if h.prefetching]
+
+    def drop_prefetches(self, *, besides: Hashable | None = None) -> bool:
+        """Drop every prefetch (except ``besides``'); return whether any was dropped.
+
+        Their reservations go; a running restore's result is dropped when it ends.
+        """
+        dropped = [sid for sid in self._reserved if besides is None or sid != besides]
+        for session_id in dropped:
+            self._unreserve(session_id, dropped=True)
+            for handle in _handles_of(self._parked[session_id].values()):
+                handle.discard_prefetch()
+        return bool(dropped)
+
+    def _unreserve(self, session_id: Hashable, *, dropped: bool) -> None:
+        if self._reserved.pop(session_id, None) is not None and dropped:
+            self._prefetches_dropped += 1
+
+    def unreserve(self, session_id: Hashable, /) -> None:
+        """``session_id`` is being unparked: its bytes are charged as its own from now on."""
+        self._reserved.pop(session_id, None)
 
     def check(self, session_id: Hashable, /) -> dict[str, int]:
         """Check that ``session_id``'s parked bytes can be restored; return what they need.
@@ -123,20 +246,17 @@ class Parking:
             ParkingError: if the bytes cannot be restored (a damaged spool file); nothing
                 changes and the session stays parked.
         """
-        handles = _handles_of(self._parked[session_id].values())
         try:
-            for handle in handles:
+            for handle in _handles_of(self._parked[session_id].values()):
                 handle.prefetch()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
-        need: dict[str, int] = {}
-        for handle in handles:
-            for device, nbytes in handle.nbytes_by_device.items():
-                need[device] = need.get(device, 0) + nbytes
-        return need
+        return self.parked_need(session_id)
 
     def discard(self, session_id: Hashable, /) -> None:
-        """Drop what `check` read for ``session_id`` (the unpark will not happen now)."""
+        """Drop what `check` read for ``session_id`` (the unpark will not happen now), and
+        its prefetch, if any."""
+        self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.get(session_id, {}).values()):
             handle.discard_prefetch()
 
@@ -149,10 +269,15 @@ class Parking:
             ParkingError: if the bytes cannot be restored otherwise; the session stays parked.
         """
         parked = self._parked[session_id]
+        self.unreserve(session_id)
+        handles = _handles_of(parked.values())
+        prefetched = any(handle.prefetching for handle in handles)
         try:
             new = state.unpark()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
+        if prefetched and any(handle.last_restore_prefetched for handle in handles):
+            self._prefetch_hits += 1
         del self._parked[session_id]
         for handle in _handles_of(parked.values()):
             self._release(handle)
@@ -172,7 +297,12 @@ class Parking:
 
         ``kv_parks`` and ``kv_unparks`` count the parks (and unparks) that moved K/V: an
         `EncodeOnceKV` or `KVCache` object, or any object holding a `KVHandle` (whose blocks
-        move with it).
+        move with it). ``prefetches`` counts the background restores started,
+        ``prefetch_hits`` the unparks that took one's result, ``prefetches_dropped`` those
+        that did not fit when asked for or were dropped later (to make room, or because the
+        session was replaced, dropped or evicted first). With a host pool:
+        ``host_pool_nbytes`` (its size), ``host_pool_free_nbytes`` and ``host_pool_spills``
+        (parks it could not hold that went to disk).
         """
         parked = {"host": 0, "disk": 0}
         for objects in self._parked.values():
@@ -186,6 +316,21 @@ class Parking:
             "kv_unparks": self._kv_unparks,
             "nbytes_parked:host": parked["host"],
             "nbytes_parked:disk": parked["disk"],
+            "prefetches": self._prefetches,
+            "prefetch_hits": self._prefetch_hits,
+            "prefetches_dropped": self._prefetches_dropped,
+            **self.host_pool_stats(),
+        }
+
+    def host_pool_stats(self) -> dict[str, int]:
+        """The host pool's keys of `stats` (none without a pool)."""
+        if self.host_pool is None:
+            return {}
+        pool = self.host_pool.stats()
+        return {
+            "host_pool_nbytes": pool["total"],
+            "host_pool_free_nbytes": pool["free"],
+            "host_pool_spills": self._spills,
         }
 
     def _unpark_error(
@@ -204,10 +349,11 @@ class Parking:
             return KVPoolExhaustedError(msg)
         return ParkingError(msg)
 
-    def _spool(self) -> SpoolDir | None:
+    def _spool(self, *, spill: bool = False) -> SpoolDir | None:
         # The manager's own locked subdirectory of the spool root, removed with the manager;
-        # what a process that died (`kill -9`) left there is reclaimed by the next one.
-        if self.tier != "disk":
+        # what a process that died (`kill -9`) left there is reclaimed by the next one. The
+        # host tier needs one only to spill what its pool cannot hold.
+        if self.tier != "disk" and not spill:
             return None
         if self._spool_dir is None:
             self._spool_dir = SpoolDir(

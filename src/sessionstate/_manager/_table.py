@@ -21,19 +21,27 @@ from typing_extensions import TypeVar
 
 from sessionstate._checks import check_session_id as check_session_id
 from sessionstate._checks import is_int
-from sessionstate._errors import SessionAdmissionError, SessionStateLostError
+from sessionstate._errors import ParkingError, SessionAdmissionError, SessionStateLostError
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
-from sessionstate._manager._parking import Parking
+from sessionstate._manager._parking import HostPoolFull, Parking
 from sessionstate._manager._policy import (
     BudgetPolicy,
     OnFull,
     check_max_bytes,
     objects_to_park,
+    parse_nbytes,
 )
 from sessionstate._protocols import StorageEntry
 from sessionstate._session import SessionState
-from sessionstate._storage import Tier, check_tier, load_state, save_state
+from sessionstate._storage import (
+    HostBufferPool,
+    HostPoolFullError,
+    Tier,
+    check_tier,
+    load_state,
+    save_state,
+)
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "SessionStateManager", "SessionT"]
 
@@ -86,6 +94,17 @@ class SessionStateManager(Generic[SessionT]):
             None). The manager writes into a locked subdirectory of its own, removed with the
             manager; a disk-tier manager removes, when it is built, the subdirectories that
             processes which ended without cleaning up (``kill -9``) left in the root.
+        host_pool_bytes: The host tier parks into one preallocated, pre-touched
+            `HostBufferPool` of this many bytes (an int or text such as ``"8GiB"``; pinned when
+            CUDA is available and the budget names a CUDA device, so device-to-host copies are
+            asynchronous) instead of allocating host memory per park. None (default): no pool.
+            Ignored on the disk tier. The pool holds parked bytes only: unparking onto the CPU
+            allocates its destination afresh (`HostBufferPool.cpu_restores` stays off), so
+            the pool's size is what the host tier may hold.
+        host_pool_full: What a park the host pool cannot hold does: ``"disk"`` (default)
+            spills it to the disk tier (into the spool directory; ``host_pool_spills`` counts
+            them), ``"refuse"`` leaves that session resident, as one with nothing parkable
+            (the budget parks others, then applies ``on_full``).
 
     >>> import torch
     >>> from sessionstate import SessionState
@@ -107,6 +126,8 @@ class SessionStateManager(Generic[SessionT]):
         max_bytes: Mapping[str, int | str] | str | None = None,
         park_tier: Tier = "host",
         spool_dir: str | os.PathLike[str] | None = None,
+        host_pool_bytes: int | str | None = None,
+        host_pool_full: HostPoolFull = "disk",
     ) -> None:
         if not isinstance(check_immutable, bool):
             msg = (
@@ -134,8 +155,12 @@ class SessionStateManager(Generic[SessionT]):
         # are the manager's own.
         self._ledger = SessionLedger(per_session=budget is not None)
         self._policy = None if budget is None else BudgetPolicy(budget)
+        tier = check_tier(park_tier)
         self._parking = Parking(
-            check_tier(park_tier), None if spool_dir is None else os.fspath(spool_dir)
+            tier,
+            None if spool_dir is None else os.fspath(spool_dir),
+            host_pool=_host_pool(host_pool_bytes, host_pool_full, tier, budget),
+            host_pool_full=host_pool_full,
         )
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
         self._check_immutable = check_immutable
@@ -206,6 +231,15 @@ class SessionStateManager(Generic[SessionT]):
         return None if self._policy is None else dict(self._policy.max_bytes)
 
     @property
+    def host_pool(self) -> HostBufferPool | None:
+        """The host tier's buffer pool (``host_pool_bytes``), or None.
+
+        >>> SessionStateManager(host_pool_bytes="4KiB").host_pool.total
+        4096
+        """
+        return self._parking.host_pool
+
+    @property
     def park_tier(self) -> Tier:
         """Where the budget parks objects: ``"host"`` or ``"disk"``.
 
@@ -256,6 +290,7 @@ class SessionStateManager(Generic[SessionT]):
         True
         """
         check_session_id(session_id)
+        self._await_prefetch(session_id)
         with self._lock:
             state = self._table.get(session_id)
             if state is None:
@@ -340,6 +375,7 @@ class SessionStateManager(Generic[SessionT]):
                 "itself (e.g. `SessionState`) or a function."
             )
             raise TypeError(msg)
+        self._await_prefetch(session_id)
         with self._lock:
             state = self._table.get(session_id)
             if state is not None:
@@ -465,6 +501,67 @@ class SessionStateManager(Generic[SessionT]):
             items = list(self._table.items())
         return {sid: state.nbytes_by_device() for sid, state in items}
 
+    def prefetch(self, session_id: Hashable, /, *, make_room: bool = False) -> bool:
+        """Start unparking ``session_id`` in the background; return whether it started.
+
+        For a scheduler that knows which session steps next: the parked bytes are copied back
+        on a worker thread (a side CUDA stream for CUDA storages) while the current step runs,
+        and the session's next `get` waits only for what is left. The stored record stays
+        parked until that `get`; a prefetch changes no output, only when the copy happens.
+
+        The restored bytes are charged to the budget from now on (a reservation), so resident
+        bytes never exceed ``max_bytes``: a prefetch starts only if the session's parked
+        bytes fit beside everything charged, without parking anyone; one that does not fit
+        is dropped (False, counted in ``prefetches_dropped``). With ``make_room=True`` the
+        least recently used other sessions' parkable objects are parked first, as a `get`
+        would (never evicting anyone). Under pressure later (a `get` or `put` that needs the
+        room, or `park_until`), prefetches are dropped after the other sessions are parked
+        and before anyone is evicted or refused. A prefetch whose background restore fails
+        (a damaged spool file, a `KVPool` short of blocks) costs nothing but its work: the
+        `get` restores in the foreground and raises its own error, if any.
+
+        Returns False, changing nothing, for a session that is not held (an unknown id is
+        not an error: the scheduler's guess was wrong) or not parked, and True for one
+        already prefetched. ``prefetches`` and ``prefetch_hits`` (gets that took a prefetched
+        restore) are in `stats()` with the other parking keys.
+
+        Raises:
+            TypeError: for an id that is not a valid session id (None, NaN, unhashable).
+
+        >>> import torch
+        >>> from sessionstate import SessionState, TensorCache
+        >>> m = SessionStateManager(max_bytes={"cpu": 48})
+        >>> def record(): return SessionState(objects={"c": TensorCache().allocate().commit(torch.zeros(8))})
+        >>> m.put("a", record()); m.put("b", record())  # "a" is parked to fit "b"
+        >>> m.prefetch("a"), m.prefetch("a", make_room=True), m.prefetch("nobody")
+        (False, True, False)
+        >>> _ = m.get("a"); s = m.stats()
+        >>> s["prefetches"], s["prefetch_hits"], s["prefetches_dropped"]
+        (1, 1, 1)
+        """  # noqa: E501 - a doctest line
+        check_session_id(session_id)
+        if not isinstance(make_room, bool):
+            msg = f"`make_room` must be a bool (True or False), got {make_room!r}."
+            raise TypeError(msg)
+        with self._lock:
+            parking = self._parking
+            state = self._table.get(session_id)
+            if state is None or not parking.is_parked(session_id):
+                return False
+            if parking.is_prefetched(session_id):
+                return True
+            need = parking.parked_need(session_id)
+            if self._policy is not None:
+                reserved = parking.reserved()
+                extra = {d: need.get(d, 0) + reserved.get(d, 0) for d in {*need, *reserved}}
+                if make_room:
+                    self._park_others(session_id, extra)
+                if self._policy.over(self._ledger, extra):
+                    parking.count_dropped_prefetch()
+                    return False
+            parking.start_prefetch(session_id, need)
+            return True
+
     def park_until(
         self,
         done: Callable[[], bool],
@@ -507,10 +604,12 @@ class SessionStateManager(Generic[SessionT]):
                 if other in keep:
                     continue
                 names = objects_to_park(self._ledger.held(other), self._table[other].objects, frees)
-                if names:
-                    self._park(other, names)
-                    if done():
-                        return True
+                if names and self._park(other, names) and done():
+                    return True
+            # Prefetched restores may hold what `done` waits for (a pool's blocks): they go
+            # before the caller has to give up.
+            if self._parking.drop_prefetches(besides=None):
+                return done()
             return False
 
     def snapshot(
@@ -656,24 +755,26 @@ class SessionStateManager(Generic[SessionT]):
         )
 
     def _make_room(self, session_id: Hashable, extra: Mapping[str, int]) -> None:
-        # Bring the ledger plus `extra` within the budget: park the least recently used
-        # sessions' parkable objects, oldest first and never `session_id`'s; then apply
-        # `on_full`. The policy decides each step; the loop acts.
+        # Bring the ledger plus `extra` plus the other sessions' prefetches within the budget:
+        # park the least recently used sessions' parkable objects, oldest first and never
+        # `session_id`'s; then drop the prefetches; then apply `on_full`. The policy decides
+        # each step; the loop acts.
         policy = self._policy
         if policy is None:
             return
-        over = policy.over(self._ledger, extra)
+        parking = self._parking
+
+        def charged() -> dict[str, int]:
+            reserved = parking.reserved(besides=session_id)
+            return {d: extra.get(d, 0) + reserved.get(d, 0) for d in {*extra, *reserved}}
+
+        over = self._park_others(session_id, charged())
         if not over:
             return
-        for other in list(self._table):
-            if other == session_id:
-                continue
-            names = policy.parkable(self._ledger.held(other), self._table[other].objects, over)
-            if names:
-                self._park(other, names)
-                over = policy.over(self._ledger, extra)
-                if not over:
-                    return
+        if parking.drop_prefetches(besides=session_id):
+            over = policy.over(self._ledger, extra)
+            if not over:
+                return
         if self._on_full == "evict":
             for other in list(self._table):
                 if other == session_id or not policy.holds_on(self._ledger.held(other), over):
@@ -686,11 +787,46 @@ class SessionStateManager(Generic[SessionT]):
                     return
         raise policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
 
-    def _park(self, session_id: Hashable, names: list[str]) -> None:
-        new = self._parking.park(session_id, self._table[session_id], names)
+    def _park_others(self, session_id: Hashable, extra: Mapping[str, int]) -> list[str]:
+        # Park the least recently used other sessions' parkable objects until the ledger plus
+        # `extra` fits; return the devices still over (none: it fits).
+        policy = self._policy
+        assert policy is not None
+        over = policy.over(self._ledger, extra)
+        if not over:
+            return over
+        for other in list(self._table):
+            if other == session_id:
+                continue
+            names = policy.parkable(self._ledger.held(other), self._table[other].objects, over)
+            if names and self._park(other, names):
+                over = policy.over(self._ledger, extra)
+                if not over:
+                    return over
+        return over
+
+    def _park(self, session_id: Hashable, names: list[str]) -> bool:
+        # Whether the objects were parked: a host pool that refuses them (with
+        # `host_pool_full="refuse"`) leaves the session resident, as one with nothing
+        # parkable; any other failure raises.
+        try:
+            new = self._parking.park(session_id, self._table[session_id], names)
+        except ParkingError as exc:
+            if isinstance(exc.__cause__, HostPoolFullError):
+                return False
+            raise
         self._table[session_id] = new
         self._ledger.set(session_id, self._ledger.values_for(session_id, new))
         self._record_versions(session_id, new)
+        return True
+
+    def _await_prefetch(self, session_id: Hashable) -> None:
+        # Wait, outside the lock, for the session's background restores: other sessions'
+        # calls go on meanwhile. Costs one lookup when nothing is prefetched.
+        with self._lock:
+            pending = self._parking.pending(session_id)
+        for handle in pending:
+            handle.wait_prefetch()
 
     def _resident(self, session_id: Hashable, state: SessionT) -> SessionT:
         # Check the parked bytes (host memory only), then make room for them, then unpark: a
@@ -701,6 +837,7 @@ class SessionStateManager(Generic[SessionT]):
         if not parking.is_parked(session_id):
             return state
         need = parking.check(session_id)
+        parking.unreserve(session_id)  # a prefetch's bytes: charged as the session's now
         try:
             self._make_room(session_id, need)
         except BaseException:
@@ -736,3 +873,28 @@ def _check_state(state: object, session_id: Hashable) -> None:
             f"{type(state).__name__}; build one with `SessionState(objects=..., attrs=...)`."
         )
         raise TypeError(msg)
+
+
+def _host_pool(
+    nbytes: object, full: object, tier: Tier, budget: Mapping[str, int] | None
+) -> HostBufferPool | None:
+    # The host tier's pool, from the manager's arguments (checked; None: no pool).
+    if full not in ("disk", "refuse"):
+        msg = (
+            f"`host_pool_full` must be 'disk' (spill what the host pool cannot hold to the "
+            f"disk tier) or 'refuse', got {full!r} ({type(full).__name__})."
+        )
+        raise ValueError(msg)
+    if nbytes is None:
+        return None
+    count = parse_nbytes(nbytes, name="host_pool_bytes")
+    if count <= 0:
+        msg = (
+            f"`host_pool_bytes` must be a positive byte count, got {nbytes!r}; pass None for "
+            "no host pool, or the bytes the host tier may hold (e.g. '8GiB')."
+        )
+        raise ValueError(msg)
+    if tier != "host":
+        return None  # the disk tier holds no host bytes
+    cuda = budget is None or any(device.startswith("cuda") for device in budget)
+    return HostBufferPool(count, pin_memory=cuda and torch.cuda.is_available())
