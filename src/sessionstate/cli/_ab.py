@@ -35,6 +35,8 @@ from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_
 
 # The counters each path reports under a byte budget or a KV pool size (0 on the bespoke path).
 _PARKING_KEYS = ("parks", "unparks", "kv_parks", "kv_unparks", "evictions", "parked_sessions")
+# With `--prefetch`, also (0 on the bespoke path, which has nothing to prefetch).
+_PREFETCH_KEYS = ("prefetches", "prefetch_hits", "prefetches_dropped")
 
 # The child's stderr protocol: one line per step, one when the decode phase starts.
 _PROGRESS = "PROGRESS "
@@ -61,10 +63,13 @@ def run_episode(args: argparse.Namespace) -> int:
     total = args.steps * args.sessions
     records: list[dict[str, Any]] = []
     times: list[float] = []
-    for i, (sid, obs) in enumerate(
-        spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
-    ):
+    episode = list(spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed))
+    for i, (sid, obs) in enumerate(episode):
         start = time.perf_counter()
+        if args.prefetch and i + 1 < len(episode) and episode[i + 1][0] != sid:
+            # The episode's order is known: the next step's session is copied back while
+            # this step runs (others parked to fit it). Outputs must not change.
+            pipe.prefetch(episode[i + 1][0], make_room=True)
         try:
             out = pipe.forward(obs, sid)
         except SessionAdmissionError as exc:  # at the cap or the budget: a result to compare
@@ -107,6 +112,8 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
         cmd += ["--park-tier", args.park_tier]
     if args.kv_pool_bytes is not None:
         cmd += ["--kv-pool-bytes", str(args.kv_pool_bytes)]
+    if getattr(args, "prefetch", False):
+        cmd += ["--prefetch"]
     return cmd
 
 
@@ -302,6 +309,11 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                     if args.max_bytes is not None or args.kv_pool_bytes is not None
                     else {"evictions": res["stats"].get("evictions", 0)}
                 ),
+                **(
+                    {key: res["stats"].get(key, 0) for key in _PREFETCH_KEYS}
+                    if args.prefetch
+                    else {}
+                ),
                 **({"refusals": refusals[name]} if show_refusals else {}),
             }
             for name, res in results.items()
@@ -318,6 +330,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         report["device"] = args.device
     if args.kv_pool_bytes is not None:
         report["kv_pool_bytes"] = args.kv_pool_bytes
+    if args.prefetch:
+        report["prefetch"] = True
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -352,10 +366,24 @@ def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
     # Counters only: a short run's step time is noise (`--json` has it; `benchmarks/` times).
     counters = [
         key
-        for key in ("evictions", "parks", "unparks", "kv_parks", "kv_unparks", "refusals")
+        for key in (
+            "evictions",
+            "parks",
+            "unparks",
+            "kv_parks",
+            "kv_unparks",
+            "prefetches",
+            "prefetch_hits",
+            "refusals",
+        )
         if key in _first(report)
     ]
-    headers = {"refusals": "refused steps", "kv_parks": "KV parks", "kv_unparks": "KV unparks"}
+    headers = {
+        "refusals": "refused steps",
+        "kv_parks": "KV parks",
+        "kv_unparks": "KV unparks",
+        "prefetch_hits": "prefetch hits",
+    }
     table = Table("path", "bytes held at end", "sessions", *(headers.get(k, k) for k in counters))
     for name, path in report["paths"].items():
         held = ", ".join(f"{d}: {n / MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
@@ -409,6 +437,13 @@ def add_parsers(sub: Any) -> None:
         "session_state_kv_pool_bytes); when a step needs blocks the pool lacks, the least "
         "recently used sessions' KV is parked",
     )
+    ab.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="before each step, prefetch the next step's session on the managed path (its "
+        "parked bytes copied back in the background, other sessions parked to fit it); "
+        "prefetches and hits are reported per path, and the outputs must not change",
+    )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -428,5 +463,6 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--park-tier", choices=["host", "disk"])
     episode.add_argument("--kv-pool-bytes", type=int)
     episode.add_argument("--model", default=DEFAULT_MODEL)
+    episode.add_argument("--prefetch", action="store_true")
     episode.set_defaults(func=run_episode, command="_episode")
     return episode

@@ -5,7 +5,7 @@ here, so the two models cannot drift apart: the bespoke path's capped table (`Se
 cap, ``on_full``, ``begin``, the once-per-table eviction warning, the counters), the managed
 path's manager built from every resolved setting (`build_manager`), its "publish only after
 the whole step succeeded" rule (`managed_forward`), and its read of a session that may be
-parked (`resident`).
+parked (`resident`), and its prefetch of the session a scheduler steps next (`prefetch`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 import torch
 
 from sessionstate import (
+    KVPool,
     SessionAdmissionError,
     SessionState,
     SessionStateLostError,
@@ -27,6 +28,7 @@ from sessionstate import (
     SessionStateSettings,
     nbytes_by_device,
 )
+from sessionstate._checks import check_session_id
 
 __all__ = [
     "SessionMessages",
@@ -34,6 +36,7 @@ __all__ = [
     "build_manager",
     "device_key",
     "managed_forward",
+    "prefetch",
     "resident",
 ]
 
@@ -212,7 +215,8 @@ def build_manager(
     """The managed path's manager, honouring every resolved setting.
 
     The cap, ``on_full``, the immutability guard, the byte budget (a single count is a budget
-    for the model's ``device``), the park tier and the spool directory.
+    for the model's ``device``), the park tier, the spool directory and the host tier's
+    buffer pool (``host_pool_bytes``, ``host_pool_full``).
 
     Args:
         record: The model's session record class (it types the manager).
@@ -232,7 +236,57 @@ def build_manager(
         max_bytes={device_key(device): budget} if isinstance(budget, int) else budget,
         park_tier=settings.park_tier,
         spool_dir=settings.spool_dir,
+        host_pool_bytes=settings.host_pool_bytes,
+        host_pool_full=settings.host_pool_full,
     )
+
+
+def prefetch(
+    manager: SessionStateManager[R] | None,
+    session_id: Hashable,
+    *,
+    make_room: bool = False,
+    kv_pool: KVPool | None = None,
+    kv_blocks: int = 0,
+) -> bool:
+    """Start unparking ``session_id`` in the background (`SessionStateManager.prefetch`).
+
+    What both pipelines' ``prefetch`` do; False on the bespoke path (``manager`` None), for a
+    session not held or not parked, and for a prefetch that does not fit.
+
+    Args:
+        manager: The managed path's manager, or None.
+        session_id: The session the scheduler steps next.
+        make_room: Park the least recently used other sessions to fit it, rather than drop it.
+        kv_pool: An engine pool the background restore takes blocks from while the current
+            step runs: the prefetch starts only if it has ``kv_blocks`` free (the prefetched
+            session's window and what one step can need, so the step running meanwhile never
+            runs short); with ``make_room`` other sessions' KV is parked until it has.
+        kv_blocks: The free blocks of ``kv_pool`` a prefetch needs.
+
+    >>> from sessionstate import SessionState
+    >>> prefetch(None, "a"), prefetch(SessionStateManager[SessionState](), "a")
+    (False, False)
+    """
+    check_session_id(session_id)
+    if manager is None:
+        return False
+    state = manager.peek(session_id)
+    if state is None or not state.parked:
+        return False
+    if kv_pool is not None:
+        pool = kv_pool
+
+        def room() -> bool:
+            return pool.free_blocks >= kv_blocks
+
+        if not room() and make_room:
+            # Parked sessions have nothing to park; kept, their own prefetches stay.
+            parked = [sid for sid in manager.session_ids() if _is_parked(manager, sid)]
+            manager.park_until(room, frees=pool.owns_entry, keep={session_id, *parked})
+        if not room():
+            return False
+    return manager.prefetch(session_id, make_room=make_room)
 
 
 def managed_forward(
@@ -271,6 +325,11 @@ def managed_forward(
         # record (or the absence of one) exactly as it was.
         manager.put(session_id, state)
     return out
+
+
+def _is_parked(manager: SessionStateManager[R], session_id: Hashable) -> bool:
+    state = manager.peek(session_id)
+    return state is not None and bool(state.parked)
 
 
 def resident(

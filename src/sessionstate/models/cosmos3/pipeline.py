@@ -34,6 +34,7 @@ from sessionstate import (
     resolve_session_state_config,
 )
 from sessionstate._checks import check_session_id, is_int
+from sessionstate.models import _kit
 from sessionstate.models.cosmos3._bespoke import BespokePath, instance_cache
 from sessionstate.models.cosmos3._managed import ManagedPath
 from sessionstate.models.cosmos3._model import Cosmos3Model, Cosmos3Output, Cosmos3Request
@@ -232,6 +233,25 @@ class Cosmos3Pipeline:
         """End a session on either path; returns whether it was held."""
         check_session_id(session_id)
         return self._path.drop_session(session_id)
+
+    def prefetch(self, session_id: Hashable, *, make_room: bool = False) -> bool:
+        """Start unparking ``session_id`` in the background; return whether it started.
+
+        For a scheduler that knows which session steps next: call it before the current
+        step, and the next step's read waits only for what is left of the copy (its parked
+        `EncodeOnceKV` and buffers; see `SessionStateManager.prefetch`, the bytes are charged
+        to the budget meanwhile). Outputs are bit-identical with or without it. With
+        ``make_room``, other sessions are parked to fit it. False on the bespoke path, for a
+        session not held or not parked, and for one that does not fit.
+
+        >>> from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline
+        >>> Cosmos3Pipeline(Cosmos3Config.preset("tiny")).prefetch("a")
+        False
+        """
+        managed = self._managed
+        return _kit.prefetch(
+            None if managed is None else managed.manager, session_id, make_room=make_room
+        )
 
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""

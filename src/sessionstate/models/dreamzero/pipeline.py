@@ -28,6 +28,8 @@ from sessionstate import (
     resolve_session_state_config,
 )
 from sessionstate._checks import check_session_id, is_int
+from sessionstate.models import _kit
+from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._bespoke import BespokePath
 from sessionstate.models.dreamzero._managed import ManagedPath
 from sessionstate.models.dreamzero._model import DreamZeroModel, DreamZeroOutput
@@ -194,6 +196,34 @@ class DreamZeroPipeline:
         """End a session on either path; returns whether it was held."""
         check_session_id(session_id)
         return self._path.drop_session(session_id)
+
+    def prefetch(self, session_id: Hashable, *, make_room: bool = False) -> bool:
+        """Start unparking ``session_id`` in the background; return whether it started.
+
+        For a scheduler that knows which session steps next: call it before the current
+        step, and the next step's read waits only for what is left of the copy (see
+        `SessionStateManager.prefetch`; the bytes are charged to the budget meanwhile).
+        Outputs are bit-identical with or without it. The KV pool must have free blocks for
+        the session's window and for what the step running meanwhile can take, else the
+        prefetch is not started (with ``make_room``, other sessions' KV is parked first).
+        False on the bespoke path, for a session not held or not parked, and for one that
+        does not fit.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> DreamZeroPipeline(DreamZeroConfig.preset("tiny")).prefetch("a")
+        False
+        """
+        managed = self._managed
+        if managed is None:
+            check_session_id(session_id)
+            return False
+        return _kit.prefetch(
+            managed.manager,
+            session_id,
+            make_room=make_room,
+            kv_pool=managed.kv_pool,
+            kv_blocks=2 * kv_cache.handle_blocks(self.cfg) + 1,
+        )
 
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
