@@ -14,7 +14,7 @@ unparked or the prefetch is dropped.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable
 from typing import Literal, TypeVar
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError
@@ -215,15 +215,18 @@ class Parking:
             return []
         return [h for h in _handles_of(self._parked[session_id].values()) if h.prefetching]
 
-    def drop_prefetches(self, *, besides: Hashable | None = None) -> bool:
-        """Drop every prefetch (except ``besides``'); return whether any was dropped.
+    def drop_prefetches(self, *, keep: Collection[Hashable] = ()) -> bool:
+        """Drop every prefetch but ``keep``'s; return whether any was dropped.
 
-        Their reservations go; a running restore's result is dropped when it ends.
+        Their reservations go, and so do their restored trees: a running restore is waited
+        for first (a copy; it never takes the manager's lock), so what it took (a pool's
+        blocks) is back when this returns, unless someone else holds it.
         """
-        dropped = [sid for sid in self._reserved if besides is None or sid != besides]
+        dropped = [sid for sid in self._reserved if sid not in keep]
         for session_id in dropped:
             self._unreserve(session_id, dropped=True)
             for handle in _handles_of(self._parked[session_id].values()):
+                handle.wait_prefetch()
                 handle.discard_prefetch()
         return bool(dropped)
 

@@ -577,7 +577,9 @@ class SessionStateManager(Generic[SessionT]):
         objects holding a storage ``frees`` picks (a `StorageEntry`, as the accounting
         reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked again. A session
         whose objects hold no such storage is left alone; without a byte budget too. Parked
-        sessions unpark on their next `get`, as under a budget.
+        sessions unpark on their next `get`, as under a budget. If parking is not enough,
+        the prefetches of sessions not in ``keep`` are dropped (a running one waited for:
+        what its restore took, such as a pool's blocks, is back) and ``done`` asked again.
 
         ``done`` runs under the manager's lock, before the first park and after each; it must
         not call the manager.
@@ -608,7 +610,7 @@ class SessionStateManager(Generic[SessionT]):
                     return True
             # Prefetched restores may hold what `done` waits for (a pool's blocks): they go
             # before the caller has to give up.
-            if self._parking.drop_prefetches(besides=None):
+            if self._parking.drop_prefetches(keep=keep):
                 return done()
             return False
 
@@ -771,7 +773,7 @@ class SessionStateManager(Generic[SessionT]):
         over = self._park_others(session_id, charged())
         if not over:
             return
-        if parking.drop_prefetches(besides=session_id):
+        if parking.drop_prefetches(keep=(session_id,)):
             over = policy.over(self._ledger, extra)
             if not over:
                 return

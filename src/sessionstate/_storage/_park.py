@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -167,7 +167,7 @@ class ParkedBytes:
         self.released = False
         self.last_restore_prefetched = False
         """Whether the last `restore` took the tree a background restore built."""
-        self._background: concurrent.futures.Future[tuple[str, Any]] | None = None
+        self._background: _Box | None = None
         self._background_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -225,11 +225,11 @@ class ParkedBytes:
         with self._background_lock:
             if self._background is not None:
                 return
+            box = _Box()
             streams = _consumer_streams(self.nbytes_by_device)
-            if streams:
-                self._background = _executor().submit(_load_on_side_streams, self, streams)
-            else:
-                self._background = _executor().submit(_restore_whole, self)
+            work = _load_on_side_streams if streams else _restore_whole
+            box.future = _executor().submit(work, self, box, streams)
+            self._background = box
 
     @property
     def prefetching(self) -> bool:
@@ -238,9 +238,9 @@ class ParkedBytes:
 
     def wait_prefetch(self) -> None:
         """Wait for a started background restore to finish (its errors are kept for later)."""
-        future = self._background
-        if future is not None:
-            concurrent.futures.wait([future])
+        box = self._background
+        if box is not None:
+            box.wait()
 
     def prefetch(self) -> None:
         """Read the bytes into host memory and check them, so `restore` only copies them back.
@@ -258,27 +258,30 @@ class ParkedBytes:
             SnapshotError: if the disk tier's file is damaged.
         """
         self._check_held()
-        future = self._background
-        if future is None:
+        box = self._background
+        if box is None:
             self._check()
             return
-        concurrent.futures.wait([future])
-        if future.exception() is None:
+        box.wait()
+        if box.error is None:
             return
         with self._background_lock:
-            if self._background is future:
+            if self._background is box:
                 self._background = None
-        logger.debug("A background restore of %s failed: %s", self.label, future.exception())
+        logger.debug("A background restore of %s failed: %s", self.label, box.error)
         self._check()
 
     def discard_prefetch(self) -> None:
         """Drop what `prefetch` read and what a background restore built or is building.
 
-        A running background restore's result is dropped when it finishes (engine blocks it
-        took go back to their pool once the tree is collected).
+        A finished background restore's tree is dropped now (engine blocks it took go back to
+        their pool as it is collected: at once unless someone else holds it), a running
+        one's when it finishes.
         """
         with self._background_lock:
-            self._background = None
+            box, self._background = self._background, None
+            if box is not None:
+                box.value = None
 
     def release(self) -> None:
         """Give the bytes back to the tier; `restore` refuses afterwards."""
@@ -291,13 +294,17 @@ class ParkedBytes:
 
     def _take_background(self) -> tuple[str, Any] | None:
         with self._background_lock:
-            future, self._background = self._background, None
-        if future is None:
+            box = self._background
+        if box is None:
             return None
-        try:
-            result: tuple[str, Any] = future.result()
-        except Exception as exc:  # not fatal: the foreground retries and raises its own
-            logger.debug("A background restore of %s failed: %s", self.label, exc)
+        box.wait()
+        with self._background_lock:
+            if self._background is not box:  # dropped meanwhile
+                return None
+            self._background = None
+            result, box.value = box.value, None
+        if box.error is not None:  # not fatal: the foreground retries and raises its own
+            logger.debug("A background restore of %s failed: %s", self.label, box.error)
             return None
         return result
 
@@ -335,9 +342,38 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return pool
 
 
-def _restore_whole(handle: ParkedBytes) -> tuple[str, Any]:
-    handle._check_held()
-    return "tree", handle._restore()
+class _Box:
+    """A background restore's result, held where its handle can drop it at once.
+
+    (A future's result lives as long as the future, which the executor may hold a little
+    longer; dropping the box's value gives engine blocks back as soon as the tree goes.)
+    """
+
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future[None] | None = None
+        self.value: tuple[str, Any] | None = None
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self.future is not None:
+            concurrent.futures.wait([self.future])
+
+
+def _settle(handle: ParkedBytes, box: _Box, work: Callable[[], tuple[str, Any]]) -> None:
+    try:
+        handle._check_held()
+        value = work()
+    except Exception as exc:
+        box.error = exc
+        return
+    with handle._background_lock:
+        if handle._background is box:  # else dropped while it ran: the value goes now
+            box.value = value
+    del value
+
+
+def _restore_whole(handle: ParkedBytes, box: _Box, streams: object) -> None:
+    _settle(handle, box, lambda: ("tree", handle._restore()))
 
 
 def _consumer_streams(nbytes_by_device: Mapping[str, int]) -> dict[torch.device, Any]:
@@ -347,19 +383,22 @@ def _consumer_streams(nbytes_by_device: Mapping[str, int]) -> dict[torch.device,
 
 
 def _load_on_side_streams(
-    handle: ParkedBytes, consumers: Mapping[torch.device, Any]
-) -> tuple[str, Any]:
-    handle._check_held()
-    with contextlib.ExitStack() as stack:
-        for device, consumer in consumers.items():
-            with _executor_lock:
-                side = _side_streams.get(device)
-                if side is None:
-                    side = _side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            side.wait_stream(consumer)  # after what the consumer queued before the prefetch
-            stack.enter_context(torch.cuda.stream(side))
-        # The copy functions synchronise each device they copy to before returning.
-        return "loaded", handle._load()
+    handle: ParkedBytes, box: _Box, consumers: Mapping[torch.device, Any]
+) -> None:
+    def work() -> tuple[str, Any]:
+        with contextlib.ExitStack() as stack:
+            for device, consumer in consumers.items():
+                with _executor_lock:
+                    side = _side_streams.get(device)
+                    if side is None:
+                        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                        _side_streams[device] = side
+                side.wait_stream(consumer)  # after what the consumer queued before now
+                stack.enter_context(torch.cuda.stream(side))
+            # The copy functions synchronise each device they copy to before returning.
+            return "loaded", handle._load()
+
+    _settle(handle, box, work)
 
 
 def _record_on_current_streams(tensors: Sequence[torch.Tensor]) -> None:
@@ -470,9 +509,9 @@ class _HostBytes(ParkedBytes):
         super().release()
         self._buffers = []
         if self._pool is not None:
-            if running is not None and not running.done():
+            if running is not None and running.future is not None and not running.future.done():
                 # A background restore may still read the ranges: they go back when it ends.
-                running.add_done_callback(lambda _: self._give_back())
+                running.future.add_done_callback(lambda _: self._give_back())
             else:
                 self._give_back()
 
