@@ -23,6 +23,14 @@ matters is the ratios within one run, and nothing here asserts a time:
    per put, as a model step does) with a byte budget that never parks, vs the same put without
    a budget, vs a plain walk of the record's leaves (`tree_leaves`). The budget check is the
    difference between the first two. Target: within 2x of the walk.
+3. ``round_robin``: six DreamZero tiny sessions stepped in turn through the managed
+   pipeline's ``forward``, median step time: unbudgeted, under a budget fitting two sessions
+   (the least recently used are parked, KV included, and unparked on their turn), and the
+   same with ``prefetch(next, make_room=True)`` before each step (the next session copied
+   back on the worker thread while the current one steps). Target: with prefetch within 1.3x
+   of unbudgeted on CPU.
+4. ``kv_park``: a `KVCache` whose handle holds N MiB of a `KVPool`'s blocks, parked and
+   unparked (`park_tree` on the host tier, then `restore`), per MiB, beside the copy floor.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ import torch
 
 from sessionstate import (
     DEFAULT_MAX_SESSIONS,
+    KVCache,
+    KVPool,
     LatentBuffer,
     SessionState,
     SessionStateManager,
@@ -184,6 +194,92 @@ def put_check(sessions: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
+    """Median step time of a round robin of DreamZero tiny sessions: unbudgeted, under a
+    budget of two sessions, and the same with the next session prefetched before each step."""
+    from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+    from sessionstate.models.dreamzero.episode import scripted_episode
+
+    cfg = DreamZeroConfig.preset("tiny")
+    episode = list(scripted_episode(cfg, steps=rounds + 1, sessions=sessions, seed=0))
+    ids = [sid for sid, _ in episode[:sessions]]
+
+    def run(max_bytes: int | None, prefetch: bool) -> tuple[float, dict[str, int]]:
+        env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"}
+        if max_bytes is not None:
+            env["OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES"] = str(max_bytes)
+            env["OMNI_DIFFUSION_SESSION_STATE_MANAGER_PARK_TIER"] = "host"
+        pipe = DreamZeroPipeline(cfg, environ=env)
+        times = []
+        for i, (sid, obs) in enumerate(episode):
+            start = time.perf_counter()
+            if prefetch and i + 1 < len(episode):
+                pipe.prefetch(episode[i + 1][0], make_room=True)
+            pipe.forward(obs, sid)
+            if i >= sessions:  # the first round starts the sessions: not timed
+                times.append(time.perf_counter() - start)
+        stats = pipe.stats()
+        for sid in ids:
+            pipe.drop_session(sid)
+        return statistics.median(times), stats
+
+    plain_s, plain = run(None, prefetch=False)
+    one = plain["nbytes:cpu"] // sessions
+    budget = 2 * one + one // 4
+    parked_s, parked = run(budget, prefetch=False)
+    fetched_s, fetched = run(budget, prefetch=True)
+    return {
+        "sessions": sessions,
+        "rounds": rounds,
+        "session_nbytes": one,
+        "max_bytes": budget,
+        "unbudgeted_step_ms": plain_s * 1e3,
+        "budgeted_step_ms": parked_s * 1e3,
+        "budgeted_prefetch_step_ms": fetched_s * 1e3,
+        "budgeted_over_unbudgeted": parked_s / plain_s,
+        "prefetch_over_unbudgeted": fetched_s / plain_s,
+        "kv_parks": parked.get("kv_parks", 0),
+        "evictions": parked.get("evictions", 0) + fetched.get("evictions", 0),
+        "prefetches": fetched.get("prefetches", 0),
+        "prefetch_hits": fetched.get("prefetch_hits", 0),
+        "prefetches_dropped": fetched.get("prefetches_dropped", 0),
+    }
+
+
+def kv_park(mib: int, repeats: int) -> dict[str, Any]:
+    """Park+unpark per MiB of a `KVCache` whose handle holds ``mib`` MiB of pool blocks."""
+    block_tokens, width = 256, 256  # one block: 256 tokens of 256 floats = 256 KiB
+    blocks = mib * _MIB // (block_tokens * width * 4)
+    pool = KVPool(blocks + 1, block_tokens=block_tokens, token_shape=(width,))
+    handle = pool.append(pool.empty(), torch.randn(blocks * block_tokens, width))
+    held = [KVCache().allocate().commit(handle)]  # the one live cache: its blocks move
+    del handle
+    free = pool.free_blocks
+    x = held[0].read()
+
+    def once() -> None:
+        parked = park_tree(held.pop(), "host")  # the blocks go back to the pool
+        held.append(parked.restore())  # and are taken again
+        parked.release()
+
+    dst, again = torch.zeros_like(x), torch.zeros_like(x)
+
+    def floor() -> None:
+        dst.copy_(x)
+        again.copy_(dst)
+
+    out = {
+        "mib": mib,
+        "kv_park_unpark_ms_per_mib": _median_s(once, repeats) * 1e3 / mib,
+        "copy_floor_ms_per_mib": _median_s(floor, repeats) * 1e3 / mib,
+    }
+    if pool.free_blocks != free:
+        msg = "a KV round trip left blocks held in its pool"
+        raise RuntimeError(msg)
+    out["kv_over_floor"] = out["kv_park_unpark_ms_per_mib"] / out["copy_floor_ms_per_mib"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks; print and write the results as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -198,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "put_check": [
             put_check(n, repeats) for n in ([4] if args.smoke else [4, DEFAULT_MAX_SESSIONS])
         ],
+        "round_robin": round_robin(6, 1 if args.smoke else 4),
+        "kv_park": [kv_park(mib, repeats) for mib in sizes],
     }
     text = json.dumps(results, indent=2)
     print(text)

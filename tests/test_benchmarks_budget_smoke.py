@@ -36,3 +36,10 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
     (check,) = results["put_check"]
     assert check["leaves"] > 0
     assert check["check_over_walk"] >= 0
+    robin = results["round_robin"]
+    assert robin["kv_parks"] > 0  # the budget of two parked KV with the sessions
+    assert robin["evictions"] == 0
+    assert robin["prefetches"] > 0
+    assert robin["prefetch_over_unbudgeted"] > 0
+    (kv,) = results["kv_park"]
+    assert kv["kv_over_floor"] > 0
