@@ -10,9 +10,19 @@ Runs, on ``cuda:0``:
 4. snapshots: a CUDA record saved and loaded back onto CUDA, onto the CPU, and a CPU file
    loaded with ``device="cuda:0"``; bits, aliases and byte counts kept;
 5. park/unpark on the host tier from CUDA: pinned host memory, every bit and alias kept,
-   device bytes released while parked.
+   device bytes released while parked;
+6. KV parking through the manager: `KVCache` objects over a `KVPool` on the device, a byte
+   budget of two sessions' worth and a host buffer pool (pinned): parked sessions' blocks go
+   back to the pool, unparked reads are bit-identical, and every block is back once the
+   sessions are dropped; `park_until` frees pool blocks the same way;
+7. prefetch: `SessionStateManager.prefetch` restores a parked session on the background
+   worker (a side CUDA stream) while the caller's stream runs other work, and the `get`
+   after it reads bit-identically (skipped if the manager has no ``prefetch``).
 
-Prints one JSON object; exits non-zero if any check fails.
+Prints one JSON object; exits non-zero if any check fails. Without CUDA it prints
+``{"skipped": ...}`` and exits 0 (the project's tests need no GPU);
+``SESSIONSTATE_CHECK_DEVICE=cpu`` runs every check on the CPU instead (a dry run of the
+script, nothing pinned).
 
     python tools/gpu_check.py
 """
@@ -57,7 +67,117 @@ def ab(*extra: str) -> dict[str, Any]:
     return report
 
 
+def _kv_session(pool: ss.KVPool, seed: int) -> ss.SessionState:
+    """A session of 40 tokens of bf16 KV (3 blocks of the pool) and a 4 KiB feature cache."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(40, *pool.token_shape, generator=g).to(torch.bfloat16).to(DEV)
+    feat = torch.randn(1024, generator=g).to(DEV)
+    return ss.SessionState(
+        objects={
+            "kv": ss.KVCache(name="kv").allocate().append(pool, kv),
+            "feat": ss.TensorCache(name="feat").allocate().commit((feat,)),
+        }
+    )
+
+
+def _kv_read(state: ss.SessionState | None) -> torch.Tensor | None:
+    return None if state is None else state.object("kv", ss.KVCache).read()
+
+
+def _kv_manager(pool: ss.KVPool) -> tuple[ss.SessionStateManager, dict[str, torch.Tensor]]:
+    """Three sessions under a budget of two on the device, parking into a host buffer pool."""
+    records = {sid: _kv_session(pool, i) for i, sid in enumerate("abc")}
+    want = {sid: r.object("kv", ss.KVCache).read().clone() for sid, r in records.items()}
+    one = records["a"].nbytes_by_device()[DEV]
+    manager = ss.SessionStateManager(
+        max_bytes={DEV: 2 * one}, park_tier="host", host_pool_bytes="8MiB"
+    )
+    for sid in "abc":
+        manager.put(sid, records.pop(sid))
+    return manager, want
+
+
+def kv_park_checks() -> None:
+    pool = ss.KVPool(16, block_tokens=16, token_shape=(2, 4, 64), dtype=torch.bfloat16,
+                     device=DEV, name="gpu-kv")  # fmt: skip
+    manager, want = _kv_manager(pool)
+    host_pool = manager.host_pool
+    parked = manager.peek("a")
+    stats = manager.stats()
+    free_while_parked = pool.free_blocks
+    reads = {sid: _kv_read(manager.get(sid)) for sid in "abc"}  # each get may park another
+    identical = all(
+        got is not None and got.device == want[sid].device and torch.equal(got, want[sid])
+        for sid, got in reads.items()
+    )
+    after = manager.stats()
+    # park_until: the least recently used sessions' KV goes back to the pool, then returns.
+    held = pool.num_blocks - pool.free_blocks
+    freed = manager.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    back = _kv_read(manager.get("c"))
+    manager.clear()
+    del parked, reads, back
+    check(
+        "kv_park_unpark_through_the_manager",
+        stats.get("kv_parks", 0) >= 1
+        and stats.get("evictions") == 0
+        and free_while_parked == pool.num_blocks - 2 * 3  # one session's 3 blocks went back
+        and identical
+        and after.get("kv_unparks", 0) >= 1
+        and freed
+        and pool.free_blocks == pool.num_blocks,
+        pinned_host_pool=None if host_pool is None else host_pool.pinned,
+        stats={
+            k: v
+            for k, v in after.items()
+            if k.startswith(("kv_", "parks", "unparks", "host_pool", "nbytes", "engine"))
+        },
+        blocks_held_before_park_until=held,
+        free_blocks_at_the_end=pool.free_blocks,
+    )
+    check(
+        "kv_park_host_pool_pinned",
+        host_pool is not None and (host_pool.pinned or not DEV.startswith("cuda")),
+        pinned=None if host_pool is None else host_pool.pinned,
+    )
+
+
+def prefetch_checks() -> None:
+    if not callable(getattr(ss.SessionStateManager, "prefetch", None)):
+        results["prefetch"] = {"ok": True, "skipped": "SessionStateManager has no prefetch"}
+        return
+    pool = ss.KVPool(16, block_tokens=16, token_shape=(2, 4, 64), dtype=torch.bfloat16,
+                     device=DEV, name="gpu-kv-prefetch")  # fmt: skip
+    manager, want = _kv_manager(pool)  # "a" is parked
+    started = manager.prefetch("a", make_room=True)  # parks "b" first, never evicts
+    # Work on the caller's stream while the restore runs on the worker's side stream.
+    x = torch.randn(512, 512, device=DEV)
+    for _ in range(8):
+        x = x @ x / 512
+    got = _kv_read(manager.get("a"))
+    stats = manager.stats()
+    others = {sid: _kv_read(manager.get(sid)) for sid in "bc"}
+    identical = (
+        got is not None
+        and torch.equal(got, want["a"])
+        and all(r is not None and torch.equal(r, want[sid]) for sid, r in others.items())
+    )
+    manager.clear()
+    del got, others
+    check(
+        "prefetch_then_get",
+        started and identical and stats.get("prefetch_hits", 0) >= 1
+        and stats.get("evictions") == 0 and pool.free_blocks == pool.num_blocks,
+        started=started,
+        stats={k: v for k, v in stats.items() if "prefetch" in k or k.startswith("kv_")},
+        free_blocks_at_the_end=pool.free_blocks,
+    )  # fmt: skip
+
+
 def main() -> int:
+    if DEV.startswith("cuda") and not torch.cuda.is_available():
+        print(json.dumps({"skipped": f"no CUDA device ({DEV}): nothing checked", "ok": True}))
+        return 0
     results["torch"] = torch.__version__
     results["device_name"] = torch.cuda.get_device_name(0) if DEV.startswith("cuda") else DEV
 
@@ -150,6 +270,9 @@ def main() -> int:
         and ss.nbytes_by_device(resident) == ss.nbytes_by_device(session),
         parked_nbytes=ss.nbytes_by_device(parked),
     )
+
+    kv_park_checks()
+    prefetch_checks()
 
     results["failures"] = failures
     print(json.dumps(results, indent=2, default=str))
