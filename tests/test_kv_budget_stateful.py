@@ -34,14 +34,12 @@ import tempfile
 from typing import Any, ClassVar, Literal
 
 import hypothesis.strategies as st
-import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 
@@ -57,8 +55,6 @@ from sessionstate import (
 )
 from sessionstate.testing import recount_nbytes_by_device
 
-HAS_PREFETCH = callable(getattr(SessionStateManager, "prefetch", None))
-
 _IDS = ("a", "b", "c", "d")
 _BT = 2  # tokens per block
 _WIDTH = 2  # one token's KV: (2,) float32, so a block is 16 bytes
@@ -70,10 +66,9 @@ _STEP_NEED = _WINDOW_BLOCKS + 2  # what `_kv_need` asks for a session holding no
 
 def _settle() -> None:
     """Wait for the background restores started so far (one worker runs them in order)."""
-    if HAS_PREFETCH:
-        from sessionstate._storage._park import _executor
+    from sessionstate._storage._park import _executor
 
-        _executor().submit(lambda: None).result()
+    _executor().submit(lambda: None).result()
 
 
 class _FaultError(RuntimeError):
@@ -295,14 +290,9 @@ class KVBudgetMachine(RuleBasedStateMachine):
                 assert self._kv_left_to_park({sid}) == []
             self._sync()
             return
-        except SessionAdmissionError as exc:
+        except SessionAdmissionError:
             # The cap or the budget refused the new record: the stored one stays. Others may
             # have been parked (or evicted) trying: the pool may have gained blocks, not lost.
-            # A refusal of the record alone is a reference cycle today (the exception, its
-            # traceback and the frame raising it: see the xfail test below), which would keep
-            # this frame's records, and their blocks, until the cyclic collector runs; drop
-            # the traceback so the free count below is exact whenever the collector runs.
-            exc.__traceback__ = None
             assert self.manager.peek(sid) is stored
             assert self.pool.free_blocks >= free
             if at_cap:
@@ -379,7 +369,6 @@ class KVBudgetMachine(RuleBasedStateMachine):
         self.model.pop(sid, None)
         self._sync(dropped=sid)
 
-    @precondition(lambda self: HAS_PREFETCH)
     @rule(
         sid=st.sampled_from(_IDS),
         make_room=st.booleans(),
@@ -496,12 +485,6 @@ TestKVBudgetDisk = DiskKVBudgetMachine.TestCase
 TestKVBudgetDisk.settings = settings(max_examples=10, stateful_step_count=20, deadline=None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SessionStateManager._put_locked keeps the refusal in a local (`refused`) and "
-    "raises it: exception -> traceback -> frame -> exception, a cycle that keeps the "
-    "caller's frames (its records, their KV blocks) alive until the cyclic collector runs",
-)
 def test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks() -> None:
     import gc
     import weakref
@@ -526,12 +509,3 @@ def test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks() ->
         if enabled:
             gc.enable()
     assert freed
-
-
-def test_the_prefetch_rule_runs() -> None:
-    if not HAS_PREFETCH:
-        pytest.skip(
-            "SessionStateManager.prefetch is not on this branch yet: the machine's "
-            "prefetch_then_get rule is disabled (its precondition)."
-        )
-    assert KVBudgetMachine.prefetch_then_get is not None

@@ -712,7 +712,13 @@ class SessionStateManager(Generic[SessionT]):
             if self._policy is not None:
                 refused = self._policy.refusal(session_id, self._ledger)
                 if refused is not None:
-                    raise refused
+                    # Not kept in this frame: the traceback holds the frame, and the frame
+                    # holding the error would be a cycle keeping the caller's records (their
+                    # KV blocks) until the cyclic collector runs.
+                    try:
+                        raise refused
+                    finally:
+                        del refused
             if session_id in self._table:
                 if touch:
                     self._table.move_to_end(session_id)
