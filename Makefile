@@ -30,11 +30,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-# Two workers (pytest-xdist); the tests that use Ray share one worker and one cluster.
+# Everything but the Ray tests on two pytest-xdist workers, then the Ray tests alone, beside
+# their one local cluster (see tests/conftest.py).
 TEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not ray"
+	$(PY) -m pytest -m ray
 
 # Plant known bugs in a copy of src/ and check the tests catch each (slow; not part of `test`).
 mutants: $(STAMP)

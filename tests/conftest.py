@@ -26,19 +26,24 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-# -- Ray: one local cluster for the whole run, and every test that uses Ray on one worker ------
+# -- Ray: one local cluster for the whole run, and the tests that use Ray apart ---------------
 #
-# Starting a cluster costs seconds; the Ray modules share one. Under pytest-xdist
-# (`make pytest` runs two workers) the tests and doctests that reach Ray form one group, so
-# one worker runs them all, in collection order, beside that one cluster.
+# Starting a cluster costs seconds; the Ray tests share one. They are marked `ray`: `make
+# pytest` runs everything else on two pytest-xdist workers, then the `ray` tests on their own
+# (`-m ray`), so the cluster's worker processes never compete with a second test worker for
+# the machine's cores (a worker starved of CPU misses the router's timeout). Under xdist they
+# also form one group, for a run that does not split them out.
 
-_RAY_MODULES = ("tests/test_distributed", "src/sessionstate/distributed/")
+_RAY_PATHS = ("tests/test_distributed", "src/sessionstate/distributed/", "cli/_cluster.py")
+_RAY_IDS = ("[scaling-out.md]",)  # a docs page whose code starts a local cluster
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the mark
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = item.path.as_posix()
-        if any(part in path for part in _RAY_MODULES):
+        if any(part in path for part in _RAY_PATHS) or any(i in item.nodeid for i in _RAY_IDS):
+            item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 

@@ -295,7 +295,9 @@ class KVBudgetMachine(RuleBasedStateMachine):
             # have been parked (or evicted) trying: the pool may have gained blocks, not lost.
             assert self.manager.peek(sid) is stored
             assert self.pool.free_blocks >= free
-            if at_cap:
+            # A record over the whole budget alone is refused before the cap is consulted.
+            over_alone = self.budget is not None and alone > self.budget
+            if at_cap and not over_alone:
                 assert self.on_full == "refuse"
                 event("step refused by the session cap")
                 self._sync()

@@ -486,6 +486,24 @@ def test_a_name_in_both_buckets() -> None:
         SessionState(objects={"ring": LatentBuffer()}).with_attrs(ring=1)
 
 
+def test_the_host_pool_and_prefetch_arguments() -> None:
+    msg = (
+        "`host_pool_full` must be 'disk' (spill what the host pool cannot hold to the disk "
+        "tier) or 'refuse', got 'spill' (str)."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        SessionStateManager(host_pool_full="spill")  # type: ignore[arg-type]
+    msg = (
+        "`host_pool_bytes` must be a positive byte count, got 0; pass None for no host pool, "
+        "or the bytes the host tier may hold (e.g. '8GiB')."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        SessionStateManager(host_pool_bytes=0)
+    msg = "`make_room` must be a bool (True or False), got 1."
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionStateManager().prefetch("a", make_room=1)  # type: ignore[arg-type]
+
+
 # --- coverage guard -------------------------------------------------------------------------
 
 CORE_MESSAGES = {
@@ -496,11 +514,12 @@ CORE_MESSAGES = {
     # messages in test_park.py.
     "_accounting.py": 2 + 4,
     # The budget's device and zero-byte refusals are pinned in test_config_budget.py.
-    # The KV pool's bytes, and per-device budget text: test_config_budget.py.
-    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1 + 1,
+    # The KV pool's bytes, and per-device budget text: test_config_budget.py; so is the
+    # host pool's `session_state_host_pool_full`.
+    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1 + 1 + 1,
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
-    "_manager/_table.py": 11,
+    "_manager/_table.py": 11 + 3,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
