@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine_info
 
 from sessionstate import (
     DEFAULT_MAX_SESSIONS,
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes, repeats = ([1], 3) if args.smoke else ([1, 16, 64], 7)
     results = {
         "smoke": args.smoke,
+        "machine": machine_info(),  # the commit, date, machine and load at the start
         "torch": torch.__version__,
         "round_trip": [round_trip(mib, repeats) for mib in sizes],
         "put_check": [
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "round_robin": round_robin(6, 1 if args.smoke else 4),
         "kv_park": [kv_park(mib, repeats) for mib in sizes],
     }
+    results["loadavg_end"] = list(os.getloadavg())
     text = json.dumps(results, indent=2)
     print(text)
     if args.out is not None:
