@@ -35,8 +35,8 @@ typecheck: $(STAMP)
 TEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not ray"
-	$(PY) -m pytest -m ray
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not ray" --durations=15
+	$(PY) -m pytest -m ray --durations=5
 
 # Plant known bugs in a copy of src/ and check the tests catch each (slow; not part of `test`).
 mutants: $(STAMP)

@@ -360,6 +360,79 @@ MUTANTS = (
         ),
         ("tests/test_two_model_contract.py",),
     ),
+    Mutant(
+        "kv-reload-skips-copy",
+        "unparking KV takes fresh blocks of the pool but never copies the tokens back",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                self.storage.index_copy_("
+                "0, index, data.to(self.storage.device))\n",
+                "                pass\n",
+            ),
+        ),
+        ("tests/test_kv_park.py",),
+    ),
+    Mutant(
+        "kv-blocks-not-freeable",
+        "parking for pool blocks skips a KVHandle's blocks (as before KV could park)",
+        "sessionstate/_manager/_policy.py",
+        (
+            (
+                "        if obj.parkable and any(entry[3] and frees(entry) for entry in "
+                'values[("o", name)].entries)\n',
+                "        if obj.parkable and any(entry[3] and frees(entry) and "
+                'type(entry[1]).__name__ != "EngineBlock" '
+                'for entry in values[("o", name)].entries)\n',
+            ),
+        ),
+        ("tests/test_kv_park.py", "tests/test_kv_park_dreamzero.py"),
+    ),
+    Mutant(
+        "dreamzero-never-makes-kv-room",
+        "DreamZero steps without parking other sessions' KV when its pool runs short",
+        "sessionstate/models/dreamzero/_managed.py",
+        (
+            (
+                "        pool = self.kv_pool\n"
+                "        if pool.free_blocks > kv_cache.handle_blocks(self.model.cfg):\n"
+                "            return\n",
+                "        return\n",
+            ),
+        ),
+        ("tests/test_kv_park_dreamzero.py",),
+    ),
+    Mutant(
+        "prefetch-ignores-budget",
+        "a prefetch starts whether or not its bytes fit under max_bytes",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                if self._policy.over(self._ledger, extra):\n"
+                "                    parking.count_dropped_prefetch()\n",
+                "                if False:\n                    parking.count_dropped_prefetch()\n",
+            ),
+        ),
+        ("tests/test_prefetch.py",),
+    ),
+    Mutant(
+        "refused-put-keeps-a-cycle",
+        "a put refused for a record over the whole budget keeps its error in the frame",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                    try:\n"
+                "                        raise refused\n"
+                "                    finally:\n"
+                "                        del refused\n",
+                "                    raise refused\n",
+            ),
+        ),
+        (
+            "tests/test_kv_budget_stateful.py::"
+            "test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks",
+        ),
+    ),
 )
 
 
