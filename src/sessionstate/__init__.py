@@ -64,6 +64,8 @@ if TYPE_CHECKING:
     from sessionstate._stateobject import ParkedObject as ParkedObject
     from sessionstate._stateobject import StagedStateObject as StagedStateObject
     from sessionstate._stateobject import StateObject as StateObject
+    from sessionstate._storage import HostBufferPool as HostBufferPool
+    from sessionstate._storage import HostPoolFullError as HostPoolFullError
     from sessionstate._storage import dumps_state as dumps_state
     from sessionstate._storage import load_state as load_state
     from sessionstate._storage import loads_state as loads_state
@@ -150,6 +152,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "StateObject",
     ),
     "sessionstate._storage": (
+        "HostBufferPool",
+        "HostPoolFullError",
         "dumps_state",
         "load_state",
         "loads_state",
