@@ -621,6 +621,14 @@ class KVPool:
 # of just those blocks.
 
 
+def _read_blocks(pool: KVPool, slot_of: Mapping[int, int], filled: Sequence[int]) -> torch.Tensor:
+    """A copy of the blocks ``slot_of`` names, in slot order, zeroed past each one's fill."""
+    data = pool._copy_blocks(list(slot_of))
+    for slot, fill in enumerate(filled):
+        data[slot, fill:].zero_()
+    return data
+
+
 def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     """The snapshot payload of ``leaves``: per pool its blocks' data, per handle its facts.
 
@@ -639,9 +647,7 @@ def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     pools, slots, fills, handles = _gather(leaves, "snapshot")
     saved = []
     for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
-        data = pool._copy_blocks(list(slot_of))
-        for slot, fill in enumerate(filled):
-            data[slot, fill:].zero_()
+        data = _read_blocks(pool, slot_of, filled)
         saved.append(
             {
                 "name": pool.name,
@@ -684,9 +690,7 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     pools, slots, fills, handles = _gather(leaves, "park")
     saved = []
     for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
-        data = pool._copy_blocks(list(slot_of))
-        for slot, fill in enumerate(filled):
-            data[slot, fill:].zero_()
+        data = _read_blocks(pool, slot_of, filled)
         saved.append({"pool": pool, "blocks": data, "fills": filled})
     return {"pools": saved, "handles": handles}
 
