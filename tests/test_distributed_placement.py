@@ -8,29 +8,21 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
-from sessionstate import SessionState, SessionStateManager  # noqa: E402
+from ray_support import CounterPipeline  # noqa: E402
+from sessionstate import SessionStateManager  # noqa: E402
 from sessionstate.distributed import Router  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class CappedPipeline:
+class CappedPipeline(CounterPipeline):
     """Two sessions per worker at most, a 64 KiB cpu budget; a session holds a payload."""
 
     def __init__(self) -> None:
         self.manager = SessionStateManager(2, max_bytes={"cpu": 1 << 16})
-
-    def forward(self, inputs: int, session_id: str) -> int:
-        state = self.manager.get(session_id)
-        if state is None:
-            state = SessionState(attrs={"count": 0, "payload": torch.zeros(inputs)})
-        count = state.attrs["count"] + 1
-        self.manager.put(session_id, state.with_attrs(count=count))
-        return int(count)
 
 
 @pytest.fixture(scope="module")

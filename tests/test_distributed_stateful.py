@@ -14,7 +14,6 @@ import sys
 
 import attrs
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -27,9 +26,10 @@ from hypothesis.stateful import (
 
 ray = pytest.importorskip("ray")
 
+from ray_support import CounterPipeline  # noqa: E402
 from ray_support import get as _get  # noqa: E402
 from ray_support import kill as _kill  # noqa: E402
-from sessionstate import SessionState, SessionStateLostError, SessionStateManager  # noqa: E402
+from sessionstate import SessionStateLostError  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
     Router,
     SessionRestoredError,
@@ -39,21 +39,6 @@ from sessionstate.distributed import (  # noqa: E402
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SESSIONS = ("snap-a", "plain-b", "snap-c")
-
-
-class CounterPipeline:
-    """A session holds a call count and a small payload tensor."""
-
-    def __init__(self) -> None:
-        self.manager = SessionStateManager()
-
-    def forward(self, inputs: int, session_id: str) -> int:
-        state = self.manager.get(session_id)
-        if state is None:
-            state = SessionState(attrs={"count": 0, "payload": torch.zeros(inputs)})
-        count = state.attrs["count"] + 1
-        self.manager.put(session_id, state.with_attrs(count=count))
-        return int(count)
 
 
 @attrs.define
