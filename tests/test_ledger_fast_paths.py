@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from sessionstate import KVCache, KVHandle, KVPool, SessionState, SessionStateManager, TensorCache
 from sessionstate._accounting import derivation
+from sessionstate._manager import Ledger
 from sessionstate.testing import recount_nbytes_by_device
 
 ATTR_VALUES = [None, 3, 2.5, True, "text", b"raw"]
@@ -164,3 +165,34 @@ class TestWithValues:
     def test_an_object_that_is_not_a_state_object_is_refused(self) -> None:
         with pytest.raises(TypeError, match="must be a StateObject"):
             SessionState().with_values({"c": torch.zeros(1)})  # type: ignore[dict-item]
+
+
+SPANS = st.lists(
+    st.tuples(st.booleans(), st.integers(0, 40), st.integers(1, 12), st.integers(0, 3)),
+    max_size=60,
+)
+
+
+@given(ops=SPANS)
+def test_a_lazy_ledger_reads_the_same_totals_as_an_eager_one(
+    ops: list[tuple[bool, int, int, int]],
+) -> None:
+    # Entries over overlapping address ranges (several identities per range too), added and
+    # removed in any order; totals read after every change and only at the end.
+    eager, lazy, rare = Ledger(), Ledger(lazy=True), Ledger(lazy=True)
+    held: list[tuple[str, int, int, int, None]] = []
+    for add, start, size, alias in ops:
+        if add or not held:
+            entry = ("cpu", (start, size, alias), 1000 + start, size, None)
+            if entry in held:
+                continue
+            held.append(entry)
+            for ledger in (eager, lazy, rare):
+                ledger.add([entry])
+        else:
+            entry = held.pop(start % len(held))
+            for ledger in (eager, lazy, rare):
+                ledger.remove([entry])
+        covered = {b for _, _, pointer, n, _ in held for b in range(pointer, pointer + n)}
+        assert eager.totals() == lazy.totals() == ({"cpu": len(covered)} if covered else {})
+    assert rare.totals() == eager.totals()

@@ -57,12 +57,17 @@ def _check(m: SessionStateManager, held: dict[str, SessionState]) -> None:
     assert stats["total_nbytes"] == sum(recount.values())
 
 
+@pytest.mark.parametrize("budget", [None, {"cpu": 1 << 20}], ids=["no-budget", "budget"])
 @pytest.mark.parametrize("kind", sorted(_AS))
-def test_overlapping_storages_in_every_order_match_a_recount(kind: str) -> None:
+def test_overlapping_storages_in_every_order_match_a_recount(
+    kind: str, budget: dict[str, int] | None
+) -> None:
+    # Without a budget the ledger measures the union when `stats()` reads it; with one, on
+    # every put: both must agree with the recount.
     values = _values()
     names = list(values)
     for order in itertools.permutations(names):
-        m = SessionStateManager()
+        m = SessionStateManager(max_bytes=budget)
         held: dict[str, SessionState] = {}
         for name in order:
             held[name] = _AS[kind](values[name])

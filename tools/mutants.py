@@ -433,6 +433,61 @@ MUTANTS = (
             "test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks",
         ),
     ),
+    Mutant(
+        "kv-cache-commit-keeps-the-old-handle",
+        "a KVCache commit claims its old handle stays a leaf, so the ledger never counts the new",
+        "sessionstate/_kv/_cache.py",
+        (("new, self, 0 if self.handle is None else 1,", "new, self, 0,"),),
+        ("tests/test_ledger_fast_paths.py",),
+    ),
+    Mutant(
+        "kv-handle-never-gives-blocks-back",
+        "a collected KVHandle keeps its blocks (the lease is never released)",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "            self._lease.release()\n        except",
+                "            pass\n        except",
+            ),
+        ),
+        ("tests/test_ledger_fast_paths.py", "tests/test_kvpool.py"),
+    ),
+    Mutant(
+        "ledger-skips-tensor-attributes",
+        "the ledger's short cut for leaf values counts a tensor attribute as holding nothing",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "    if kind in _SCALAR_LEAVES:  # a leaf",
+                "    if kind in _SCALAR_LEAVES or kind is torch.Tensor:  # a leaf",
+            ),
+        ),
+        ("tests/test_ledger_fast_paths.py",),
+    ),
+    Mutant(
+        "lazy-ledger-never-remeasures",
+        "a ledger without a budget keeps its first measured union after ranges are added",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "counts[span] = counts.get(span, 0) + 1\n        self._stale = True",
+                "counts[span] = counts.get(span, 0) + 1",
+            ),
+        ),
+        ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
+    ),
+    Mutant(
+        "with-values-skips-the-bucket-check",
+        "with_values lets one name be both a state object and an attribute",
+        "sessionstate/_session.py",
+        (
+            (
+                "        if clash:\n            _check_disjoint(",
+                "        if False:\n            _check_disjoint(",
+            ),
+        ),
+        ("tests/test_ledger_fast_paths.py",),
+    ),
 )
 
 

@@ -346,6 +346,10 @@ def leaf_entries(leaf: Any, /) -> list[StorageEntry]:
         ]
     if type(leaf) in _SCALARS:
         return []
+    if not isinstance(leaf, torch.Tensor):
+        report = getattr(type(leaf), STORAGE_ENTRIES_HOOK, None)
+        if report is not None:  # a leaf reporting its own storages (a `KVHandle`)
+            return list(report(leaf))
     return list(_storages(leaf))
 
 

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, NoReturn, TypeVar
 
 import optree
+import torch
 import torch.utils._pytree as torch_pytree
 
 from sessionstate._tree import NAMESPACE
@@ -106,6 +107,9 @@ _FIXES: dict[type, str] = {
 }
 
 
+_LEAVES = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
+
+
 def freeze(value: Any, where: str, /) -> Any:
     """Return ``value`` deeply immutable: lists as tuples, dicts as `FrozenDict`s, recursively.
 
@@ -123,6 +127,8 @@ def freeze(value: Any, where: str, /) -> Any:
     True
     """
     kind = type(value)
+    if kind in _LEAVES:  # the common attribute values: immutable leaves, returned as they are
+        return value
     if kind is list:
         return tuple(freeze(v, f"{where}[{i}]") for i, v in enumerate(value))
     if kind is tuple:

@@ -83,12 +83,19 @@ def _check_chunk(name: str, dim: int, chunk: object, ref: torch.Tensor | None) -
             "(`.to_dense()`, `.to_sparse()`) or `reset()` the buffer to change its layout."
         )
         raise ValueError(msg)
+    shape, held = chunk.shape, ref.shape
     if (
         chunk.dtype != ref.dtype
         or chunk.device != ref.device
-        or chunk.dim() != ref.dim()
-        or chunk.shape[:dim] != ref.shape[:dim]
-        or chunk.shape[dim + 1 :] != ref.shape[dim + 1 :]
+        # Equal shapes (chunks of one length, the common case) cost one comparison.
+        or (
+            shape != held
+            and (
+                len(shape) != len(held)
+                or shape[:dim] != held[:dim]
+                or shape[dim + 1 :] != held[dim + 1 :]
+            )
+        )
     ):
         msg = (
             f"LatentBuffer `{name}` holds chunks of dtype {ref.dtype} on {ref.device} "
@@ -412,14 +419,20 @@ class TensorCache(StateObject):
     def commit(self, contents: Any, /) -> TensorCache:
         """Return a cache holding ``contents`` instead of what it held (nothing is copied).
 
+        Committing the very contents held returns this cache itself (a step that left the
+        cache as it was changes nothing, and costs the accounting nothing).
+
         Raises:
             NotAllocatedError: if the cache is not allocated.
 
         >>> import torch
-        >>> TensorCache().allocate().commit({"k": torch.zeros(1)}).view()
-        {'k': tensor([0.])}
+        >>> cache = TensorCache().allocate().commit({"k": torch.zeros(1)})
+        >>> cache.view(), cache.commit(cache.view()) is cache
+        ({'k': tensor([0.])}, True)
         """
         self._require_allocated("commit to")
+        if contents is self.contents:
+            return self
         return attrs.evolve(self, contents=contents)
 
     def view(self) -> Any:

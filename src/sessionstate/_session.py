@@ -304,6 +304,47 @@ class SessionState:
         _check_disjoint(self._objects, new)
         return self._replace(self._objects, new)
 
+    def with_values(
+        self: _St, objects: Mapping[str, StateObject] | None = None, /, **values: Any
+    ) -> _St:
+        """Return a new state with ``objects`` stored and the attributes ``values`` set.
+
+        One transition for what a step changes at once: the result equals `with_object` for
+        each of ``objects`` followed by ``with_attrs(**values)``, and its checks cover only
+        the names given.
+
+        Raises:
+            TypeError: for an object that is not a `StateObject` record.
+            AttributeError: for an attribute the session class does not declare.
+            ValueError: for a name given as both, or already held in the other bucket.
+
+        >>> from sessionstate import LatentBuffer
+        >>> s = SessionState().with_values({"ring": LatentBuffer()}, steps=1)
+        >>> list(s.objects), dict(s.attrs)
+        (['ring'], {'steps': 1})
+        """
+        new_objects = self._objects
+        if objects:
+            new_objects = dict(new_objects)
+            for name, obj in objects.items():
+                _check_object(name, obj, f"with_attrs({name}=...)")
+                new_objects[name] = obj
+        new_attrs = self._attrs
+        if values:
+            new_attrs = dict(new_attrs)
+            cls = type(self)
+            for name, value in values.items():
+                declared = _declared_attr(cls, name)
+                new_attrs[name] = freeze(
+                    value if declared is None else declared.convert(value), name
+                )
+        clash = [n for n in values if n in new_objects]
+        if objects:
+            clash += [n for n in objects if n in new_attrs]
+        if clash:
+            _check_disjoint(dict.fromkeys(clash), dict.fromkeys(clash))
+        return self._replace(new_objects, new_attrs)
+
     def clear_attrs(self: _St, *names: str) -> _St:
         """Return a new state with ``names`` unset (they read as their defaults again).
 
@@ -501,7 +542,12 @@ def _sub(key: str) -> str:
     return key if key.startswith("[") else f".{key}"
 
 
+_OBJECT_RECORDS: set[type] = set()  # StateObject classes found to be records
+
+
 def _check_object(name: str, obj: object, carried_fix: str) -> None:
+    if type(obj) in _OBJECT_RECORDS:  # a class stays a record once registered
+        return
     if not isinstance(obj, StateObject):
         msg = (
             f"State object `{name}` must be a StateObject (e.g. LatentBuffer), got "
@@ -516,6 +562,7 @@ def _check_object(name: str, obj: object, carried_fix: str) -> None:
             "`@sessionstate.record`."
         )
         raise TypeError(msg)
+    _OBJECT_RECORDS.add(type(obj))
 
 
 def _declared_attr(cls: type[SessionState], name: str) -> SessionAttr[Any] | None:

@@ -3,7 +3,8 @@
 Faults are injected by wrapping one callable so that its k-th call raises `InjectedFaultError`:
 the observation transform (`stitch_views`), the Wan VAE encode (`nets.encode_chunk`, also
 called inside `encode_image`), the denoiser (`nets.diffuse`), a `LatentBuffer.commit`, and
-`DreamZeroSession.with_attrs` (which sits between the state updates of one step).
+`DreamZeroSession.with_values` (the step's two transitions: before the denoiser runs, and
+with what it produced).
 
 On the managed path the stored record of the faulted session is the very same object as
 before the step and bit-identical to a clone taken before it; other sessions are untouched;
@@ -101,8 +102,8 @@ def inject(mp: pytest.MonkeyPatch, pipe: DreamZeroPipeline, target: str, k: int)
         mp.setattr(pipe.nets, target, fault.wrap(getattr(pipe.nets, target)))
     elif target == "commit":
         mp.setattr(LatentBuffer, "commit", fault.wrap(LatentBuffer.commit))
-    elif target == "with_attrs":
-        mp.setattr(DreamZeroSession, "with_attrs", fault.wrap(DreamZeroSession.with_attrs))
+    elif target == "with_values":
+        mp.setattr(DreamZeroSession, "with_values", fault.wrap(DreamZeroSession.with_values))
     elif target == "append_vae_encoder_chunk":  # the bespoke path's commit of an encoder chunk
         mp.setattr(
             DreamZeroState,
@@ -179,9 +180,9 @@ MANAGED_CASES = [
     pytest.param("commit", 4, 1, id="commit-stitched-frame"),
     pytest.param("commit", 4, 2, id="commit-encoder-chunk"),
     pytest.param("commit", 4, 3, id="commit-video-latents-last-update"),
-    pytest.param("with_attrs", 2, 2, id="between-frame-commit-and-call_count"),
-    pytest.param("with_attrs", 4, 3, id="between-encoder-commit-and-feat-map"),
-    pytest.param("with_attrs", 4, 5, id="between-current_start_frame-and-latents-commit"),
+    pytest.param("with_values", 2, 1, id="after-the-kv-append-before-the-denoiser"),
+    pytest.param("with_values", 4, 1, id="after-the-window-reset-before-the-denoiser"),
+    pytest.param("with_values", 4, 2, id="after-the-denoiser-last-update"),
 ]
 
 
@@ -231,8 +232,8 @@ NEW_SESSION_CASES = [
     pytest.param("diffuse", 1, id="denoiser"),
     pytest.param("commit", 2, id="commit-encoder-seed"),
     pytest.param("commit", 3, id="commit-video-latents"),
-    pytest.param("with_attrs", 3, id="between-prompt-embeds-and-stream-seed"),
-    pytest.param("with_attrs", 6, id="last-update"),
+    pytest.param("with_values", 1, id="after-the-stream-seed-before-the-denoiser"),
+    pytest.param("with_values", 2, id="last-update"),
 ]
 
 
@@ -277,7 +278,7 @@ def test_managed_interleaved_run_with_faults_matches_an_unfaulted_run(
         (0, S0): ("encode_chunk", 4),
         (0, S1): ("commit", 1),
         (1, S1): ("diffuse", 1),
-        (2, S0): ("with_attrs", 2),
+        (2, S0): ("with_values", 1),
         (4, S1): ("commit", 2),
         (4, S0): ("encode_chunk", 3),
         (6, S1): ("stitch_views", 1),

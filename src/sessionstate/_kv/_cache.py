@@ -12,6 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from sessionstate._accounting import note_derived
 from sessionstate._errors import NotAllocatedError
 from sessionstate._kv._pool import KVHandle, KVPool
 from sessionstate._stateobject import StateObject
@@ -90,7 +91,19 @@ class KVCache(StateObject):
                 "`KVPool.append`."
             )
             raise TypeError(msg)
-        return attrs.evolve(self, handle=handle)
+        if type(self) is not KVCache:  # a subclass may carry fields of its own
+            return attrs.evolve(self, handle=handle)
+        # `attrs.evolve` re-runs every converter and validator; a commit only swaps the handle.
+        new = object.__new__(KVCache)
+        object.__setattr__(new, "handle", handle)
+        object.__setattr__(new, "name", self.name)
+        object.__setattr__(new, "allocated", True)
+        # The leaves are the handle alone: the old one (if any) goes, the new one (if any)
+        # comes, so the accounting counts the new handle's blocks and nothing else.
+        note_derived(
+            new, self, 0 if self.handle is None else 1, () if handle is None else (handle,)
+        )
+        return new
 
     def append(self, pool: KVPool, kv: torch.Tensor, /, *, window: int | None = None) -> KVCache:
         """Return a cache whose handle is this one's tokens followed by ``kv``, in ``pool``.

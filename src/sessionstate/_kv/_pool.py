@@ -41,7 +41,6 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -59,16 +58,32 @@ __all__ = ["KVHandle", "KVPool", "offload_payload", "reload_handles"]
 
 
 class _Lease:
-    """The handle's claim on its blocks: a finalizer that drops one reference per block."""
+    """A handle's claim on its blocks: one reference per block, dropped once.
 
-    __slots__ = ("finalizer",)
+    The handle drops it when it is collected (`KVHandle.__del__`); a rolled-back step's
+    transaction drops it early, which kills the handle. Cheaper than a `weakref.finalize` per
+    handle, which a step would pay for every handle it makes.
+    """
 
-    def __init__(self) -> None:
-        self.finalizer: weakref.finalize[Any, Any] | None = None
+    __slots__ = ("blocks", "held", "pool")
+
+    def __init__(self, pool: KVPool, blocks: tuple[int, ...]) -> None:
+        self.pool: KVPool | None = pool
+        self.blocks = blocks
+        self.held = True
 
     @property
     def alive(self) -> bool:
-        return self.finalizer is not None and self.finalizer.alive
+        return self.held
+
+    def release(self) -> None:
+        """Drop the references (once; later calls do nothing)."""
+        if not self.held:
+            return
+        self.held = False
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool._release(self.blocks)
 
 
 @register_snapshot_leaf
@@ -112,6 +127,14 @@ class KVHandle:
         return tree_equal(self.read(), other.read())
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and holds no hashable value
+
+    def __del__(self) -> None:
+        # The handle's blocks go back to the pool once no record holds the handle. Not
+        # `contextlib.suppress`: at interpreter shutdown module globals may already be gone.
+        try:  # noqa: SIM105
+            self._lease.release()
+        except Exception:  # shutdown: nothing left to give the blocks back to
+            pass
 
     @property
     def alive(self) -> bool:
@@ -274,6 +297,7 @@ class KVPool:
         self._filled = [0] * num_blocks  # tokens written into each block so far
         self._lock = threading.RLock()
         self._local = threading.local()
+        self._block_entries: dict[int, StorageEntry] = {}  # see `_entries`
 
     def __repr__(self) -> str:
         return (
@@ -474,8 +498,7 @@ class KVPool:
         except BaseException:
             with self._lock:
                 for lease in reversed(log["leases"]):
-                    if lease.finalizer is not None:
-                        lease.finalizer()  # drops the handle's references, once
+                    lease.release()  # drops the handle's references, once
                 for block, filled in log["filled"].items():
                     self._filled[block] = filled if self._refs[block] else 0
             raise
@@ -530,14 +553,13 @@ class KVPool:
         self._filled[block] = filled
 
     def _handle(self, blocks: tuple[int, ...], tokens: int, *, logged: bool = True) -> KVHandle:
-        lease = _Lease()
+        if blocks:
+            with self._lock:
+                refs = self._refs
+                for block in blocks:
+                    refs[block] += 1
+        lease = _Lease(self, blocks)
         handle = KVHandle(self, blocks, tokens, lease=lease)
-        with self._lock:
-            for block in blocks:
-                self._refs[block] += 1
-        finalizer = weakref.finalize(handle, self._release, blocks)
-        finalizer.atexit = False
-        lease.finalizer = finalizer
         log = getattr(self._local, "log", None) if logged else None
         if log is not None:
             log["leases"].append(lease)
@@ -606,12 +628,22 @@ class KVPool:
             return self.storage.index_select(0, index)
 
     def _entries(self, blocks: tuple[int, ...]) -> list[StorageEntry]:
-        size, base = self.block_nbytes, self._base
-        keepalive = self.storage
-        return [
-            (self._device, EngineBlock(self._key, b), base + b * size, size, keepalive)
-            for b in blocks
-        ]
+        # A block's entry never changes while the pool lives: built once, on first use.
+        known = self._block_entries
+        out: list[StorageEntry] = []
+        for b in blocks:
+            entry = known.get(b)
+            if entry is None:
+                size = self.block_nbytes
+                entry = known[b] = (
+                    self._device,
+                    EngineBlock(self._key, b),
+                    self._base + b * size,
+                    size,
+                    self.storage,
+                )
+            out.append(entry)
+        return out
 
 
 # -- the snapshot codec of `KVHandle` leaves: the blocks they reach, saved once, and back ------

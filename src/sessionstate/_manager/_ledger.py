@@ -19,6 +19,7 @@ import operator
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
+import torch
 
 from sessionstate._accounting import (
     EngineBlock,
@@ -89,8 +90,66 @@ class _Ranges:
         return covered
 
 
+class _LazyRanges:
+    """A multiset of address ranges whose union is measured when read, not on every change.
+
+    For a ledger nobody reads between puts (no byte budget): a change costs one dict update,
+    and reading the total after changes sorts the distinct ranges once.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[int, int], int] = {}
+        self._total = 0
+        self._stale = False
+
+    def add(self, start: int, end: int) -> None:
+        counts, span = self._counts, (start, end)
+        counts[span] = counts.get(span, 0) + 1
+        self._stale = True
+
+    def remove(self, start: int, end: int) -> None:
+        counts, span = self._counts, (start, end)
+        count = counts[span] - 1
+        if count:
+            counts[span] = count
+        else:
+            del counts[span]
+        self._stale = True
+
+    @property
+    def total(self) -> int:
+        if self._stale:
+            self._total = _union_size(sorted(self._counts))
+            self._stale = False
+        return self._total
+
+
+def _union_size(spans: Sequence[tuple[int, int]]) -> int:
+    """The size of the union of sorted, distinct ``(start, end)`` ranges."""
+    if not spans:
+        return 0
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    starts, ends = zip(*spans, strict=True)
+    if not any(map(operator.gt, ends, starts[1:])):
+        # No range reaches into the next (distinct allocations, the common case): the union
+        # is the sum of the lengths, added up without a Python-level loop.
+        return sum(ends) - sum(starts)
+    covered, reach = 0, 0
+    for start, end in spans:
+        if end <= reach:
+            continue
+        covered += end - max(start, reach)
+        reach = end
+    return covered
+
+
 class Ledger:
     """Resident bytes per device from per-storage reference counts.
+
+    With ``lazy=True`` the union of each device's address ranges is measured when a total is
+    read after changes, instead of kept up to date on every change: for a ledger read rarely
+    (`stats()`) and moved on every put.
 
     >>> import torch
     >>> from sessionstate._accounting import storage_entries
@@ -105,10 +164,11 @@ class Ledger:
     {}
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, lazy: bool = False) -> None:
         self._refs: dict[Hashable, list[object]] = {}  # identity -> [count, entry]
         self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
-        self._ranges: dict[str, _Ranges] = {}
+        self._ranges: dict[str, _Ranges | _LazyRanges] = {}
+        self._range_kind: type[_Ranges | _LazyRanges] = _LazyRanges if lazy else _Ranges
         self._unmapped: dict[str, int] = {}  # bytes of storages without memory (meta)
 
     def add(self, entries: Iterable[StorageEntry], /) -> None:
@@ -121,7 +181,8 @@ class Ledger:
                 ref[0] = int(ref[0]) + 1  # type: ignore[call-overload]
                 continue
             refs[identity] = [1, entry]
-            self._count(entry, +1)
+            if entry[3]:
+                self._count(entry, +1)
 
     def remove(self, entries: Iterable[StorageEntry], /) -> None:
         """Remove one reference from each entry's storage (added before)."""
@@ -134,7 +195,8 @@ class Ledger:
                 ref[0] = count
                 continue
             del refs[identity]
-            self._count(entry, -1)
+            if entry[3]:
+                self._count(entry, -1)
 
     def _count(self, entry: StorageEntry, sign: int) -> None:
         device, identity, pointer, nbytes, _ = entry
@@ -147,7 +209,7 @@ class Ledger:
             return
         ranges = self._ranges.get(device)
         if ranges is None:
-            ranges = self._ranges[device] = _Ranges()
+            ranges = self._ranges[device] = self._range_kind()
         if sign > 0:
             ranges.add(pointer, pointer + nbytes)
         else:
@@ -230,22 +292,33 @@ def _walk(value: object, previous: _Item | None) -> _Item:
         UnsupportedTensorError: for a leaf the accounting cannot count (naming its key path
             inside ``value``).
     """
-    if previous is not None:
-        derived = derivation(value)
-        if derived is not None and derived.base() is previous.value:
-            # The transition that built `value` said how (a buffer's commit): count only the
-            # leaves it added, whatever the value's history.
-            dropped = min(derived.dropped, len(previous.leaves))
-            kept = len(previous.leaves) - dropped
-            added = _count_leaves(value, derived.leaves[kept:])
-            return _successor(value, derived.leaves, previous, dropped, added)
-    leaves = tree_leaves(value)
+    kind = type(value)
+    if kind in _SCALAR_LEAVES:  # a leaf holding no storage: nothing to count or share
+        return _Item(value, (value,), [[]])
+    if value is None:
+        return _Item(value, (), [])
+    if kind is torch.Tensor:  # a leaf itself, as `tree_leaves` would say
+        leaves: Sequence[object] = (value,)
+    else:
+        if previous is not None:
+            derived = derivation(value)
+            if derived is not None and derived.base() is previous.value:
+                # The transition that built `value` said how (a buffer's commit): count only
+                # the leaves it added, whatever the value's history.
+                dropped = min(derived.dropped, len(previous.leaves))
+                kept = len(previous.leaves) - dropped
+                added = _count_leaves(value, derived.leaves[kept:])
+                return _successor(value, derived.leaves, previous, dropped, added)
+        leaves = tree_leaves(value)
     shared = None if previous is None else _shared_run(previous.leaves, leaves)
     if previous is None or shared is None:
         return _Item(value, leaves, _count_leaves(value, leaves))
     kept = len(previous.leaves) - shared
     return _successor(value, leaves, previous, shared, _count_leaves(value, leaves[kept:]))
 
+
+# Attribute values that are leaves themselves, walked without a tree flatten.
+_SCALAR_LEAVES = frozenset({int, float, bool, str, bytes})
 
 _COMPACT_AT = 64  # positions a ring's backing may lead with (dropped) before it is copied
 
@@ -306,7 +379,8 @@ class SessionLedger:
     """
 
     def __init__(self, *, per_session: bool = False) -> None:
-        self._ledger = Ledger()
+        # Without per-session totals (no byte budget) nobody reads the totals between puts.
+        self._ledger = Ledger(lazy=not per_session)
         self._values: dict[Hashable, Values] = {}
         self._alone: dict[Hashable, Ledger] | None = {} if per_session else None
 
@@ -349,22 +423,26 @@ class SessionLedger:
                 alone = self._alone[session_id] = Ledger()
             ledgers.append(alone)
         previous = self._values.get(session_id, {})
+        added: list[StorageEntry] = []
         for key, item in values.items():
             old = previous.get(key)
             if old is item:
                 continue
             kept = len(old.leaves) - item.dropped if old is not None and item.base is old else 0
             for entries in item.per_leaf(kept):
-                for ledger in ledgers:
-                    ledger.add(entries)
+                added += entries
+        removed: list[StorageEntry] = []
         for key, old in previous.items():
             new = values.get(key)
             if new is old:
                 continue
             gone = new.dropped if new is not None and new.base is old else len(old.leaves)
             for entries in old.per_leaf(0, gone):
-                for ledger in ledgers:
-                    ledger.remove(entries)
+                removed += entries
+        for ledger in ledgers:
+            ledger.add(added)
+        for ledger in ledgers:
+            ledger.remove(removed)
         for item in values.values():
             item.base = None
         if values:

@@ -10,7 +10,7 @@ blocks move to the park tier and return to the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import attrs
 import torch
@@ -22,6 +22,7 @@ from sessionstate import (
     LatentBuffer,
     SessionStateManager,
     SessionStateSettings,
+    StateObject,
     TensorCache,
 )
 from sessionstate.models._kit import build_manager, managed_forward, resident
@@ -34,7 +35,6 @@ from sessionstate.models.dreamzero._model import (
     lost_continuation,
     unknown_session,
 )
-from sessionstate.models.dreamzero.networks import FeatMap
 from sessionstate.models.dreamzero.state import (
     DreamZeroSession,
     frames_for_model,
@@ -45,14 +45,6 @@ from sessionstate.models.dreamzero.state import (
 from sessionstate.models.dreamzero.transform import Observation, stitch_views
 
 __all__ = ["ManagedPath"]
-
-
-def _committer(chunk: torch.Tensor) -> Callable[[LatentBuffer], LatentBuffer]:
-    return lambda buffer: buffer.commit(chunk)
-
-
-def _replacer(contents: FeatMap) -> Callable[[TensorCache], TensorCache]:
-    return lambda cache: cache.commit(contents)
 
 
 class ManagedPath:
@@ -193,7 +185,11 @@ class ManagedPath:
     def step(
         self, state: DreamZeroSession, obs: Observation
     ) -> tuple[DreamZeroSession, DreamZeroOutput]:
-        """``step(state, obs) -> (state, out)``: pure; ``state`` is left unchanged."""
+        """``step(state, obs) -> (state, out)``: pure; ``state`` is left unchanged.
+
+        What the step changes is gathered and applied in two transitions (`with_values`):
+        one before the denoiser runs, one with what it produced.
+        """
         model = self.model
         nets, cfg = model.nets, model.cfg
         stitched = stitch_views(obs, cfg).to(model.device)
@@ -205,64 +201,87 @@ class ManagedPath:
             state = self.new_session()
         elif reason == "inference":
             state = window_reset(state)
-        state = state.with_attrs(language=tokens)
 
         call_count = state.call_count + 1
-        state = state.update_object("stitched_buffer", lambda b: b.commit(stitched))
-        state = state.with_attrs(call_count=call_count)
-        frames = frames_for_model(list(state.stitched_buffer.view()), call_count == 1, nets.dtype)
+        ring = state.stitched_buffer.commit(stitched)
+        objects: dict[str, StateObject] = {"stitched_buffer": ring}
+        values: dict[str, object] = {"language": tokens, "call_count": call_count}
+        frames = frames_for_model(list(ring.view()), call_count == 1, nets.dtype)
 
         if state.prompt_embeds is None:
-            state = state.with_attrs(prompt_embeds=nets.encode_prompt(tokens))
+            values["prompt_embeds"] = nets.encode_prompt(tokens)
 
         csf = state.current_start_frame
         if csf == 0:
             clip_feas, ys, cond_latent = nets.encode_image(conditioning_frame(frames))
             if state.vae_stream_initialized:
-                state = self._stream_append(state, frames[:, :, -1:])
+                self._stream_append(state, frames[:, :, -1:], objects, values)
             else:
-                state = self._stream_seed(state, frames[:, :, :1])
-            state = state.with_attrs(clip_feas=clip_feas, ys=ys)
+                self._stream_seed(state, frames[:, :, :1], objects, values)
+            values["clip_feas"], values["ys"] = clip_feas, ys
             ref = cond_latent
             csf = 1
         else:
-            state = self._stream_append(state, frames[:, :, -1:])
+            encoder_out = self._stream_append(state, frames[:, :, -1:], objects, values)
             ref = nets.observation_latents(
-                state.vae_encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
+                encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
             )
         previous = None if state.current_start_frame == 0 else state.kv_cache  # `_kv_create`
         handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
-        state = state.update_object("kv_cache", lambda c: c.commit(handle))
+        objects["kv_cache"] = state.object("kv_cache", KVCache).commit(handle)
+        state = state.with_values(objects, **values)
         assert state.ys is not None
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
         video, out = model.generate(
             ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read()
         )
-        state = state.with_attrs(current_start_frame=csf + cfg.num_frame_per_block)
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(model.host_device, copy=True)
-        state = state.update_object("video_latents_across_time", lambda b: b.commit(host_latents))
+        latents = state.video_latents_across_time.commit(host_latents)
+        state = state.with_values(
+            {"video_latents_across_time": latents},
+            current_start_frame=csf + cfg.num_frame_per_block,
+        )
         return state, attrs.evolve(out, reset=reason)
 
-    def _stream_seed(self, state: DreamZeroSession, first: torch.Tensor) -> DreamZeroSession:
+    def _stream_seed(
+        self,
+        state: DreamZeroSession,
+        first: torch.Tensor,
+        objects: dict[str, StateObject],
+        values: dict[str, object],
+    ) -> None:
+        # Seeds the VAE stream: its changes go into `objects` and `values`.
         nets = self.model.nets
         out, feat_map = nets.encode_chunk(first, nets.init_feat_map())
-        state = state.update_object("vae_encoder_out", lambda b: b.reset().commit(out))
-        state = state.update_object("vae_enc_feat_map", _replacer(feat_map))
-        return state.with_attrs(vae_pending_body_frames=None, vae_stream_initialized=True)
+        objects["vae_encoder_out"] = state.vae_encoder_out.reset().commit(out)
+        objects["vae_enc_feat_map"] = state.object("vae_enc_feat_map", TensorCache).commit(feat_map)
+        values["vae_pending_body_frames"] = None
+        values["vae_stream_initialized"] = True
 
-    def _stream_append(self, state: DreamZeroSession, frame: torch.Tensor) -> DreamZeroSession:
+    def _stream_append(
+        self,
+        state: DreamZeroSession,
+        frame: torch.Tensor,
+        objects: dict[str, StateObject],
+        values: dict[str, object],
+    ) -> LatentBuffer:
+        # Streams `frame` into the VAE: its changes go into `objects` and `values`; returns
+        # the encoder output ring as it stands after the frame.
         pending = state.vae_pending_body_frames
         # A lone frame is cloned: as a slice of the 4-frame model input it would keep all
         # four frames alive.
         pending = frame.clone() if pending is None else torch.cat([pending, frame], dim=2)
         feat_map = state.vae_enc_feat_map
         assert feat_map is not None
+        encoder_out = state.vae_encoder_out
         while pending is not None and pending.shape[2] >= BODY_FRAMES:
             body, rest = pending[:, :, :BODY_FRAMES], pending[:, :, BODY_FRAMES:]
             out, feat_map = self.model.nets.encode_chunk(body, feat_map)
-            state = state.update_object("vae_encoder_out", _committer(out))
+            encoder_out = encoder_out.commit(out)
+            objects["vae_encoder_out"] = encoder_out
             pending = rest if rest.shape[2] else None
-        state = state.update_object("vae_enc_feat_map", _replacer(feat_map))
-        return state.with_attrs(vae_pending_body_frames=pending)
+        objects["vae_enc_feat_map"] = state.object("vae_enc_feat_map", TensorCache).commit(feat_map)
+        values["vae_pending_body_frames"] = pending
+        return encoder_out
