@@ -470,8 +470,8 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "counts[span] = counts.get(span, 0) + 1\n        self._stale = True",
-                "counts[span] = counts.get(span, 0) + 1",
+                "        if not count:\n            self._pending.append((1, span))",
+                "        if False:\n            self._pending.append((1, span))",
             ),
         ),
         ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),

@@ -93,34 +93,48 @@ class _Ranges:
 class _LazyRanges:
     """A multiset of address ranges whose union is measured when read, not on every change.
 
-    For a ledger nobody reads between puts (no byte budget): a change costs one dict update,
-    and reading the total after changes sorts the distinct ranges once.
+    For a ledger nobody reads between puts (no byte budget): a change costs a dict update,
+    and a read after changes brings a sorted list of the distinct ranges up to date (placing
+    each range that came or went, or sorting afresh after many) and sums their union.
     """
 
     def __init__(self) -> None:
         self._counts: dict[tuple[int, int], int] = {}
+        self._spans: list[tuple[int, int]] = []  # distinct ranges, sorted, as of the last read
+        self._pending: list[tuple[int, tuple[int, int]]] = []  # (+1 | -1, range) since then
         self._total = 0
-        self._stale = False
 
     def add(self, start: int, end: int) -> None:
         counts, span = self._counts, (start, end)
-        counts[span] = counts.get(span, 0) + 1
-        self._stale = True
+        count = counts.get(span, 0)
+        counts[span] = count + 1
+        if not count:
+            self._pending.append((1, span))
 
     def remove(self, start: int, end: int) -> None:
         counts, span = self._counts, (start, end)
         count = counts[span] - 1
         if count:
             counts[span] = count
-        else:
-            del counts[span]
-        self._stale = True
+            return
+        del counts[span]
+        self._pending.append((-1, span))
 
     @property
     def total(self) -> int:
-        if self._stale:
-            self._total = _union_size(sorted(self._counts))
-            self._stale = False
+        pending = self._pending
+        if pending:
+            spans = self._spans
+            if 8 * len(pending) > len(spans):  # many changes: sorting afresh is cheaper
+                self._spans = spans = sorted(self._counts)
+            else:
+                for sign, span in pending:
+                    if sign > 0:
+                        bisect.insort(spans, span)
+                    else:
+                        del spans[bisect.bisect_left(spans, span)]
+            pending.clear()
+            self._total = _union_size(spans)
         return self._total
 
 
