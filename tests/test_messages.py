@@ -516,16 +516,20 @@ CORE_MESSAGES = {
     # The budget's device and zero-byte refusals are pinned in test_config_budget.py.
     # The KV pool's bytes, and per-device budget text: test_config_budget.py; so is the
     # host pool's `session_state_host_pool_full`.
-    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1 + 1 + 1,
+    # (its bool fields' message is `_checks.a_bool`'s now.)
+    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1 + 1,
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
-    "_manager/_table.py": 11 + 3,
+    # (`check_immutable` and `max_sessions` are checked by `_checks` now.)
+    "_manager/_table.py": 11 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
     # check_count (pinned through KVPool in test_kvpool.py), then the session-id rule (None
-    # and NaN ids: pinned in test_session_ids.py).
-    "_checks.py": 1 + 1 + 2,
+    # and NaN ids: pinned in test_session_ids.py), then the validators: `check_bool` (through
+    # the manager's `check_immutable`, test_reliability_contracts.py), `a_bool` (through the
+    # deploy config, above), `positive_int`, `an_int` and `one_of` (the model configs').
+    "_checks.py": 1 + 1 + 2 + 5,
     "_objects.py": 4 + 3 + 3 + 7,  # with the chunk checks
     "_stateobject.py": 1,  # a parked object's refusal, pinned in test_park_reliability.py
     "_session.py": 6 + 2 + 1,  # `object(name, cls)` of another type: test_session.py
@@ -533,6 +537,17 @@ CORE_MESSAGES = {
     "_frozen.py": 2,
     "_storage/_movers.py": 0,
 }
+
+
+def test_a_config_field_that_must_be_an_int() -> None:
+    # `_checks.an_int`, the validator of both model configs' integer fields.
+    from sessionstate.models.cosmos3 import Cosmos3Config
+    from sessionstate.models.dreamzero import DreamZeroConfig
+
+    for cls in (DreamZeroConfig, Cosmos3Config):
+        msg = "`seed` must be an int, got 1.5 (float)."
+        with pytest.raises(TypeError, match=re.escape(msg)):
+            cls.preset("tiny", seed=1.5)
 
 
 def test_every_core_message_is_pinned_here() -> None:

@@ -1,5 +1,6 @@
-"""The argument checks the modules share: "an int, not a bool", a value with its type, and
-the rule for a session id.
+"""The argument checks the modules share: "an int, not a bool", a value with its type, the
+rule for a session id, and the validators that the configs' fields and the manager's
+arguments are checked with (`positive_int`, `an_int`, `one_of`, `a_bool`, `check_bool`).
 
 `bool` subclasses `int`, so ``isinstance(True, int)`` holds; every count and index in the
 library refuses booleans, through `is_int`. Messages show an offending value as `describe`
@@ -8,13 +9,23 @@ renders it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Hashable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["check_count", "check_session_id", "describe", "is_int"]
+__all__ = [
+    "a_bool",
+    "an_int",
+    "check_bool",
+    "check_count",
+    "check_session_id",
+    "describe",
+    "is_int",
+    "one_of",
+    "positive_int",
+]
 
 
 def is_int(value: object) -> TypeIs[int]:
@@ -54,6 +65,82 @@ def check_count(value: object, name: str, /, *, minimum: int = 1, fix: str = "")
         msg = f"`{name}` must be {rule}, got {describe(value)}{fix}."
         raise ValueError(msg)
     return value
+
+
+def check_bool(value: object, name: str, /) -> bool:
+    """``value`` if it is a bool.
+
+    Raises:
+        TypeError: naming ``name`` and the value.
+
+    >>> check_bool(1, "check_immutable")
+    Traceback (most recent call last):
+    ...
+    TypeError: `check_immutable` must be a bool (True or False), got 1 (int).
+    """
+    if not isinstance(value, bool):
+        msg = f"`{name}` must be a bool (True or False), got {describe(value)}."
+        raise TypeError(msg)
+    return value
+
+
+# -- attrs field validators: ``validator=positive_int`` and so on --------------------------
+
+
+def positive_int(instance: object, attribute: Any, value: object) -> None:
+    """An attrs validator: the field holds an int (not a bool) of at least 1.
+
+    >>> import attrs
+    >>> @attrs.frozen
+    ... class Shape:
+    ...     width: int = attrs.field(validator=positive_int)
+    >>> Shape(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: `width` must be a positive int, got 0 (int).
+    """
+    if not is_int(value) or value <= 0:
+        msg = f"`{attribute.name}` must be a positive int, got {describe(value)}."
+        raise ValueError(msg)
+
+
+def an_int(instance: object, attribute: Any, value: object) -> None:
+    """An attrs validator: the field holds an int (not a bool); raises TypeError."""
+    if not is_int(value):
+        msg = f"`{attribute.name}` must be an int, got {describe(value)}."
+        raise TypeError(msg)
+
+
+def a_bool(instance: object, attribute: Any, value: object) -> None:
+    """An attrs validator for a field read from a config file: the field holds a bool.
+
+    Spelled as YAML spells them (``true or false``); raises TypeError.
+    """
+    if not isinstance(value, bool):
+        msg = f"`{attribute.name}` must be a bool (true or false), got {describe(value)}."
+        raise TypeError(msg)
+
+
+def one_of(choices: Collection[str], /) -> Callable[[object, Any, object], None]:
+    """An attrs validator factory: the field holds one of ``choices`` (listed sorted).
+
+    >>> import attrs
+    >>> @attrs.frozen
+    ... class Model:
+    ...     dtype: str = attrs.field(validator=one_of({"float32", "bfloat16"}))
+    >>> Model("int8")
+    Traceback (most recent call last):
+    ...
+    ValueError: `dtype` must be one of ['bfloat16', 'float32'], got 'int8'.
+    """
+    shown = sorted(choices)
+
+    def validate(instance: object, attribute: Any, value: object) -> None:
+        if value not in choices:
+            msg = f"`{attribute.name}` must be one of {shown}, got {value!r}."
+            raise ValueError(msg)
+
+    return validate
 
 
 def check_session_id(session_id: object) -> Hashable:

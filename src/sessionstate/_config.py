@@ -13,6 +13,7 @@ import attrs
 import torch
 import yaml
 
+from sessionstate._checks import a_bool
 from sessionstate._env import (
     ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
@@ -86,15 +87,6 @@ class _StrictLoader(yaml.SafeLoader):
             if isinstance(key, Hashable):
                 lines[key] = line
         return super().construct_mapping(node, deep=deep)
-
-
-def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, bool):
-        msg = (
-            f"`{attribute.name}` must be a bool (true or false), got {value!r} "
-            f"({type(value).__name__})."
-        )
-        raise TypeError(msg)
 
 
 def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -291,7 +283,7 @@ class OmniDiffusionConfig:
     True
     """
 
-    enable_session_state_manager: bool = attrs.field(default=False, validator=_check_bool)
+    enable_session_state_manager: bool = attrs.field(default=False, validator=a_bool)
     model: Mapping[str, Any] = attrs.field(
         factory=dict, validator=_check_mapping, converter=_read_only
     )

@@ -19,8 +19,8 @@ from typing import Generic, cast
 import torch
 from typing_extensions import TypeVar
 
+from sessionstate._checks import check_bool, check_count, is_int
 from sessionstate._checks import check_session_id as check_session_id
-from sessionstate._checks import is_int
 from sessionstate._errors import ParkingError, SessionAdmissionError, SessionStateLostError
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
@@ -129,18 +129,8 @@ class SessionStateManager(Generic[SessionT]):
         host_pool_bytes: int | str | None = None,
         host_pool_full: HostPoolFull = "disk",
     ) -> None:
-        if not isinstance(check_immutable, bool):
-            msg = (
-                f"`check_immutable` must be a bool (True or False), got {check_immutable!r} "
-                f"({type(check_immutable).__name__})."
-            )
-            raise TypeError(msg)
-        if not is_int(max_sessions) or max_sessions <= 0:
-            msg = (
-                f"`max_sessions` must be a positive int, got {max_sessions!r} "
-                f"({type(max_sessions).__name__}); the default is {DEFAULT_MAX_SESSIONS}."
-            )
-            raise ValueError(msg)
+        check_bool(check_immutable, "check_immutable")
+        check_count(max_sessions, "max_sessions", fix=f"; the default is {DEFAULT_MAX_SESSIONS}")
         if on_full not in ("evict", "refuse"):
             msg = (
                 f"`on_full` must be 'evict' or 'refuse', got {on_full!r} "

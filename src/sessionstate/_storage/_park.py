@@ -33,6 +33,7 @@ is free: their process ended (even by ``kill -9``) without removing them.
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import itertools
 import logging
@@ -130,8 +131,10 @@ def check_tier(tier: object) -> Tier:
     raise ValueError(msg)
 
 
-class ParkedBytes:
+class ParkedBytes(abc.ABC):
     """The bytes of one parked tree, held by a tier, and how to rebuild the tree from them.
+
+    Each tier is a subclass that says how its bytes load (`_load`).
 
     `restore` may run any number of times (each builds fresh storages) until `release`.
 
@@ -308,10 +311,10 @@ class ParkedBytes:
             return None
         return result
 
+    @abc.abstractmethod
     def _load(self) -> list[torch.Tensor]:
-        # The tier's bytes as tensors on their devices (the tree's tensors, then the offload
-        # payloads'), before the engine leaves are reloaded.
-        raise NotImplementedError
+        """The tier's bytes as tensors on their devices (the tree's tensors, then the offload
+        payloads'), before the engine leaves are reloaded."""
 
     def _check_held(self) -> None:
         if self.released:

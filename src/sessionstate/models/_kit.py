@@ -3,9 +3,11 @@
 A model is its networks, its state records and its step. Session bookkeeping is written once
 here, so the two models cannot drift apart: the bespoke path's capped table (`SessionTable`:
 cap, ``on_full``, ``begin``, the once-per-table eviction warning, the counters), the managed
-path's manager built from every resolved setting (`build_manager`), its "publish only after
-the whole step succeeded" rule (`managed_forward`), and its read of a session that may be
-parked (`resident`), and its prefetch of the session a scheduler steps next (`prefetch`).
+path's manager built from every resolved setting (`build_manager`, `ManagedPathBase`), its
+"publish only after the whole step succeeded" rule (`managed_forward`), its read of a session
+that may be parked (`resident`), its prefetch of the session a scheduler steps next
+(`prefetch`), and the pipeline's part that is the same whichever path runs
+(`TwoPathPipeline`, over any `SessionPath`).
 """
 
 from __future__ import annotations
@@ -15,24 +17,29 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractContextManager
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from sessionstate import (
     KVPool,
+    OmniDiffusionConfig,
     SessionAdmissionError,
     SessionState,
     SessionStateLostError,
     SessionStateManager,
     SessionStateSettings,
     nbytes_by_device,
+    resolve_session_state_config,
 )
-from sessionstate._checks import check_session_id
+from sessionstate._checks import check_session_id, is_int
 
 __all__ = [
+    "ManagedPathLike",
     "SessionMessages",
+    "SessionPath",
     "SessionTable",
+    "TwoPathPipeline",
     "build_manager",
     "device_key",
     "managed_forward",
@@ -196,6 +203,193 @@ class SessionTable(Generic[S]):
         out["total_nbytes"] = sum(totals.values())
         out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
         return out
+
+
+class SessionPath(Protocol):
+    """What each session path of a reference model provides, bespoke or managed."""
+
+    def drop_session(self, session_id: Hashable, /) -> bool:
+        """End a session; returns whether it was held."""
+        ...
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        ...
+
+    def session_values(self, session_id: Hashable, /) -> dict[str, object]:
+        """Every value the session holds or reads, by name (leaving the LRU order alone)."""
+        ...
+
+    def video_latents(self, session_id: Hashable, /) -> torch.Tensor | None:
+        """Every chunk generated for the session, joined along time (None if none)."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()` keys."""
+        ...
+
+
+class ManagedPathLike(SessionPath, Protocol[R]):
+    """A managed session path: a `SessionPath` whose sessions a `SessionStateManager` holds."""
+
+    manager: SessionStateManager[R]
+
+
+def check_bespoke_cap(max_bespoke_sessions: object, upstream: int) -> None:
+    """Refuse a bespoke session cap that is not a positive int, naming upstream's cap.
+
+    >>> check_bespoke_cap(0, 64)
+    Traceback (most recent call last):
+    ValueError: `max_bespoke_sessions` must be a positive int, got 0; the bespoke path's cap is 64 upstream.
+    """  # noqa: E501 - a doctest's expected output is one line
+    if not is_int(max_bespoke_sessions) or max_bespoke_sessions <= 0:
+        msg = (
+            f"`max_bespoke_sessions` must be a positive int, got {max_bespoke_sessions!r}; "
+            f"the bespoke path's cap is {upstream} upstream."
+        )
+        raise ValueError(msg)
+
+
+class ManagedPathBase(Generic[R]):
+    """What every reference model's managed path does alike, over its `SessionStateManager`.
+
+    Builds the manager from every resolved setting (`build_manager`) and answers the calls
+    that only read or drop sessions; a model's path adds its ``forward`` (through
+    `managed_forward`), its pure ``step`` and ``new_session``, and whatever it reads of a
+    session (``video_latents``).
+
+    Args:
+        model: The model's networks and geometry (with a ``device``).
+        settings: The resolved session-state settings.
+        record: The model's session record class.
+        unknown: The message for a session that is not held.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        settings: SessionStateSettings,
+        record: type[R],
+        unknown: Callable[[Hashable], str],
+    ) -> None:
+        self.model = model
+        self.manager: SessionStateManager[R] = build_manager(record, settings, model.device)
+        self._unknown = unknown
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session; returns whether it was held."""
+        return self.manager.drop(session_id)
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return self.manager.session_ids()
+
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
+        """Every value the session holds, by name (without touching LRU order)."""
+        values: dict[str, object] = self._peek(session_id).values()  # type: ignore[attr-defined]
+        return values
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()`."""
+        return self.manager.stats()
+
+    def _peek(self, session_id: Hashable) -> R:
+        # A parked session is read through a resident copy; the stored record stays parked.
+        return resident(self.manager, session_id, self._unknown)
+
+
+C = TypeVar("C")
+
+
+def resolve_model(
+    config: OmniDiffusionConfig | C,
+    cls: type[C],
+    from_dict: Callable[[Mapping[str, Any]], C],
+    environ: Mapping[str, str] | None,
+) -> tuple[C, SessionStateSettings]:
+    """A pipeline's model config and session-state settings, from either form of config.
+
+    A deploy config gives both (its ``model`` section parsed by ``from_dict``); a model
+    config of class ``cls`` gives itself, with the settings from the environment alone.
+    """
+    if isinstance(config, cls):
+        return config, resolve_session_state_config(None, environ)
+    assert isinstance(config, OmniDiffusionConfig)
+    return config.parse_model(from_dict), resolve_session_state_config(config, environ)
+
+
+class TwoPathPipeline(Generic[R]):
+    """What every reference model's pipeline does alike, whichever path runs.
+
+    A pipeline (`DreamZeroPipeline`, `Cosmos3Pipeline`) sets ``settings``, ``_path`` (the
+    path that runs) and ``_managed`` (the managed path, or None on the bespoke one); this
+    part holds the manager's accessors and the calls that only pass a session to the path.
+    Its own ``forward``, ``step``, ``new_session`` and ``prefetch`` are the model's.
+    """
+
+    settings: SessionStateSettings
+    _path: SessionPath
+    _managed: Any  # the model's `ManagedPath` (a `ManagedPathLike[R]`), or None
+
+    @property
+    def manager(self) -> SessionStateManager[R] | None:
+        """The managed path's manager; None on the bespoke path.
+
+        Assignable on the managed path (a test swaps in a manager with another cap).
+        """
+        managed: ManagedPathLike[R] | None = self._managed
+        return None if managed is None else managed.manager
+
+    @manager.setter
+    def manager(self, manager: SessionStateManager[R]) -> None:
+        managed: ManagedPathLike[R] | None = self._managed
+        assert managed is not None, "the bespoke path has no manager"
+        managed.manager = manager
+
+    @property
+    def managed(self) -> bool:
+        """Whether this pipeline runs the manager-backed path."""
+        return self._managed is not None
+
+    @property
+    def on_full(self) -> str:
+        """What a new session does at the cap, on either path: ``"evict"`` or ``"refuse"``.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL": "refuse"}
+        >>> DreamZeroPipeline(DreamZeroConfig.preset("tiny"), environ=env).on_full
+        'refuse'
+        """
+        return self.settings.on_full
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session on either path; returns whether it was held."""
+        check_session_id(session_id)
+        return self._path.drop_session(session_id)
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return self._path.session_ids()
+
+    def session_values(self, session_id: Hashable) -> dict[str, object]:
+        """Every value the session holds or reads, by name (without touching LRU order).
+
+        On a bespoke path that keeps state outside its sessions, that state is included as
+        the next step of this session would read it (Cosmos3's ``text_kv`` and
+        ``rope_freqs``: the transformer instance's cache, shared by every session).
+        """
+        check_session_id(session_id)
+        return self._path.session_values(session_id)
+
+    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
+        """Every chunk generated for the session, joined along time (None if none)."""
+        check_session_id(session_id)
+        return self._path.video_latents(session_id)
+
+    def stats(self) -> dict[str, int]:
+        """The manager's `stats()`; on the bespoke path, the same keys computed by hand (each
+        storage once, state kept outside the sessions included)."""
+        return self._path.stats()
 
 
 def device_key(device: torch.device) -> str:

@@ -12,8 +12,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from sessionstate import KVPair, SessionStateManager, SessionStateSettings
-from sessionstate.models._kit import build_manager, managed_forward, resident
+from sessionstate import KVPair, SessionStateSettings
+from sessionstate.models._kit import ManagedPathBase, managed_forward
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
@@ -27,7 +27,7 @@ from sessionstate.models.cosmos3.state import BRANCHES, Cosmos3Session, new_sess
 __all__ = ["ManagedPath"]
 
 
-class ManagedPath:
+class ManagedPath(ManagedPathBase[Cosmos3Session]):
     """Sessions as immutable records in a `SessionStateManager`, stepped by a pure step.
 
     Args:
@@ -43,11 +43,10 @@ class ManagedPath:
     ([], 64)
     """
 
+    model: Cosmos3Model
+
     def __init__(self, model: Cosmos3Model, settings: SessionStateSettings) -> None:
-        self.model = model
-        self.manager: SessionStateManager[Cosmos3Session] = build_manager(
-            Cosmos3Session, settings, model.device
-        )
+        super().__init__(model, settings, Cosmos3Session, unknown_session)
 
     def forward(
         self, request: Cosmos3Request, session_id: Hashable, begin: bool | None
@@ -66,30 +65,10 @@ class ManagedPath:
         """An empty session for this model's geometry."""
         return new_session(self.model.cfg)
 
-    def drop_session(self, session_id: Hashable) -> bool:
-        """End a session; returns whether it was held."""
-        return self.manager.drop(session_id)
-
-    def session_ids(self) -> list[Hashable]:
-        """Retained sessions, least recently used first."""
-        return self.manager.session_ids()
-
-    def session_values(self, session_id: Hashable) -> dict[str, object]:
-        """Every value the session holds, by name (without touching LRU order)."""
-        return self._peek(session_id).values()
-
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every chunk generated for the session, joined along time (None if none)."""
         chunks = self._peek(session_id).video_latents.view()
         return torch.cat(chunks, dim=2) if chunks else None
-
-    def stats(self) -> dict[str, int]:
-        """The manager's `stats()`."""
-        return self.manager.stats()
-
-    def _peek(self, session_id: Hashable) -> Cosmos3Session:
-        # A parked session is read through a resident copy; the stored record stays parked.
-        return resident(self.manager, session_id, unknown_session)
 
     def step(
         self, state: Cosmos3Session, request: Cosmos3Request

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-from sessionstate._checks import is_int
+from sessionstate._checks import an_int, one_of, positive_int
 from sessionstate.models._presets import from_preset, from_section
 
 __all__ = ["MAX_COSMOS3_SESSIONS", "PRESETS", "Cosmos3Config"]
@@ -17,24 +17,6 @@ MAX_COSMOS3_SESSIONS = 64
 """The bespoke path's fixed session cap (as DreamZero's)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in _DTYPES:
-        msg = f"`dtype` must be one of {sorted(_DTYPES)}, got {value!r}."
-        raise ValueError(msg)
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value) or value <= 0:
-        msg = f"`{attribute.name}` must be a positive int, got {value!r} ({type(value).__name__})."
-        raise ValueError(msg)
-
-
-def _check_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value):
-        msg = f"`{attribute.name}` must be an int, got {value!r} ({type(value).__name__})."
-        raise TypeError(msg)
 
 
 def _check_number(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -62,23 +44,23 @@ class Cosmos3Config:
     """
 
     name: str = "custom"
-    num_layers: int = attrs.field(default=28, validator=_positive)
-    num_heads: int = attrs.field(default=28, validator=_positive)
-    num_kv_heads: int = attrs.field(default=4, validator=_positive)
-    head_dim: int = attrs.field(default=128, validator=_positive)
-    text_len: int = attrs.field(default=512, validator=_positive)
-    text_dim: int = attrs.field(default=3584, validator=_positive)
-    latent_channels: int = attrs.field(default=16, validator=_positive)
-    chunk_frames: int = attrs.field(default=4, validator=_positive)
-    latent_height: int = attrs.field(default=88, validator=_positive)
-    latent_width: int = attrs.field(default=160, validator=_positive)
-    patch: int = attrs.field(default=2, validator=_positive)
-    context_chunks: int = attrs.field(default=1, validator=_positive)
-    control_dim: int = attrs.field(default=8, validator=_positive)
-    num_inference_steps: int = attrs.field(default=35, validator=_positive)
+    num_layers: int = attrs.field(default=28, validator=positive_int)
+    num_heads: int = attrs.field(default=28, validator=positive_int)
+    num_kv_heads: int = attrs.field(default=4, validator=positive_int)
+    head_dim: int = attrs.field(default=128, validator=positive_int)
+    text_len: int = attrs.field(default=512, validator=positive_int)
+    text_dim: int = attrs.field(default=3584, validator=positive_int)
+    latent_channels: int = attrs.field(default=16, validator=positive_int)
+    chunk_frames: int = attrs.field(default=4, validator=positive_int)
+    latent_height: int = attrs.field(default=88, validator=positive_int)
+    latent_width: int = attrs.field(default=160, validator=positive_int)
+    patch: int = attrs.field(default=2, validator=positive_int)
+    context_chunks: int = attrs.field(default=1, validator=positive_int)
+    control_dim: int = attrs.field(default=8, validator=positive_int)
+    num_inference_steps: int = attrs.field(default=35, validator=positive_int)
     guidance_scale: float = attrs.field(default=7.0, validator=_check_number)
-    dtype: str = attrs.field(default="bfloat16", validator=_check_dtype)
-    seed: int = attrs.field(default=0, validator=_check_int)
+    dtype: str = attrs.field(default="bfloat16", validator=one_of(_DTYPES))
+    seed: int = attrs.field(default=0, validator=an_int)
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

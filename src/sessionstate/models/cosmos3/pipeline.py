@@ -29,11 +29,8 @@ import torch
 from sessionstate import (
     KVPair,
     OmniDiffusionConfig,
-    SessionStateManager,
-    SessionStateSettings,
-    resolve_session_state_config,
 )
-from sessionstate._checks import check_session_id, is_int
+from sessionstate._checks import check_session_id
 from sessionstate.models import _kit
 from sessionstate.models.cosmos3._bespoke import BespokePath, instance_cache
 from sessionstate.models.cosmos3._managed import ManagedPath
@@ -45,7 +42,7 @@ from sessionstate.models.cosmos3.state import Cosmos3Session, new_session
 __all__ = ["Cosmos3Output", "Cosmos3Pipeline", "Cosmos3Request"]
 
 
-class Cosmos3Pipeline:
+class Cosmos3Pipeline(_kit.TwoPathPipeline[Cosmos3Session]):
     """A Cosmos3-shaped streaming world model over many interleaved sessions.
 
     Args:
@@ -85,18 +82,10 @@ class Cosmos3Pipeline:
         max_bespoke_sessions: int = MAX_COSMOS3_SESSIONS,
         bespoke_session_keyed: bool = True,
     ) -> None:
-        if not is_int(max_bespoke_sessions) or max_bespoke_sessions <= 0:
-            msg = (
-                f"`max_bespoke_sessions` must be a positive int, got {max_bespoke_sessions!r}; "
-                f"the bespoke path's cap is {MAX_COSMOS3_SESSIONS} upstream."
-            )
-            raise ValueError(msg)
-        if isinstance(config, Cosmos3Config):
-            self.cfg = config
-            self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
-        else:
-            self.cfg = config.parse_model(Cosmos3Config.from_dict)
-            self.settings = resolve_session_state_config(config, environ)
+        _kit.check_bespoke_cap(max_bespoke_sessions, MAX_COSMOS3_SESSIONS)
+        self.cfg, self.settings = _kit.resolve_model(
+            config, Cosmos3Config, Cosmos3Config.from_dict, environ
+        )
         self.device = torch.device(device)
         self.host_device = torch.device(host_device)
         self._model = Cosmos3Model(self.cfg, self.device, self.host_device)
@@ -150,35 +139,6 @@ class Cosmos3Pipeline:
         else:
             self._bespoke.session_keyed = keyed
 
-    @property
-    def manager(self) -> SessionStateManager[Cosmos3Session] | None:
-        """The managed path's manager; None on the bespoke path.
-
-        Assignable on the managed path (a test swaps in a manager with another cap).
-        """
-        return None if self._managed is None else self._managed.manager
-
-    @manager.setter
-    def manager(self, manager: SessionStateManager[Cosmos3Session]) -> None:
-        assert self._managed is not None, "the bespoke path has no manager"
-        self._managed.manager = manager
-
-    @property
-    def managed(self) -> bool:
-        """Whether this pipeline runs the manager-backed path."""
-        return self.manager is not None
-
-    @property
-    def on_full(self) -> str:
-        """What a new session does at the cap, on either path: ``"evict"`` or ``"refuse"``.
-
-        >>> from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline
-        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL": "refuse"}
-        >>> Cosmos3Pipeline(Cosmos3Config.preset("tiny"), environ=env).on_full
-        'refuse'
-        """
-        return self.settings.on_full
-
     # -- entry point ---------------------------------------------------------------------------
 
     def forward(
@@ -229,11 +189,6 @@ class Cosmos3Pipeline:
         assert self._managed is not None, "`step` runs on the managed path only"
         return self._managed.step(state, request)
 
-    def drop_session(self, session_id: Hashable) -> bool:
-        """End a session on either path; returns whether it was held."""
-        check_session_id(session_id)
-        return self._path.drop_session(session_id)
-
     def prefetch(self, session_id: Hashable, *, make_room: bool = False) -> bool:
         """Start unparking ``session_id`` in the background; return whether it started.
 
@@ -253,29 +208,6 @@ class Cosmos3Pipeline:
             None if managed is None else managed.manager, session_id, make_room=make_room
         )
 
-    def session_ids(self) -> list[Hashable]:
-        """Retained sessions, least recently used first."""
-        return self._path.session_ids()
-
-    def session_values(self, session_id: Hashable) -> dict[str, object]:
-        """Every value the session holds or reads, by name (without touching LRU order).
-
-        On the bespoke path ``text_kv`` and ``rope_freqs`` are the transformer instance's
-        cache (shared by every session: what the next step of any session would read).
-        """
-        check_session_id(session_id)
-        return self._path.session_values(session_id)
-
     def instance_cache(self) -> tuple[dict[str, KVPair], ...]:
         """The bespoke path's K/V cache: every block's ``cached_kv``, in layer order."""
         return instance_cache(self.nets.transformer)
-
-    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
-        """Every chunk generated for the session, joined along time (None if none)."""
-        check_session_id(session_id)
-        return self._path.video_latents(session_id)
-
-    def stats(self) -> dict[str, int]:
-        """The manager's `stats()`; on the bespoke path, the same keys computed by hand
-        (the sessions' values plus the instance's cache, each storage once)."""
-        return self._path.stats()

@@ -20,12 +20,11 @@ from sessionstate import (
     KVPool,
     KVPoolExhaustedError,
     LatentBuffer,
-    SessionStateManager,
     SessionStateSettings,
     StateObject,
     TensorCache,
 )
-from sessionstate.models._kit import build_manager, managed_forward, resident
+from sessionstate.models._kit import ManagedPathBase, managed_forward
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._model import (
     BODY_FRAMES,
@@ -47,7 +46,7 @@ from sessionstate.models.dreamzero.transform import Observation, stitch_views
 __all__ = ["ManagedPath"]
 
 
-class ManagedPath:
+class ManagedPath(ManagedPathBase[DreamZeroSession]):
     """Sessions as immutable records in a `SessionStateManager`, stepped by a pure step.
 
     Args:
@@ -63,11 +62,10 @@ class ManagedPath:
     ([], 64)
     """
 
+    model: DreamZeroModel
+
     def __init__(self, model: DreamZeroModel, settings: SessionStateSettings) -> None:
-        self.model = model
-        self.manager: SessionStateManager[DreamZeroSession] = build_manager(
-            DreamZeroSession, settings, model.device
-        )
+        super().__init__(model, settings, DreamZeroSession, unknown_session)
         # Engine-owned: the path owns the pool, records hold handles to its blocks. Sized by
         # bytes: the configured figure, else today's room for twice the cap's windows.
         nbytes = settings.kv_pool_bytes
@@ -141,29 +139,17 @@ class ManagedPath:
         """An empty session for this model's geometry."""
         return new_session(self.model.cfg)
 
-    def drop_session(self, session_id: Hashable) -> bool:
-        """End a session; returns whether it was held."""
-        return self.manager.drop(session_id)
-
-    def session_ids(self) -> list[Hashable]:
-        """Retained sessions, least recently used first."""
-        return self.manager.session_ids()
-
-    def session_values(self, session_id: Hashable) -> dict[str, object]:
-        """Every value the session holds, by name (without touching LRU order)."""
-        return resident(self.manager, session_id, unknown_session).values()
-
     def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
         """Every latent chunk generated for the session, joined along time (None if none)."""
-        state = resident(self.manager, session_id, unknown_session)
-        latents = state.object("video_latents_across_time", LatentBuffer)
+        latents = self._peek(session_id).object("video_latents_across_time", LatentBuffer)
         return latents.concat() if len(latents) else None
 
     def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
         """Empty the session's accumulated video latents; marks it most recently used."""
         # A parked session is unparked to change it; `put` applies the budget again.
-        state = resident(self.manager, session_id, unknown_session)
-        state = state.update_object("video_latents_across_time", lambda b: b.reset())
+        state = self._peek(session_id).update_object(
+            "video_latents_across_time", lambda b: b.reset()
+        )
         self.manager.put(session_id, state)
 
     def stats(self) -> dict[str, int]:

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-from sessionstate._checks import is_int
+from sessionstate._checks import an_int, is_int, one_of, positive_int
 from sessionstate.models._presets import from_preset, from_section
 
 __all__ = ["FRAMES_PER_CHUNK", "MAX_DREAMZERO_SESSIONS", "PRESETS", "DreamZeroConfig"]
@@ -25,12 +25,6 @@ _MASK_CHANNELS = 4
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in _DTYPES:
-        msg = f"`dtype` must be one of {sorted(_DTYPES)}, got {value!r}."
-        raise ValueError(msg)
-
-
 def _check_crop(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         msg = f"`crop_scale` must be a number in (0, 1], got {value!r}."
@@ -43,18 +37,6 @@ def _check_window(instance: object, attribute: attrs.Attribute[Any], value: obje
             f"`local_attn_size` must be a positive int (latent frames per window) or -1 (no "
             f"window resets), got {value!r} ({type(value).__name__})."
         )
-        raise ValueError(msg)
-
-
-def _check_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value):
-        msg = f"`{attribute.name}` must be an int, got {value!r} ({type(value).__name__})."
-        raise TypeError(msg)
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value) or value <= 0:
-        msg = f"`{attribute.name}` must be a positive int, got {value!r} ({type(value).__name__})."
         raise ValueError(msg)
 
 
@@ -78,31 +60,31 @@ class DreamZeroConfig:
     """
 
     name: str = "custom"
-    camera_height: int = attrs.field(default=180, validator=_positive)
-    camera_width: int = attrs.field(default=320, validator=_positive)
+    camera_height: int = attrs.field(default=180, validator=positive_int)
+    camera_width: int = attrs.field(default=320, validator=positive_int)
     crop_scale: float = attrs.field(default=0.95, validator=_check_crop)
-    view_height: int = attrs.field(default=176, validator=_positive)
-    view_width: int = attrs.field(default=320, validator=_positive)
-    dtype: str = attrs.field(default="bfloat16", validator=_check_dtype)
-    vae_base_dim: int = attrs.field(default=96, validator=_positive)
-    vae_z_dim: int = attrs.field(default=16, validator=_positive)
-    num_frame_per_block: int = attrs.field(default=2, validator=_positive)
-    num_frames: int = attrs.field(default=33, validator=_positive)
+    view_height: int = attrs.field(default=176, validator=positive_int)
+    view_width: int = attrs.field(default=320, validator=positive_int)
+    dtype: str = attrs.field(default="bfloat16", validator=one_of(_DTYPES))
+    vae_base_dim: int = attrs.field(default=96, validator=positive_int)
+    vae_z_dim: int = attrs.field(default=16, validator=positive_int)
+    num_frame_per_block: int = attrs.field(default=2, validator=positive_int)
+    num_frames: int = attrs.field(default=33, validator=positive_int)
     local_attn_size: int = attrs.field(default=-1, validator=_check_window)
-    text_len: int = attrs.field(default=512, validator=_positive)
-    text_dim: int = attrs.field(default=4096, validator=_positive)
-    clip_grid: int = attrs.field(default=16, validator=_positive)
-    clip_dim: int = attrs.field(default=1280, validator=_positive)
-    hidden_dim: int = attrs.field(default=64, validator=_positive)
-    action_horizon: int = attrs.field(default=24, validator=_positive)
-    action_dim: int = attrs.field(default=8, validator=_positive)
-    num_inference_steps: int = attrs.field(default=4, validator=_positive)
-    kv_layers: int = attrs.field(default=40, validator=_positive)
-    kv_heads: int = attrs.field(default=40, validator=_positive)
-    kv_head_dim: int = attrs.field(default=128, validator=_positive)
-    kv_block_tokens: int = attrs.field(default=880, validator=_positive)
-    kv_window_frames: int = attrs.field(default=9, validator=_positive)
-    seed: int = attrs.field(default=0, validator=_check_int)
+    text_len: int = attrs.field(default=512, validator=positive_int)
+    text_dim: int = attrs.field(default=4096, validator=positive_int)
+    clip_grid: int = attrs.field(default=16, validator=positive_int)
+    clip_dim: int = attrs.field(default=1280, validator=positive_int)
+    hidden_dim: int = attrs.field(default=64, validator=positive_int)
+    action_horizon: int = attrs.field(default=24, validator=positive_int)
+    action_dim: int = attrs.field(default=8, validator=positive_int)
+    num_inference_steps: int = attrs.field(default=4, validator=positive_int)
+    kv_layers: int = attrs.field(default=40, validator=positive_int)
+    kv_heads: int = attrs.field(default=40, validator=positive_int)
+    kv_head_dim: int = attrs.field(default=128, validator=positive_int)
+    kv_block_tokens: int = attrs.field(default=880, validator=positive_int)
+    kv_window_frames: int = attrs.field(default=9, validator=positive_int)
+    seed: int = attrs.field(default=0, validator=an_int)
 
     def __attrs_post_init__(self) -> None:
         # Relations between fields, so a bad geometry fails here and not at step 0 in torch.

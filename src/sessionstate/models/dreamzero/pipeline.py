@@ -23,11 +23,8 @@ import torch
 from sessionstate import (
     KVPool,
     OmniDiffusionConfig,
-    SessionStateManager,
-    SessionStateSettings,
-    resolve_session_state_config,
 )
-from sessionstate._checks import check_session_id, is_int
+from sessionstate._checks import check_session_id
 from sessionstate.models import _kit
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._bespoke import BespokePath
@@ -41,7 +38,7 @@ from sessionstate.models.dreamzero.transform import Observation
 __all__ = ["DreamZeroOutput", "DreamZeroPipeline"]
 
 
-class DreamZeroPipeline:
+class DreamZeroPipeline(_kit.TwoPathPipeline[DreamZeroSession]):
     """A DreamZero-shaped streaming world model over many interleaved sessions.
 
     Args:
@@ -78,18 +75,10 @@ class DreamZeroPipeline:
         host_device: torch.device | str = "cpu",
         max_bespoke_sessions: int = MAX_DREAMZERO_SESSIONS,
     ) -> None:
-        if not is_int(max_bespoke_sessions) or max_bespoke_sessions <= 0:
-            msg = (
-                f"`max_bespoke_sessions` must be a positive int, got {max_bespoke_sessions!r}; "
-                f"the bespoke path's cap is {MAX_DREAMZERO_SESSIONS} upstream."
-            )
-            raise ValueError(msg)
-        if isinstance(config, DreamZeroConfig):
-            self.cfg = config
-            self.settings: SessionStateSettings = resolve_session_state_config(None, environ)
-        else:
-            self.cfg = config.parse_model(DreamZeroConfig.from_dict)
-            self.settings = resolve_session_state_config(config, environ)
+        _kit.check_bespoke_cap(max_bespoke_sessions, MAX_DREAMZERO_SESSIONS)
+        self.cfg, self.settings = _kit.resolve_model(
+            config, DreamZeroConfig, DreamZeroConfig.from_dict, environ
+        )
         self.device = torch.device(device)
         self.host_device = torch.device(host_device)
         self._model = DreamZeroModel(self.cfg, self.device, self.host_device)
@@ -112,38 +101,9 @@ class DreamZeroPipeline:
         self._model.nets = nets
 
     @property
-    def manager(self) -> SessionStateManager[DreamZeroSession] | None:
-        """The managed path's manager; None on the bespoke path.
-
-        Assignable on the managed path (a test swaps in a manager with another cap).
-        """
-        return None if self._managed is None else self._managed.manager
-
-    @manager.setter
-    def manager(self, manager: SessionStateManager[DreamZeroSession]) -> None:
-        assert self._managed is not None, "the bespoke path has no manager"
-        self._managed.manager = manager
-
-    @property
     def kv_pool(self) -> KVPool | None:
         """The managed path's engine-owned KV pool; None on the bespoke path."""
         return None if self._managed is None else self._managed.kv_pool
-
-    @property
-    def managed(self) -> bool:
-        """Whether this pipeline runs the manager-backed path."""
-        return self.manager is not None
-
-    @property
-    def on_full(self) -> str:
-        """What a new session does at the cap, on either path: ``"evict"`` or ``"refuse"``.
-
-        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
-        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER_ON_FULL": "refuse"}
-        >>> DreamZeroPipeline(DreamZeroConfig.preset("tiny"), environ=env).on_full
-        'refuse'
-        """
-        return self.settings.on_full
 
     # -- entry point ---------------------------------------------------------------------------
 
@@ -192,11 +152,6 @@ class DreamZeroPipeline:
         assert self._managed is not None, "`step` runs on the managed path only"
         return self._managed.step(state, obs)
 
-    def drop_session(self, session_id: Hashable) -> bool:
-        """End a session on either path; returns whether it was held."""
-        check_session_id(session_id)
-        return self._path.drop_session(session_id)
-
     def prefetch(self, session_id: Hashable, *, make_room: bool = False) -> bool:
         """Start unparking ``session_id`` in the background; return whether it started.
 
@@ -224,20 +179,6 @@ class DreamZeroPipeline:
             kv_pool=managed.kv_pool,
             kv_blocks=2 * kv_cache.handle_blocks(self.cfg) + 1,
         )
-
-    def session_ids(self) -> list[Hashable]:
-        """Retained sessions, least recently used first."""
-        return self._path.session_ids()
-
-    def session_values(self, session_id: Hashable) -> dict[str, object]:
-        """Every value the session holds, by name (without touching LRU order)."""
-        check_session_id(session_id)
-        return self._path.session_values(session_id)
-
-    def video_latents(self, session_id: Hashable) -> torch.Tensor | None:
-        """Every latent chunk generated for the session, joined along time (None if none)."""
-        check_session_id(session_id)
-        return self._path.video_latents(session_id)
 
     def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
         """Empty the session's accumulated video latents, for a caller that exported them.
@@ -267,7 +208,3 @@ class DreamZeroPipeline:
         if latents is None:
             return None
         return self.nets.decode(latents.to(self.device))
-
-    def stats(self) -> dict[str, int]:
-        """The manager's `stats()`; on the bespoke path, the same keys computed by hand."""
-        return self._path.stats()
