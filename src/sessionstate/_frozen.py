@@ -1,17 +1,31 @@
-"""Deep immutability for carried values: lists become tuples, dicts become `FrozenDict`s.
+"""Deep immutability for carried values, and the one table of the containers a record holds.
 
 A record is immutable only as deep as the values it holds. A list or a dict stored as a
 session attribute could be mutated through the read-only attribute view, and the change would
 reach every version of the session that shares it. `freeze` converts those containers on the
 way in and refuses mutable containers it cannot convert faithfully, naming the fix.
+
+`CONTAINERS` lists every container kind a record may hold (besides records and leaves): its
+snapshot tag, the snapshot format that first stored it, whether it maps keys to values, and
+how to build one from its children. The snapshot encoder and decoder dispatch on it; optree
+and torch pytree flatten each kind (builtins natively, `FrozenDict` through its registrations
+below), and `tree_equal` and the byte accounting read records through optree. A test checks
+every kind against each of those readers, so a kind added here is known everywhere or fails.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, MutableSet
+from collections.abc import (
+    Callable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    MutableSet,
+)
 from types import MappingProxyType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import optree
 import torch
@@ -19,7 +33,14 @@ import torch.utils._pytree as torch_pytree
 
 from sessionstate._tree import NAMESPACE
 
-__all__ = ["FrozenDict", "freeze"]
+__all__ = [
+    "CONTAINERS",
+    "CONTAINERS_BY_CLASS",
+    "CONTAINERS_BY_TAG",
+    "ContainerKind",
+    "FrozenDict",
+    "freeze",
+]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -99,6 +120,32 @@ torch_pytree.register_pytree_node(
     serialized_type_name="sessionstate.FrozenDict",
     flatten_with_keys_fn=_torch_flatten_with_keys,
 )
+
+
+class ContainerKind(NamedTuple):
+    """One container kind a record may hold (see `CONTAINERS`)."""
+
+    cls: type
+    tag: str  # its snapshot node type
+    mapping: bool  # children by key (str, int or bool in a snapshot), else by position
+    since: int  # the first snapshot format version that stores it
+    build: Callable[[Any], Any]  # one from a list of children, or a dict of them
+
+
+CONTAINERS: tuple[ContainerKind, ...] = (
+    ContainerKind(tuple, "tuple", mapping=False, since=1, build=tuple),
+    ContainerKind(list, "list", mapping=False, since=1, build=list),
+    ContainerKind(dict, "dict", mapping=True, since=1, build=dict),
+    ContainerKind(FrozenDict, "frozendict", mapping=True, since=3, build=FrozenDict),
+)
+"""Every container kind a record may hold besides records, in the order messages list them.
+
+>>> [kind.tag for kind in CONTAINERS]
+['tuple', 'list', 'dict', 'frozendict']
+"""
+
+CONTAINERS_BY_CLASS: dict[type, ContainerKind] = {kind.cls: kind for kind in CONTAINERS}
+CONTAINERS_BY_TAG: dict[str, ContainerKind] = {kind.tag: kind for kind in CONTAINERS}
 
 _FIXES: dict[type, str] = {
     set: "a frozenset (`frozenset(value)`)",

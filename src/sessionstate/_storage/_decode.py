@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from sessionstate._errors import SnapshotError
-from sessionstate._frozen import FrozenDict
+from sessionstate._frozen import CONTAINERS_BY_TAG
 from sessionstate._storage._format import (
     _CHUNK,
     _DTYPES,
@@ -439,15 +439,16 @@ class _TreeCheck:
             if type(i) is not int or not 0 <= i < self.views:
                 raise self.bad(key, f"tensor view {i!r:.60} of {self.views}")
             return
-        if kind in ("tuple", "list"):
+        container = CONTAINERS_BY_TAG.get(kind) if isinstance(kind, str) else None
+        if container is not None and self.version >= container.since:
+            if container.mapping:
+                self.pairs(node, key, depth)
+                return
             items = node.get("items")
             if not isinstance(items, list):
                 raise self.bad(key, f"{kind} without items")
             for i, child in enumerate(items):
                 self.node(child, f"{key}[{i}]", depth + 1)
-            return
-        if kind == "dict" or (kind == "frozendict" and self.version >= 3):
-            self.pairs(node, key, depth)
             return
         if kind == "record":
             name, fields, statics = node.get("class"), node.get("fields"), node.get("static")
@@ -602,12 +603,13 @@ class _Decoder:
             return float(node["value"])
         if kind == "tensor":
             return self.tensors[node["view"]]
-        if kind in ("tuple", "list"):
-            values = [self.node(v, f"{key}[{i}]") for i, v in enumerate(node["items"])]
-            return tuple(values) if kind == "tuple" else values
-        if kind in ("dict", "frozendict"):
-            out = {k: self.node(v, f"{key}[{k!r}]") for k, v in node["items"]}
-            return out if kind == "dict" else FrozenDict(out)
+        container = CONTAINERS_BY_TAG.get(kind)
+        if container is not None and container.mapping:
+            return container.build({k: self.node(v, f"{key}[{k!r}]") for k, v in node["items"]})
+        if container is not None:
+            return container.build(
+                [self.node(v, f"{key}[{i}]") for i, v in enumerate(node["items"])]
+            )
         if kind == "record":
             return self.record(node, key)
         return self.leaf(node, key)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from sessionstate._checks import describe
-from sessionstate._frozen import FrozenDict
+from sessionstate._frozen import CONTAINERS_BY_CLASS
 from sessionstate._storage._format import (
     FORMAT_VERSION,
     MAX_DEPTH,
@@ -88,13 +88,14 @@ class _Encoder:
                 i = self._index[id(value)] = len(self.tensors)
                 self.tensors.append((key, value))
             return {"type": "tensor", "view": i}
-        if cls is tuple or cls is list:
+        container = CONTAINERS_BY_CLASS.get(cls)
+        if container is not None and not container.mapping:
             items = [
                 self.node(v, f"{key}[{i}]", statics=statics, depth=depth + 1)
                 for i, v in enumerate(value)
             ]
-            return {"type": cls.__name__, "items": items}
-        if cls is dict or cls is FrozenDict:
+            return {"type": container.tag, "items": items}
+        if container is not None:
             pairs = []
             for k, v in value.items():
                 if type(k) not in (str, int, bool):
@@ -104,7 +105,7 @@ class _Encoder:
                     )
                     raise TypeError(msg)
                 pairs.append([k, self.node(v, f"{key}[{k!r}]", statics=statics, depth=depth + 1)])
-            return {"type": "dict" if cls is dict else "frozendict", "items": pairs}
+            return {"type": container.tag, "items": pairs}
         if _is_record(cls):
             refused = _refusal(cls)
             if refused is not None:
