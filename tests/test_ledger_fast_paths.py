@@ -10,6 +10,7 @@ the pool's free blocks with the blocks live handles hold.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -120,6 +121,15 @@ def test_a_handle_gives_its_blocks_back_when_collected() -> None:
     del longer
     gc.collect()
     assert pool.free_blocks == 3
+
+
+def test_a_copy_of_a_handle_is_the_handle_so_its_blocks_stay_held() -> None:
+    pool = KVPool(2, block_tokens=1, token_shape=())
+    handle = pool.append(pool.empty(), torch.ones(1))
+    assert copy.copy(handle) is handle
+    assert copy.deepcopy({"kv": handle})["kv"] is handle
+    gc.collect()
+    assert (handle.alive, pool.free_blocks) == (True, 1)
 
 
 def test_a_rolled_back_step_kills_its_handles_and_frees_their_blocks_once() -> None:

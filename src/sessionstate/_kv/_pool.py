@@ -128,6 +128,14 @@ class KVHandle:
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and holds no hashable value
 
+    def __copy__(self) -> KVHandle:
+        # Immutable, and its lease is its own: a copy would share the lease and give the
+        # blocks back when either is collected. So a copy is the handle itself, as for a tuple.
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> KVHandle:
+        return self
+
     def __del__(self) -> None:
         # The handle's blocks go back to the pool once no record holds the handle. Not
         # `contextlib.suppress`: at interpreter shutdown module globals may already be gone.
