@@ -12,6 +12,8 @@ nothing here asserts a time. ``docs/performance.md`` explains every number. Each
 lives in its own module beside this one:
 
 - `step_time`: per-step time vs session length, both paths side by side (the A/B harness);
+- `overhead_ab`: the library's overhead per step, both paths alternating in one process (the
+  report's overhead target);
 - `micro` (pyperf): the reader alone, the library's overhead per step, ring commit, and
   ``stats()`` scaling;
 - `memory`: bytes held per session vs steps, and the peak RSS, each path in its own process;
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import micro
+import overhead_ab
 import torch
 from common import FULL, QUICK, Sizes, machine_info
 from memory import bench_memory
@@ -74,6 +77,9 @@ def run(sizes: Sizes, *, quick: bool, threads: int, log: Callable[[str], None]) 
     t0 = time.perf_counter()
     results["step_time"] = bench_step_time(sizes)
     log(f"step_time: {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    results["library_overhead_ab"] = overhead_ab.section(sizes.overhead_chunks, 3 if quick else 40)
+    log(f"library overhead, alternating: {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     results.update(run_micro(sizes, quick=quick, threads=threads))
     log(f"micro-benchmarks (pyperf): {time.perf_counter() - t0:.1f} s")

@@ -22,6 +22,7 @@ SECTIONS = (
     "step_time",
     "reader",
     "library_overhead",
+    "library_overhead_ab",
     "ring_commit",
     "stats_scaling",
     "memory",
@@ -69,6 +70,12 @@ def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) ->
     assert [p["video_chunks"] for p in overhead] == sizes["overhead_chunks"]
     for p in overhead:
         assert p["overhead_us"] == p["managed_us"] - p["bespoke_us"]
+    alternating = results["library_overhead_ab"]
+    assert [p["video_chunks"] for p in alternating["points"]] == sizes["overhead_chunks"]
+    for p in alternating["points"]:
+        assert p["overhead_us"] == p["managed_median_us"] - p["bespoke_median_us"]
+        assert 0 < p["managed_min_us"] <= p["managed_median_us"]
+    assert alternating["worst_overhead_us"] == max(p["overhead_us"] for p in alternating["points"])
     ring = results["ring_commit"]
     assert ring["chunk_shape"] == [1, 32, 1, 44, 80]
     assert ring["chunk_mib"] == pytest.approx(0.2148, abs=1e-4)
