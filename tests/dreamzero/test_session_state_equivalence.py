@@ -34,6 +34,7 @@ from sessionstate import (
     tree_equal,
     tree_map,
 )
+from sessionstate.models import _kit as kit_module
 from sessionstate.models.dreamzero import (
     FRAMES_PER_CHUNK,
     DreamZeroPipeline,
@@ -599,7 +600,7 @@ def test_with_the_flag_off_nothing_of_the_manager_is_constructed(
 
     monkeypatch.setattr(pipeline_module, "ManagedPath", refuse)
     monkeypatch.setattr(pipeline_module, "new_session", refuse)
-    monkeypatch.setattr(managed_module, "SessionStateManager", refuse)
+    monkeypatch.setattr(kit_module, "SessionStateManager", refuse)  # `build_manager`'s
     monkeypatch.setattr(managed_module, "new_session", refuse)
     monkeypatch.setattr(managed_module, "window_reset", refuse)
     cfg = tiny()
