@@ -190,9 +190,17 @@ def test_a_lazy_ledger_reads_the_same_totals_as_an_eager_one(
     # Entries over overlapping address ranges (several identities per range too), added and
     # removed in any order; totals read after every change and only at the end.
     eager, lazy, rare = Ledger(), Ledger(lazy=True), Ledger(lazy=True)
-    held: list[tuple[str, int, int, int, None]] = []
+    # Thirty disjoint ranges held throughout, so a read after one change places it among
+    # them (the incremental path) rather than sorting afresh.
+    held: list[tuple[str, object, int, int, None]] = [
+        ("cpu", ("base", i), 10_000 + 100 * i, 10, None) for i in range(30)
+    ]
+    for ledger in (eager, lazy, rare):
+        ledger.add(held)
+        ledger.totals()
+    base = len(held)
     for add, start, size, alias in ops:
-        if add or not held:
+        if add or len(held) == base:
             entry = ("cpu", (start, size, alias), 1000 + start, size, None)
             if entry in held:
                 continue
@@ -200,7 +208,7 @@ def test_a_lazy_ledger_reads_the_same_totals_as_an_eager_one(
             for ledger in (eager, lazy, rare):
                 ledger.add([entry])
         else:
-            entry = held.pop(start % len(held))
+            entry = held.pop(base + start % (len(held) - base))
             for ledger in (eager, lazy, rare):
                 ledger.remove([entry])
         covered = {b for _, _, pointer, n, _ in held for b in range(pointer, pointer + n)}

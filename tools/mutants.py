@@ -477,6 +477,13 @@ MUTANTS = (
         ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
     ),
     Mutant(
+        "lazy-ledger-misses-an-overlap",
+        "a ledger without a budget adds an overlapping range's whole length to its union",
+        "sessionstate/_manager/_ledger.py",
+        (("                        disjoint = False\n", "                        pass\n"),),
+        ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

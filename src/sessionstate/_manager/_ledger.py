@@ -103,6 +103,7 @@ class _LazyRanges:
         self._spans: list[tuple[int, int]] = []  # distinct ranges, sorted, as of the last read
         self._pending: list[tuple[int, tuple[int, int]]] = []  # (+1 | -1, range) since then
         self._total = 0
+        self._disjoint = True  # whether no two of `_spans` overlap
 
     def add(self, start: int, end: int) -> None:
         counts, span = self._counts, (start, end)
@@ -123,39 +124,57 @@ class _LazyRanges:
     @property
     def total(self) -> int:
         pending = self._pending
-        if pending:
-            spans = self._spans
-            if 8 * len(pending) > len(spans):  # many changes: sorting afresh is cheaper
-                self._spans = spans = sorted(self._counts)
+        if not pending:
+            return self._total
+        spans = self._spans
+        if 8 * len(pending) > len(spans):  # many changes: sorting afresh is cheaper
+            self._spans = spans = sorted(self._counts)
+            self._total, self._disjoint = _union_size(spans)
+        else:
+            # While no two ranges overlap (distinct allocations, the common case) the union is
+            # the sum of the lengths, moved by each range that came or went; a range that
+            # reaches into a neighbour as it is placed ends that, and the union is measured.
+            total, disjoint = self._total, self._disjoint
+            for sign, (start, end) in pending:
+                at = bisect.bisect_left(spans, (start, end))
+                if sign > 0:
+                    if disjoint and (
+                        (at and spans[at - 1][1] > start)
+                        or (at < len(spans) and spans[at][0] < end)
+                    ):
+                        disjoint = False
+                    spans.insert(at, (start, end))
+                    total += end - start
+                else:
+                    del spans[at]
+                    total -= end - start
+            if disjoint:
+                self._total = total
             else:
-                for sign, span in pending:
-                    if sign > 0:
-                        bisect.insort(spans, span)
-                    else:
-                        del spans[bisect.bisect_left(spans, span)]
-            pending.clear()
-            self._total = _union_size(spans)
+                self._total, self._disjoint = _union_size(spans)
+        pending.clear()
         return self._total
 
 
-def _union_size(spans: Sequence[tuple[int, int]]) -> int:
-    """The size of the union of sorted, distinct ``(start, end)`` ranges."""
+def _union_size(spans: Sequence[tuple[int, int]]) -> tuple[int, bool]:
+    """The size of the union of sorted, distinct ``(start, end)`` ranges, and whether they
+    are disjoint (no range reaches into the next)."""
     if not spans:
-        return 0
+        return 0, True
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     starts, ends = zip(*spans, strict=True)
     if not any(map(operator.gt, ends, starts[1:])):
-        # No range reaches into the next (distinct allocations, the common case): the union
-        # is the sum of the lengths, added up without a Python-level loop.
-        return sum(ends) - sum(starts)
+        # Distinct allocations, the common case: the union is the sum of the lengths, added
+        # up without a Python-level loop.
+        return sum(ends) - sum(starts), True
     covered, reach = 0, 0
     for start, end in spans:
         if end <= reach:
             continue
         covered += end - max(start, reach)
         reach = end
-    return covered
+    return covered, False
 
 
 class Ledger:
