@@ -214,3 +214,19 @@ def test_a_lazy_ledger_reads_the_same_totals_as_an_eager_one(
         covered = {b for _, _, pointer, n, _ in held for b in range(pointer, pointer + n)}
         assert eager.totals() == lazy.totals() == ({"cpu": len(covered)} if covered else {})
     assert rare.totals() == eager.totals()
+
+
+def test_a_lazy_ledger_nobody_reads_stays_bounded() -> None:
+    # A manager without a budget whose `stats()` is never called: the pending range changes
+    # are folded in as they outgrow the held ranges, and the total is still exact.
+    ledger = Ledger(lazy=True)
+    kept = ("cpu", "kept", 0, 8, None)
+    ledger.add([kept])
+    pending = []
+    for i in range(5000):
+        entry = ("cpu", ("temp", i), 100 + 16 * i, 8, None)
+        ledger.add([entry])
+        ledger.remove([entry])
+        pending.append(len(ledger._ranges["cpu"]._pending))  # type: ignore[union-attr]
+    assert max(pending) <= 8 * 1 + 256 + 1
+    assert ledger.totals() == {"cpu": 8}

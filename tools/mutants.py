@@ -484,6 +484,23 @@ MUTANTS = (
         ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
     ),
     Mutant(
+        "lazy-ledger-grows-unread",
+        "a ledger without a budget whose stats() is never read keeps every range change",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "            if len(self._pending) > self._fold_at:\n"
+                "                self._fold()\n",
+                "",
+            ),
+            (
+                "        if len(self._pending) > self._fold_at:\n            self._fold()\n",
+                "",
+            ),
+        ),
+        ("tests/test_ledger_fast_paths.py",),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

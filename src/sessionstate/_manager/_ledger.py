@@ -95,7 +95,9 @@ class _LazyRanges:
 
     For a ledger nobody reads between puts (no byte budget): a change costs a dict update,
     and a read after changes brings a sorted list of the distinct ranges up to date (placing
-    each range that came or went, or sorting afresh after many) and sums their union.
+    each range that came or went, or sorting afresh after many) and sums their union. The
+    pending changes never outgrow the held ranges (by 8x, plus 256): past that they are
+    folded in without a read.
     """
 
     def __init__(self) -> None:
@@ -104,6 +106,7 @@ class _LazyRanges:
         self._pending: list[tuple[int, tuple[int, int]]] = []  # (+1 | -1, range) since then
         self._total = 0
         self._disjoint = True  # whether no two of `_spans` overlap
+        self._fold_at = 256  # pending changes that trigger a fold without a read
 
     def add(self, start: int, end: int) -> None:
         counts, span = self._counts, (start, end)
@@ -111,6 +114,8 @@ class _LazyRanges:
         counts[span] = count + 1
         if not count:
             self._pending.append((1, span))
+            if len(self._pending) > self._fold_at:
+                self._fold()
 
     def remove(self, start: int, end: int) -> None:
         counts, span = self._counts, (start, end)
@@ -120,12 +125,19 @@ class _LazyRanges:
             return
         del counts[span]
         self._pending.append((-1, span))
+        if len(self._pending) > self._fold_at:
+            self._fold()
 
     @property
     def total(self) -> int:
+        if self._pending:
+            self._fold()
+        return self._total
+
+    def _fold(self) -> None:
+        # Bring `_spans` and `_total` up to date with the pending changes. Also run when the
+        # pending list outgrows the held ranges, so a ledger nobody reads stays bounded.
         pending = self._pending
-        if not pending:
-            return self._total
         spans = self._spans
         if 8 * len(pending) > len(spans):  # many changes: sorting afresh is cheaper
             self._spans = spans = sorted(self._counts)
@@ -153,7 +165,7 @@ class _LazyRanges:
             else:
                 self._total, self._disjoint = _union_size(spans)
         pending.clear()
-        return self._total
+        self._fold_at = 8 * len(spans) + 256
 
 
 def _union_size(spans: Sequence[tuple[int, int]]) -> tuple[int, bool]:
