@@ -32,17 +32,26 @@ from sessionstate import (
     nbytes_by_device,
     resolve_session_state_config,
 )
-from sessionstate._checks import check_session_id, is_int
+from sessionstate._checks import an_int, check_session_id, is_int, one_of, positive_int
+from sessionstate._env import ENV_KV_POOL_BYTES
 
+# Besides its own parts, the kit passes on the library's checks that the models' configs and
+# pipelines use, so a reference model imports only public names and this kit.
 __all__ = [
+    "ENV_KV_POOL_BYTES",
     "ManagedPathLike",
     "SessionMessages",
     "SessionPath",
     "SessionTable",
     "TwoPathPipeline",
+    "an_int",
     "build_manager",
+    "check_session_id",
     "device_key",
+    "is_int",
     "managed_forward",
+    "one_of",
+    "positive_int",
     "prefetch",
     "resident",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-from sessionstate._checks import an_int, one_of, positive_int
+from sessionstate.models._kit import an_int, one_of, positive_int
 from sessionstate.models._presets import from_preset, from_section
 
 __all__ = ["MAX_COSMOS3_SESSIONS", "PRESETS", "Cosmos3Config"]

@@ -30,7 +30,6 @@ from sessionstate import (
     KVPair,
     OmniDiffusionConfig,
 )
-from sessionstate._checks import check_session_id
 from sessionstate.models import _kit
 from sessionstate.models.cosmos3._bespoke import BespokePath, instance_cache
 from sessionstate.models.cosmos3._managed import ManagedPath
@@ -172,7 +171,7 @@ class Cosmos3Pipeline(_kit.TwoPathPipeline[Cosmos3Session]):
         >>> pipe.forward(request, "cam-0", begin=False).reset is None
         True
         """
-        check_session_id(session_id)
+        _kit.check_session_id(session_id)
         return self._path.forward(request, session_id, begin)
 
     def new_session(self) -> Cosmos3Session:

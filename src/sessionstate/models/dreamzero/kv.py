@@ -23,7 +23,7 @@ import torch
 from sessionstate import KVHandle, KVPool
 
 # The variable is not a public name yet; its one home is `_env`.
-from sessionstate._env import ENV_KV_POOL_BYTES
+from sessionstate.models._kit import ENV_KV_POOL_BYTES
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 
 __all__ = [

@@ -24,7 +24,6 @@ from sessionstate import (
     KVPool,
     OmniDiffusionConfig,
 )
-from sessionstate._checks import check_session_id
 from sessionstate.models import _kit
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._bespoke import BespokePath
@@ -135,7 +134,7 @@ class DreamZeroPipeline(_kit.TwoPathPipeline[DreamZeroSession]):
         >>> pipe.forward(second, sid, begin=False).reset is None
         True
         """
-        check_session_id(session_id)
+        _kit.check_session_id(session_id)
         return self._path.forward(obs, session_id, begin)
 
     def new_session(self) -> DreamZeroSession:
@@ -170,7 +169,7 @@ class DreamZeroPipeline(_kit.TwoPathPipeline[DreamZeroSession]):
         """
         managed = self._managed
         if managed is None:
-            check_session_id(session_id)
+            _kit.check_session_id(session_id)
             return False
         return _kit.prefetch(
             managed.manager,
@@ -199,7 +198,7 @@ class DreamZeroPipeline(_kit.TwoPathPipeline[DreamZeroSession]):
         >>> pipe.video_latents(sid) is None, pipe.session_values(sid)["call_count"]
         (True, 2)
         """
-        check_session_id(session_id)
+        _kit.check_session_id(session_id)
         self._path.clear_accumulated_video_latents(session_id)
 
     def decode_video(self, session_id: Hashable) -> torch.Tensor | None:
