@@ -341,9 +341,9 @@ MUTANTS = (
         "sessionstate/models/cosmos3/_managed.py",
         (
             (
-                "            Cosmos3Session, settings, model.device\n",
-                '            Cosmos3Session, __import__("attrs").evolve(settings, max_bytes=None),'
-                " model.device\n",
+                "super().__init__(model, settings, Cosmos3Session, unknown_session)",
+                'super().__init__(model, __import__("attrs").evolve(settings, max_bytes=None), '
+                "Cosmos3Session, unknown_session)",
             ),
         ),
         ("tests/test_two_model_contract.py",),
