@@ -51,6 +51,7 @@ __all__ = [
     "nbytes_by_key",
     "note_derived",
     "storage_entries",
+    "union_size",
 ]
 
 _HOST = "cpu"
@@ -263,20 +264,28 @@ class _Tally:
         totals = self.flat
         for device, ranges in self.spans.items():
             starts = sorted(ranges)
-            ends = [ranges[start] for start in starts]
-            if not any(map(operator.gt, ends, starts[1:])):
-                # No range reaches into the next (distinct storages, the common case): the
-                # union is the sum of the lengths, added up without a Python-level loop.
-                totals[device] += sum(ends) - sum(starts)
-                continue
-            covered, reach = 0, 0
-            for start, end in zip(starts, ends, strict=True):
-                if end <= reach:
-                    continue
-                covered += end - max(start, reach)
-                reach = end
-            totals[device] += covered
+            totals[device] += union_size(starts, [ranges[start] for start in starts])[0]
         return totals
+
+
+def union_size(starts: Sequence[int], ends: Sequence[int], /) -> tuple[int, bool]:
+    """The size of the union of ranges ``[starts[i], ends[i])`` sorted by start, and whether
+    they are disjoint (no range reaches into the next).
+
+    >>> union_size([0, 4, 10], [4, 8, 12]), union_size([0, 2], [5, 3])
+    ((10, True), (5, False))
+    """
+    if not any(map(operator.gt, ends, starts[1:])):
+        # No range reaches into the next (distinct storages, the common case): the union is
+        # the sum of the lengths, added up without a Python-level loop.
+        return sum(ends) - sum(starts), True
+    covered, reach = 0, 0
+    for start, end in zip(starts, ends, strict=True):
+        if end <= reach:
+            continue
+        covered += end - max(start, reach)
+        reach = end
+    return covered, False
 
 
 def engine_entries(entries: Iterable[StorageEntry], /) -> list[StorageEntry]:

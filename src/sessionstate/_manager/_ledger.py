@@ -28,6 +28,7 @@ from sessionstate._accounting import (
     derivation,
     leaf_entries,
     storage_entries,
+    union_size,
 )
 from sessionstate._errors import UnsupportedTensorError
 from sessionstate._session import SessionState, ValueKey, iter_values
@@ -169,24 +170,11 @@ class _LazyRanges:
 
 
 def _union_size(spans: Sequence[tuple[int, int]]) -> tuple[int, bool]:
-    """The size of the union of sorted, distinct ``(start, end)`` ranges, and whether they
-    are disjoint (no range reaches into the next)."""
+    # `union_size` of sorted, distinct `(start, end)` ranges.
     if not spans:
         return 0, True
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
     starts, ends = zip(*spans, strict=True)
-    if not any(map(operator.gt, ends, starts[1:])):
-        # Distinct allocations, the common case: the union is the sum of the lengths, added
-        # up without a Python-level loop.
-        return sum(ends) - sum(starts), True
-    covered, reach = 0, 0
-    for start, end in spans:
-        if end <= reach:
-            continue
-        covered += end - max(start, reach)
-        reach = end
-    return covered, False
+    return union_size(starts, ends)
 
 
 class Ledger:
@@ -244,9 +232,8 @@ class Ledger:
                 self._count(entry, -1)
 
     def _count(self, entry: StorageEntry, sign: int) -> None:
+        # Callers skip entries of no bytes.
         device, identity, pointer, nbytes, _ = entry
-        if nbytes == 0:
-            return
         if isinstance(identity, EngineBlock):
             self._engine[device] = self._engine.get(device, 0) + sign * nbytes
         if not pointer:
