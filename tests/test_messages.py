@@ -528,8 +528,9 @@ CORE_MESSAGES = {
     # check_count (pinned through KVPool in test_kvpool.py), then the session-id rule (None
     # and NaN ids: pinned in test_session_ids.py), then the validators: `check_bool` (through
     # the manager's `check_immutable`, test_reliability_contracts.py), `a_bool` (through the
-    # deploy config, above), `positive_int`, `an_int` and `one_of` (the model configs').
-    "_checks.py": 1 + 1 + 2 + 5,
+    # deploy config, above), `an_int` and `one_of` (the model configs'; `positive_int` raises
+    # `check_count`'s).
+    "_checks.py": 1 + 1 + 2 + 4,
     "_objects.py": 4 + 3 + 3 + 7,  # with the chunk checks
     "_stateobject.py": 1,  # a parked object's refusal, pinned in test_park_reliability.py
     "_session.py": 6 + 2 + 1,  # `object(name, cls)` of another type: test_session.py

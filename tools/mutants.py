@@ -506,8 +506,8 @@ MUTANTS = (
         "sessionstate/_session.py",
         (
             (
-                "        if clash:\n            _check_disjoint(",
-                "        if False:\n            _check_disjoint(",
+                "            _check_disjoint(new_objects, new_attrs)\n",
+                "            pass\n",
             ),
         ),
         ("tests/test_ledger_fast_paths.py",),

@@ -99,9 +99,7 @@ def positive_int(instance: object, attribute: Any, value: object) -> None:
     ...
     ValueError: `width` must be a positive int, got 0 (int).
     """
-    if not is_int(value) or value <= 0:
-        msg = f"`{attribute.name}` must be a positive int, got {describe(value)}."
-        raise ValueError(msg)
+    check_count(value, attribute.name)
 
 
 def an_int(instance: object, attribute: Any, value: object) -> None:

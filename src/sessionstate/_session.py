@@ -297,10 +297,7 @@ class SessionState:
         >>> SessionState().with_attrs(language="hello").attrs["language"]
         'hello'
         """
-        new = dict(self._attrs)
-        for name, value in values.items():
-            declared = _declared_attr(type(self), name)
-            new[name] = freeze(value if declared is None else declared.convert(value), name)
+        new = _set_attrs(type(self), self._attrs, values)
         _check_disjoint(self._objects, new)
         return self._replace(self._objects, new)
 
@@ -329,20 +326,10 @@ class SessionState:
             for name, obj in objects.items():
                 _check_object(name, obj, f"with_attrs({name}=...)")
                 new_objects[name] = obj
-        new_attrs = self._attrs
-        if values:
-            new_attrs = dict(new_attrs)
-            cls = type(self)
-            for name, value in values.items():
-                declared = _declared_attr(cls, name)
-                new_attrs[name] = freeze(
-                    value if declared is None else declared.convert(value), name
-                )
-        clash = [n for n in values if n in new_objects]
-        if objects:
-            clash += [n for n in objects if n in new_attrs]
-        if clash:
-            _check_disjoint(dict.fromkeys(clash), dict.fromkeys(clash))
+        new_attrs = _set_attrs(type(self), self._attrs, values) if values else self._attrs
+        # Only the names given can clash; a clash is reported over the whole record.
+        if any(n in new_objects for n in values) or any(n in new_attrs for n in objects or ()):
+            _check_disjoint(new_objects, new_attrs)
         return self._replace(new_objects, new_attrs)
 
     def clear_attrs(self: _St, *names: str) -> _St:
@@ -563,6 +550,17 @@ def _check_object(name: str, obj: object, carried_fix: str) -> None:
         )
         raise TypeError(msg)
     _OBJECT_RECORDS.add(type(obj))
+
+
+def _set_attrs(
+    cls: type[SessionState], attributes: Mapping[str, Any], values: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A copy of ``attributes`` with ``values`` set, coerced where declared and frozen."""
+    new = dict(attributes)
+    for name, value in values.items():
+        declared = _declared_attr(cls, name)
+        new[name] = freeze(value if declared is None else declared.convert(value), name)
+    return new
 
 
 def _declared_attr(cls: type[SessionState], name: str) -> SessionAttr[Any] | None:
