@@ -39,7 +39,6 @@ from sessionstate._env import ENV_KV_POOL_BYTES
 # pipelines use, so a reference model imports only public names and this kit.
 __all__ = [
     "ENV_KV_POOL_BYTES",
-    "ManagedPathLike",
     "SessionMessages",
     "SessionPath",
     "SessionTable",
@@ -238,12 +237,6 @@ class SessionPath(Protocol):
         ...
 
 
-class ManagedPathLike(SessionPath, Protocol[R]):
-    """A managed session path: a `SessionPath` whose sessions a `SessionStateManager` holds."""
-
-    manager: SessionStateManager[R]
-
-
 def check_bespoke_cap(max_bespoke_sessions: object, upstream: int) -> None:
     """Refuse a bespoke session cap that is not a positive int, naming upstream's cap.
 
@@ -338,7 +331,7 @@ class TwoPathPipeline(Generic[R]):
 
     settings: SessionStateSettings
     _path: SessionPath
-    _managed: Any  # the model's `ManagedPath` (a `ManagedPathLike[R]`), or None
+    _managed: ManagedPathBase[R] | None  # the model's `ManagedPath`, or None
 
     @property
     def manager(self) -> SessionStateManager[R] | None:
@@ -346,14 +339,12 @@ class TwoPathPipeline(Generic[R]):
 
         Assignable on the managed path (a test swaps in a manager with another cap).
         """
-        managed: ManagedPathLike[R] | None = self._managed
-        return None if managed is None else managed.manager
+        return None if self._managed is None else self._managed.manager
 
     @manager.setter
     def manager(self, manager: SessionStateManager[R]) -> None:
-        managed: ManagedPathLike[R] | None = self._managed
-        assert managed is not None, "the bespoke path has no manager"
-        managed.manager = manager
+        assert self._managed is not None, "the bespoke path has no manager"
+        self._managed.manager = manager
 
     @property
     def managed(self) -> bool:
