@@ -8,13 +8,23 @@ from typing import Any
 
 import torch
 
-from sessionstate import tree_map
+from sessionstate import SessionStateManager, tree_map
 from sessionstate.models.dreamzero import DreamZeroOutput
+from sessionstate.testing import recount_nbytes_by_device
 
 
 def clone_tree(tree: Any) -> Any:
     """A deep copy of every tensor leaf (to detect in-place writes into the original)."""
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def assert_stats_equal_a_recount(manager: SessionStateManager) -> None:
+    """``manager.stats()``'s byte keys equal an independent recount of its stored records."""
+    records = [manager.peek(sid) for sid in manager.session_ids()]
+    recount = recount_nbytes_by_device(records)
+    stats = manager.stats()
+    assert stats["total_nbytes"] == sum(recount.values())
+    assert {k[len("nbytes:") :]: v for k, v in stats.items() if k.startswith("nbytes:")} == recount
 
 
 def same_output(a: DreamZeroOutput, b: DreamZeroOutput) -> bool:

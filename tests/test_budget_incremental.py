@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import sessionstate._manager._ledger as ledger_module
 from sessionstate import LatentBuffer, SessionAdmissionError, SessionState, SessionStateManager
 from sessionstate.testing import recount_nbytes_by_device
+from support import assert_stats_equal_a_recount
 
 POOL = torch.zeros(256)  # chunks and attributes are views of it, so sessions share storages
 BUDGET = 2048  # the pool (1 KiB) and an attribute of its own can exceed it together
@@ -31,14 +32,6 @@ def _refusal(sid: str, nbytes: int) -> str:
         f"whole budget of {BUDGET} bytes there (`max_bytes`). Raise the budget for cpu, or keep "
         "less of the session on that device."
     )
-
-
-def _check(manager: SessionStateManager) -> None:
-    records = [manager.peek(sid) for sid in manager.session_ids()]
-    recount = recount_nbytes_by_device(records)
-    stats = manager.stats()
-    assert stats["total_nbytes"] == sum(recount.values())
-    assert {k[len("nbytes:") :]: v for k, v in stats.items() if k.startswith("nbytes:")} == recount
 
 
 OPS = st.lists(
@@ -76,7 +69,7 @@ def test_a_put_is_refused_exactly_when_the_record_alone_is_over_the_budget(
             state = state.with_attrs(own=None, window=None)
         else:
             manager.drop(sid)
-            _check(manager)
+            assert_stats_equal_a_recount(manager)
             continue
         alone = recount_nbytes_by_device(state).get("cpu", 0)
         before = manager.session_ids()
@@ -87,7 +80,7 @@ def test_a_put_is_refused_exactly_when_the_record_alone_is_over_the_budget(
         else:
             manager.put(sid, state)
             assert manager.peek(sid) is state
-        _check(manager)
+        assert_stats_equal_a_recount(manager)
 
 
 def test_a_budgeted_put_after_one_commit_reads_the_new_chunk_only(
@@ -111,7 +104,7 @@ def test_a_budgeted_put_after_one_commit_reads_the_new_chunk_only(
     state = state.update_object("v", lambda b: b.commit(torch.ones(1, 4)))
     manager.put("s", state)
     assert sum(read) == 1
-    _check(manager)
+    assert_stats_equal_a_recount(manager)
 
 
 def test_a_record_alone_over_the_budget_counts_a_storage_it_shares_with_others() -> None:
@@ -128,4 +121,4 @@ def test_a_record_alone_over_the_budget_counts_a_storage_it_shares_with_others()
         manager.put("b", big)
     assert manager.peek("b") is shared
     assert manager.session_ids() == ["a", "b"]
-    _check(manager)
+    assert_stats_equal_a_recount(manager)

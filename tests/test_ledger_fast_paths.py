@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from sessionstate import KVCache, KVHandle, KVPool, SessionState, SessionStateManager, TensorCache
 from sessionstate._accounting import derivation
 from sessionstate._manager import Ledger
-from sessionstate.testing import recount_nbytes_by_device
+from support import assert_stats_equal_a_recount
 
 ATTR_VALUES = [None, 3, 2.5, True, "text", b"raw"]
 
@@ -33,14 +33,6 @@ OPS = st.lists(
     ),
     max_size=30,
 )
-
-
-def _check(manager: SessionStateManager) -> None:
-    records = [manager.peek(sid) for sid in manager.session_ids()]
-    recount = recount_nbytes_by_device(records)
-    stats = manager.stats()
-    assert stats["total_nbytes"] == sum(recount.values())
-    assert {k[len("nbytes:") :]: v for k, v in stats.items() if k.startswith("nbytes:")} == recount
 
 
 def _run(ops: list[tuple[str, int, int]], manager: SessionStateManager, pool: KVPool) -> None:
@@ -71,7 +63,7 @@ def _run(ops: list[tuple[str, int, int]], manager: SessionStateManager, pool: KV
             state = base
         manager.put("s", state)
         versions.append(state)
-        _check(manager)
+        assert_stats_equal_a_recount(manager)
 
 
 @given(ops=OPS, budget=st.booleans())

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import sessionstate._manager._ledger as ledger_module
 from sessionstate import LatentBuffer, SessionAdmissionError, SessionState, SessionStateManager
-from sessionstate.testing import recount_nbytes_by_device
+from support import assert_stats_equal_a_recount
 
 POOL = torch.zeros(64)  # chunks are views of it too, so storages are shared across records
 
@@ -29,14 +29,6 @@ OPS = st.lists(
     ),
     max_size=40,
 )
-
-
-def _check(manager: SessionStateManager) -> None:
-    records = [manager.peek(sid) for sid in manager.session_ids()]
-    recount = recount_nbytes_by_device(records)
-    stats = manager.stats()
-    assert stats["total_nbytes"] == sum(recount.values())
-    assert {k[len("nbytes:") :]: v for k, v in stats.items() if k.startswith("nbytes:")} == recount
 
 
 @given(ops=OPS, maxlen=st.sampled_from([None, 1, 3]))
@@ -63,13 +55,13 @@ def test_stats_equal_a_recount_after_every_incremental_put(
             state = state.with_attrs(newest=chunks[-1] if chunks else POOL)
         elif op == "drop":
             manager.drop(sid)
-            _check(manager)
+            assert_stats_equal_a_recount(manager)
             continue
         elif op == "big":  # larger than the whole budget: refused, nothing changes
             state = state.with_attrs(big=torch.zeros(1024))
         with contextlib.suppress(SessionAdmissionError):
             manager.put(sid, state)
-        _check(manager)
+        assert_stats_equal_a_recount(manager)
 
 
 BRANCH_OPS = st.lists(
@@ -105,7 +97,7 @@ def test_puts_of_earlier_versions_and_their_successors_keep_the_ledger_exact(
         with contextlib.suppress(SessionAdmissionError):
             manager.put("s", state)
         versions.append(state)
-        _check(manager)
+        assert_stats_equal_a_recount(manager)
 
 
 def test_a_put_after_one_commit_counts_the_new_chunk_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +118,7 @@ def test_a_put_after_one_commit_counts_the_new_chunk_only(monkeypatch: pytest.Mo
     manager.put("s", state)
     assert len(counted) == 1
     assert counted[0] is chunk
-    _check(manager)
+    assert_stats_equal_a_recount(manager)
 
 
 def test_a_ring_that_moves_on_for_hundreds_of_commits_stays_exact() -> None:
@@ -136,6 +128,6 @@ def test_a_ring_that_moves_on_for_hundreds_of_commits_stays_exact() -> None:
         chunk = POOL[i % 60 : i % 60 + 4].view(1, 4) if i % 3 else torch.full((1, 4), float(i))
         state = state.update_object("v", lambda b, c=chunk: b.commit(c))
         manager.put("s", state)
-        _check(manager)
+        assert_stats_equal_a_recount(manager)
     manager.drop("s")
     assert manager.stats()["total_nbytes"] == 0
