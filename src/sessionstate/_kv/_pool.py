@@ -81,9 +81,9 @@ class _Lease:
         if not self.held:
             return
         self.held = False
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            pool._release(self.blocks)
+        pool, self.pool = self.pool, None  # held, so the pool is set; not kept past release
+        assert pool is not None
+        pool._release(self.blocks)
 
 
 @register_snapshot_leaf
