@@ -205,6 +205,17 @@ def test_torch_compile_sees_through_a_record() -> None:
     assert torch.equal(compiled(buf), torch.cat(buf.chunks, dim=0) * 2)
 
 
+def test_torch_compile_builds_the_chunks_of_a_buffer_of_blocks() -> None:
+    # A buffer built by commits holds its chunks in blocks; `chunks` is built when first
+    # read, and a compiled function reads it too (a full graph, no break).
+    compiled = torch.compile(_Concat().forward, backend="eager", fullgraph=True)
+    buf = LatentBuffer(name="frames", dim=0).allocate()
+    for i in range(150):
+        buf = buf.commit(torch.full((1, 3), float(i)))
+    assert "chunks" not in vars(buf)
+    assert torch.equal(compiled(buf), torch.cat(buf.chunks, dim=0) * 2)
+
+
 # --- tree_equal ------------------------------------------------------------------------------
 
 

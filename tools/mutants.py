@@ -84,10 +84,10 @@ MUTANTS = (
         "sessionstate/_objects.py",
         (
             (
-                "if self.maxlen is not None and len(chunks) > self.maxlen:\n"
-                "            chunks = chunks[len(chunks) - self.maxlen :]",
-                "if self.maxlen is not None and len(chunks) > self.maxlen + 1:\n"
-                "            chunks = chunks[len(chunks) - self.maxlen - 1 :]",
+                "if self.maxlen is not None and len(seq) > self.maxlen:\n"
+                "            seq = seq.drop_front(len(seq) - self.maxlen)",
+                "if self.maxlen is not None and len(seq) > self.maxlen + 1:\n"
+                "            seq = seq.drop_front(len(seq) - self.maxlen - 1)",
             ),
             (
                 "if self.maxlen is not None and len(self.chunks) > self.maxlen:",
@@ -95,6 +95,32 @@ MUTANTS = (
             ),
         ),
         ("tests/test_objects_stateful.py", "tests/test_objects.py"),
+    ),
+    Mutant(
+        "chunk-block-index-off-by-one",
+        "a buffer's chunk past its first block is read from the block before",
+        "sessionstate/_objects.py",
+        (("return self._blocks[block + 1][offset]", "return self._blocks[block][offset]"),),
+        ("tests/test_chunk_blocks.py",),
+    ),
+    Mutant(
+        "chunk-blocks-sealed-short",
+        "a buffer seals a block one chunk short, so later blocks are not full",
+        "sessionstate/_objects.py",
+        (("if len(self._tail) < _BLOCK:", "if len(self._tail) < _BLOCK - 1:"),),
+        ("tests/test_chunk_blocks.py",),
+    ),
+    Mutant(
+        "commit-keeps-the-built-tuple",
+        "a commit carries the previous buffer's built `chunks` tuple over to the new buffer",
+        "sessionstate/_objects.py",
+        (
+            (
+                'object.__setattr__(new, "_seq", seq)  # `chunks` is built from it when read',
+                'new.__dict__.update(self.__dict__)\n        object.__setattr__(new, "_seq", seq)',
+            ),
+        ),
+        ("tests/test_chunk_blocks.py",),
     ),
     Mutant(
         "nbytes-by-numel",

@@ -8,8 +8,9 @@ module with their table entry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, final, overload
 
 import attrs
 import torch
@@ -106,6 +107,124 @@ def _check_chunk(name: str, dim: int, chunk: object, ref: torch.Tensor | None) -
         raise ValueError(msg)
 
 
+# -- the chunks a LatentBuffer holds: one immutable sequence, shared block by block -------------
+
+_BLOCK = 64  # chunks per shared block: a commit copies at most this many references
+
+
+@final
+class _Chunks(Sequence[torch.Tensor]):
+    """A buffer's chunks, oldest first, in full blocks of ``_BLOCK`` shared between versions.
+
+    A commit builds a new ``tail`` (at most ``_BLOCK`` references) and, once the tail is full,
+    a new tuple of block references; every block a version holds is shared with the version it
+    came from. So a commit, and dropping the version before it, cost a block, not the
+    history. A ring that drops its oldest chunk rebuilds only the first block. Every chunk a
+    block holds is in the sequence: nothing dropped stays referenced, so the bytes a buffer
+    keeps alive are the bytes of its chunks.
+
+    Blocks after the first hold exactly ``_BLOCK`` chunks; the first holds 1 to ``_BLOCK``.
+
+    >>> seq = _Chunks.of(tuple(range(70)))
+    >>> len(seq), seq[0], seq[-1], seq[63:66], len(seq.append(70)._blocks)
+    (70, 0, 69, (63, 64, 65), 1)
+    >>> seq.drop_front(3)[0], len(seq.drop_front(3)._blocks[0])
+    (3, 61)
+    """
+
+    __slots__ = ("_blocks", "_len", "_tail")
+
+    def __init__(
+        self, blocks: tuple[tuple[Any, ...], ...], tail: tuple[Any, ...], length: int
+    ) -> None:
+        self._blocks = blocks
+        self._tail = tail
+        self._len = length
+
+    @classmethod
+    def of(cls, items: tuple[Any, ...]) -> _Chunks:
+        """The sequence of ``items``, in full blocks and a tail."""
+        whole = len(items) - len(items) % _BLOCK
+        blocks = tuple(items[i : i + _BLOCK] for i in range(0, whole, _BLOCK))
+        return cls(blocks, items[whole:], len(items))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.chain(itertools.chain.from_iterable(self._blocks), self._tail)
+
+    def __reduce__(self) -> tuple[Any, tuple[tuple[Any, ...]]]:
+        return _Chunks.of, (self.as_tuple(),)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Any, ...]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        n, tail = self._len, self._tail
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            head = n - len(tail)
+            if step == 1 and start >= head:  # the newest chunks (a ledger's added, a view)
+                return tail[start - head : max(start, stop) - head]
+            return self.as_tuple()[index]
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError(index)  # (private: a buffer asks only for chunks it holds)
+        head = n - len(tail)
+        if i >= head:
+            return tail[i - head]
+        first = len(self._blocks[0])
+        if i < first:
+            return self._blocks[0][i]
+        block, offset = divmod(i - first, _BLOCK)
+        return self._blocks[block + 1][offset]
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        """Every chunk in one tuple (the tail itself while there are no blocks)."""
+        if not self._blocks:
+            return self._tail
+        return (*itertools.chain.from_iterable(self._blocks), *self._tail)
+
+    def append(self, chunk: Any) -> _Chunks:
+        """This sequence with ``chunk`` after its last."""
+        if len(self._tail) < _BLOCK:
+            return _Chunks(self._blocks, (*self._tail, chunk), self._len + 1)
+        return _Chunks((*self._blocks, self._tail), (chunk,), self._len + 1)
+
+    def extend(self, chunks: tuple[Any, ...]) -> _Chunks:
+        """This sequence with ``chunks`` after its last, in order."""
+        tail = (*self._tail, *chunks)
+        if len(tail) <= _BLOCK:
+            return _Chunks(self._blocks, tail, self._len + len(chunks))
+        whole = len(tail) - len(tail) % _BLOCK
+        sealed = tuple(tail[i : i + _BLOCK] for i in range(0, whole, _BLOCK))
+        return _Chunks((*self._blocks, *sealed), tail[whole:], self._len + len(chunks))
+
+    def drop_front(self, count: int) -> _Chunks:
+        """This sequence without its first ``count`` chunks (``0 <= count <= len``)."""
+        blocks, tail, left = self._blocks, self._tail, count
+        while left and blocks:
+            first = blocks[0]
+            if left < len(first):
+                blocks, left = (first[left:], *blocks[1:]), 0
+            else:
+                blocks, left = blocks[1:], left - len(first)
+        if left:
+            tail = tail[left:]
+        return _Chunks(blocks, tail, self._len - count)
+
+    def last(self) -> Any:
+        """The newest chunk, or None if there is none."""
+        if self._tail:
+            return self._tail[-1]
+        return self._blocks[-1][-1] if self._blocks else None
+
+
+_NO_CHUNKS = _Chunks((), (), 0)
+
+
 def _layout(t: torch.Tensor) -> str:
     return f"{t.layout} (nested)" if t.is_nested else str(t.layout)
 
@@ -116,14 +235,15 @@ def _shape_pattern(shape: torch.Size, dim: int) -> str:
 
 
 @register_record
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, slots=False)
 class LatentBuffer(StateObject):
     """A sequence of tensor chunks along a time dimension: accumulating, or a bounded ring.
 
     ``allocate(maxlen=None)`` keeps every committed chunk; ``allocate(maxlen=k)`` keeps the
-    last ``k`` (the oldest is dropped). Chunks are held by reference, never copied: a commit
-    builds a new tuple of the same tensors, so the previous buffer stays valid and unchanged
-    and the new one costs one tuple. No method writes into a tensor.
+    last ``k`` (the oldest is dropped). Chunks are held by reference, never copied, and no
+    method writes into a tensor. A commit shares the previous buffer's chunks block by block
+    (blocks of 64), so it costs the same at any length, and the previous buffer stays valid
+    and unchanged. ``chunks`` is a tuple, built the first time it is read.
 
     Chunks must agree with the ones already held on dtype, device and every dimension except
     ``dim`` (the time dimension readers concatenate along).
@@ -150,8 +270,11 @@ class LatentBuffer(StateObject):
     dim: int = static_field(default=2, kw_only=True, validator=_check_dim)
     maxlen: int | None = static_field(default=None, kw_only=True, converter=_check_maxlen)
     allocated: bool = static_field(default=False, kw_only=True)
+    # The chunks as the buffer keeps them; `chunks` is built from it when read (`__getattr__`).
+    _seq: _Chunks = static_field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_seq", _Chunks.of(self.chunks))
         for i, chunk in enumerate(self.chunks):
             _check_chunk(self.name, self.dim, chunk, self.chunks[i - 1] if i else None)
         if self.chunks and not self.allocated:
@@ -168,6 +291,16 @@ class LatentBuffer(StateObject):
             )
             raise ValueError(msg)
 
+    def __getattr__(self, name: str) -> Any:
+        # A buffer built by a commit holds its chunks as `_seq` alone; the `chunks` tuple is
+        # built once, the first time it is read, so a commit never copies the history.
+        if name == "chunks":  # (`self._seq` of a buffer without one raises, naming `_seq`)
+            chunks = self._seq.as_tuple()
+            object.__setattr__(self, "chunks", chunks)
+            return chunks
+        msg = f"{type(self).__name__!r} object has no attribute {name!r}"
+        raise AttributeError(msg)
+
     @property
     def is_allocated(self) -> bool:
         """Whether the buffer was allocated (and not evicted since).
@@ -183,7 +316,7 @@ class LatentBuffer(StateObject):
         >>> len(LatentBuffer().allocate())
         0
         """
-        return len(self.chunks)
+        return len(self._seq)
 
     def allocate(self, *, maxlen: int | None = None) -> LatentBuffer:  # type: ignore[override]
         """Return an empty, allocated buffer: a ring of ``maxlen`` chunks, or unbounded if None.
@@ -218,11 +351,12 @@ class LatentBuffer(StateObject):
         (0, 1)
         """
         self._require_allocated("commit to")
-        _check_chunk(self.name, self.dim, chunk, self.chunks[-1] if self.chunks else None)
-        chunks = (*self.chunks, chunk)
-        if self.maxlen is not None and len(chunks) > self.maxlen:
-            chunks = chunks[len(chunks) - self.maxlen :]
-        return self._with_chunks(chunks, 1)
+        seq = self._seq
+        _check_chunk(self.name, self.dim, chunk, seq.last())
+        seq = seq.append(chunk)
+        if self.maxlen is not None and len(seq) > self.maxlen:
+            seq = seq.drop_front(len(seq) - self.maxlen)
+        return self._with_chunks(seq, 1)
 
     def extend(self, chunks: Iterable[torch.Tensor], /) -> LatentBuffer:
         """Return a buffer that also holds ``chunks``, in order, built in one transition.
@@ -255,13 +389,13 @@ class LatentBuffer(StateObject):
             )
             raise TypeError(msg)
         new = tuple(chunks)
-        ref = self.chunks[-1] if self.chunks else None
+        ref = self._seq.last()
         for chunk in new:
             _check_chunk(self.name, self.dim, chunk, ref)
             ref = chunk
-        joined = (*self.chunks, *new)
+        joined = self._seq.extend(new)
         if self.maxlen is not None and len(joined) > self.maxlen:
-            joined = joined[len(joined) - self.maxlen :]
+            joined = joined.drop_front(len(joined) - self.maxlen)
         return self._with_chunks(joined, len(new))
 
     def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -292,7 +426,8 @@ class LatentBuffer(StateObject):
                 f"{self.maxlen}; ask for at most {self.maxlen}, or allocate a larger ring."
             )
             raise ValueError(msg)
-        return self.chunks[len(self.chunks) - min(last, len(self.chunks)) :]
+        seq = self._seq
+        return seq[len(seq) - min(last, len(seq)) :]
 
     def concat(self, *, last: int | None = None) -> torch.Tensor:
         """The retained chunks (or the newest ``last``) joined along ``dim`` into one tensor.
@@ -308,10 +443,10 @@ class LatentBuffer(StateObject):
         tensor([1., 0., 0.])
         """
         chunks = self.view(last=last)
-        if not chunks and self.chunks:  # `last=0` on a buffer that holds chunks
+        if not chunks and len(self):  # `last=0` on a buffer that holds chunks
             msg = (
                 f"`last=0` selects no chunks of LatentBuffer `{self.name}` (it holds "
-                f"{len(self.chunks)}), and there is nothing to join; pass `last` >= 1, or "
+                f"{len(self)}), and there is nothing to join; pass `last` >= 1, or "
                 "`last=None` for every chunk."
             )
             raise ValueError(msg)
@@ -329,7 +464,7 @@ class LatentBuffer(StateObject):
         (0, 2, True)
         """
         self._require_allocated("reset")
-        return self._with_chunks(())
+        return self._with_chunks(_NO_CHUNKS)
 
     def evict(self) -> LatentBuffer:
         """Return a buffer with its chunks released and not resident; `allocate` to reuse it.
@@ -341,18 +476,18 @@ class LatentBuffer(StateObject):
         """
         return attrs.evolve(self, chunks=(), maxlen=None, allocated=False)
 
-    def _with_chunks(self, chunks: tuple[torch.Tensor, ...], added: int = 0) -> LatentBuffer:
-        # `attrs.evolve` re-runs every converter and validator; a commit only swaps the tuple.
+    def _with_chunks(self, seq: _Chunks, added: int = 0) -> LatentBuffer:
+        # `attrs.evolve` re-runs every converter and validator; a commit only swaps the chunks.
         if type(self) is not LatentBuffer:  # a subclass may carry fields of its own
-            return attrs.evolve(self, chunks=chunks)
+            return attrs.evolve(self, chunks=seq.as_tuple())
         new = object.__new__(LatentBuffer)
-        object.__setattr__(new, "chunks", chunks)
+        object.__setattr__(new, "_seq", seq)  # `chunks` is built from it when read
         object.__setattr__(new, "name", self.name)
         object.__setattr__(new, "dim", self.dim)
         object.__setattr__(new, "maxlen", self.maxlen)
         object.__setattr__(new, "allocated", self.allocated)
         if added:  # the chunks are the leaves: the old ones less those a ring dropped, then new
-            note_derived(new, self, len(self.chunks) + added - len(chunks), chunks)
+            note_derived(new, self, len(self._seq) + added - len(seq), seq)
         return new
 
     def _require_allocated(self, action: str) -> None:
