@@ -88,11 +88,7 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
         ):
             reason = "session"
             state = self.new_session()
-        state = state.with_attrs(prompt_tokens=texts["cond"], negative_tokens=texts["uncond"])
-        if state.rope_freqs is None:
-            state = state.with_attrs(rope_freqs=nets.rope())
-        rope = state.rope_freqs
-        assert rope is not None
+        rope = state.rope_freqs if state.rope_freqs is not None else nets.rope()
 
         kv = state.text_kv
         if not kv.is_allocated:  # evicted: the prompt tokens are the recompute source
@@ -111,9 +107,18 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
         latents = model.denoise(state.chunk_count, context, request.control, rope, kv_for)
         if kv.has_staged:
             kv = kv.commit()
-        state = state.with_object("text_kv", kv)
-        state = state.update_object("context_latents", lambda b: b.commit(latents))
         host = latents.detach().to(model.host_device, copy=True)
-        state = state.update_object("video_latents", lambda b: b.commit(host))
-        state = state.with_attrs(chunk_count=state.chunk_count + 1)
+        # What the step changed, in one transition.
+        objects = {
+            "text_kv": kv,
+            "context_latents": ring.commit(latents),
+            "video_latents": state.video_latents.commit(host),
+        }
+        state = state.with_values(
+            objects,
+            prompt_tokens=texts["cond"],
+            negative_tokens=texts["uncond"],
+            rope_freqs=rope,
+            chunk_count=state.chunk_count + 1,
+        )
         return state, Cosmos3Output(video_latents=latents, reset=reason)
