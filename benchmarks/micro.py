@@ -419,6 +419,70 @@ def accounting_benchmarks() -> Iterator[tuple[str, TimeFunc]]:
         yield f"guard/on/{chunks}", _stepped(chunks, _put_get, check_immutable=True)
 
 
+PUT_RESTART = 8  # puts before the session is put back at its length, which stays fixed
+TARGET_PUT_GROWTH = 1.2
+
+
+@functools.cache
+def put_fixture(chunks: int) -> Any:
+    """A tiny DreamZero session whose accumulating video buffer holds ``chunks`` chunks."""
+    return tiny_session(DreamZeroConfig.preset("tiny"), video_chunks=chunks)
+
+
+def _put_after_commit(chunks: int, *, with_commit: bool) -> TimeFunc:
+    # A put of a record one video chunk longer than the stored one, which the manager holds
+    # alone, so the put also releases it, as in a managed step (``with_commit``: the commit
+    # that built the record is timed too). Every `PUT_RESTART` puts the session is put back
+    # at its length (untimed), so the length stays fixed.
+    tiny = torch.zeros(1, 2, 2, 2, 2)
+
+    def grow(record: Any) -> Any:
+        return record.update_object("video_latents_across_time", commit(tiny))
+
+    def time_func(loops: int) -> float:
+        base = put_fixture(chunks)
+        manager = SessionStateManager()
+        total = 0.0
+        for i in range(loops):
+            if i % PUT_RESTART == 0:
+                # `base` is cached; the stored record the next put releases must not be.
+                record = grow(base)
+                manager.put("s", record)
+            start = time.perf_counter()
+            record = grow(record)
+            if not with_commit:
+                start = time.perf_counter()
+            manager.put("s", record)
+            total += time.perf_counter() - start
+        return total
+
+    return time_func
+
+
+def put_benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
+    for chunks in sizes.accumulate_chunks:
+        yield f"put/after_commit/{chunks}", _put_after_commit(chunks, with_commit=False)
+        yield f"put/commit_and_put/{chunks}", _put_after_commit(chunks, with_commit=True)
+
+
+def summarize_put(us: dict[str, float], sizes: Sizes) -> dict[str, Any]:
+    """The results' ``put_after_commit`` section: each length's put over the shortest's."""
+    lengths = sizes.accumulate_chunks
+    first = lengths[0]
+    points = [
+        {
+            "video_chunks": n,
+            "put_us": us[f"put/after_commit/{n}"],
+            "commit_and_put_us": us[f"put/commit_and_put/{n}"],
+            "put_over_shortest": us[f"put/after_commit/{n}"] / us[f"put/after_commit/{first}"],
+            "commit_and_put_over_shortest": us[f"put/commit_and_put/{n}"]
+            / us[f"put/commit_and_put/{first}"],
+        }
+        for n in lengths
+    ]
+    return {"threshold": TARGET_PUT_GROWTH, "points": points}
+
+
 def summarize_accounting(us: dict[str, float]) -> dict[str, Any]:
     """The results' ``accounting`` section: each measurement over its floor, from one run."""
     record = accounting_record()
@@ -471,6 +535,7 @@ def benchmarks(sizes: Sizes) -> Iterator[tuple[str, TimeFunc]]:
     yield from ring_benchmarks(sizes)
     yield from stats_benchmarks(sizes)
     yield from accounting_benchmarks()
+    yield from put_benchmarks(sizes)
 
 
 def _add_cmdline_args(cmd: list[str], args: Any) -> None:
@@ -581,6 +646,7 @@ def summarize(medians: dict[str, float], sizes: Sizes) -> dict[str, Any]:
             "points": stats,
         },
         "accounting": summarize_accounting(us),
+        "put_after_commit": summarize_put(us, sizes),
     }
 
 

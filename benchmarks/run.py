@@ -40,7 +40,7 @@ import torch
 from common import FULL, QUICK, Sizes, machine_info
 from memory import bench_memory
 from report import render_markdown, targets
-from step_time import bench_step_time
+from step_time import bench_step_growth, bench_step_time
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "latest.json"
@@ -77,6 +77,9 @@ def run(sizes: Sizes, *, quick: bool, threads: int, log: Callable[[str], None]) 
     t0 = time.perf_counter()
     results["step_time"] = bench_step_time(sizes)
     log(f"step_time: {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    results["step_growth"] = bench_step_growth(sizes, 2 if quick else 40)
+    log(f"step growth, forked: {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     results["library_overhead_ab"] = overhead_ab.section(sizes.overhead_chunks, 3 if quick else 40)
     log(f"library overhead, alternating: {time.perf_counter() - t0:.1f} s")

@@ -5,10 +5,18 @@ each on the same observations, one step of each in turn (the order flips every s
 change in machine load hits both alike. Each step's outputs (actions and video latents) are
 checked bit-identical between the paths. Every step is timed with `time.perf_counter`, and
 with `time.process_time` beside it as a cross-check that a busy machine inflates much less.
+
+`bench_step_growth` measures what the long series cannot separate from drift: how the
+managed step's time depends on the session's length. Records are immutable, so the session at
+its first and at its last checkpoint is kept and put back in turns: each round steps a
+window from the short record, then the same window from the long one (the order flips every
+round), and the ratio of the two is taken round by round, so a drift in machine speed over
+the run cancels. Each fork's outputs are checked equal round after round.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -28,6 +36,69 @@ def _window(center: int, width: int, steps: int) -> tuple[int, int]:
     """
     lo = max(2, min(center - width // 2, steps - width + 1))
     return lo, min(steps, lo + width - 1)
+
+
+GROWTH_WINDOW = 8  # steps timed after each fork: two of them encode frames (one in four)
+
+
+def bench_step_growth(sizes: Sizes, rounds: int) -> dict[str, Any]:
+    """The managed step at the last checkpoint over the first, from forks of one session.
+
+    One session grows to ``sizes.steps`` steps; its records after the first and the last
+    checkpoint are kept. Each round puts one record back and times ``GROWTH_WINDOW`` steps
+    from it, then the other (the order flips every round). A round's ratio is the median step
+    of the long fork's window over the short one's; the result is the median of the rounds'
+    ratios, with the per-fork medians and fastest steps beside it.
+    """
+    cfg = DreamZeroConfig.preset("tiny", local_attn_size=-1)
+    pipe = DreamZeroPipeline(cfg, environ=path_environ("managed"))
+    manager = pipe.manager
+    assert manager is not None
+    first, last = sizes.step_checkpoints[0], sizes.steps
+    window = min(GROWTH_WINDOW, sizes.step_window)
+    observations = [
+        obs
+        for _, obs in scripted_episode(
+            cfg, steps=last + window, sessions=1, seed=0, prompt_change_every=10**9
+        )
+    ]
+    forks = {}
+    for step, obs in enumerate(observations[:last], start=1):
+        pipe.forward(obs, "growth")
+        if step in (first, last):
+            forks[step] = manager.get("growth")
+    medians: dict[int, list[float]] = {first: [], last: []}
+    fastest: dict[int, float] = {first: math.inf, last: math.inf}
+    outputs: dict[int, list[torch.Tensor]] = {}
+    deterministic = True
+    for r in range(rounds):
+        for at in (first, last) if r % 2 == 0 else (last, first):
+            manager.put("growth", forks[at])
+            times, actions = [], []
+            for obs in observations[at : at + window]:
+                start = time.perf_counter()
+                out = pipe.forward(obs, "growth")
+                times.append(time.perf_counter() - start)
+                actions.append(out.actions)
+            medians[at].append(statistics.median(times))
+            fastest[at] = min(fastest[at], min(times))
+            if at in outputs:
+                deterministic = deterministic and all(map(torch.equal, outputs[at], actions))
+            outputs[at] = actions
+    ratios = [b / a for a, b in zip(medians[first], medians[last], strict=True)]
+    return {
+        "first_step": first,
+        "last_step": last,
+        "rounds": rounds,
+        "window_steps": window,
+        "first_median_ms": statistics.median(medians[first]) * 1e3,
+        "last_median_ms": statistics.median(medians[last]) * 1e3,
+        "first_fastest_ms": fastest[first] * 1e3,
+        "last_fastest_ms": fastest[last] * 1e3,
+        "last_over_first": statistics.median(ratios),
+        "last_over_first_fastest": fastest[last] / fastest[first],
+        "forks_deterministic": deterministic,
+    }
 
 
 def bench_step_time(sizes: Sizes) -> dict[str, Any]:

@@ -20,11 +20,14 @@ HARNESS = ROOT / "benchmarks" / "run.py"
 SECTIONS = (
     "machine",
     "step_time",
+    "step_growth",
     "reader",
     "library_overhead",
     "library_overhead_ab",
     "ring_commit",
     "stats_scaling",
+    "accounting",
+    "put_after_commit",
     "memory",
     "targets",
 )
@@ -93,8 +96,22 @@ def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) ->
 def test_targets_are_judged(quick_run: tuple[dict, str]) -> None:
     results, _ = quick_run
     judged = [row for row in results["targets"] if row["threshold"] is not None]
-    assert len(judged) == 4
+    # The step growth, the overhead, the ring commit, stats(), then issue 23's accounting
+    # targets: the put at the longest buffer, the ledger upkeep at each length, nbytes.
+    assert len(judged) == 8
     assert all(isinstance(row["met"], bool) for row in judged)
+    growth = results["step_growth"]
+    assert judged[0]["value"] == growth["last_over_first"]
+    assert growth["forks_deterministic"] is True
+    assert growth["first_median_ms"] > 0
+    assert growth["last_median_ms"] > 0
+    put = results["put_after_commit"]["points"]
+    assert [p["video_chunks"] for p in put] == results["sizes"]["accumulate_chunks"]
+    assert judged[4]["value"] == put[-1]["put_over_shortest"]
+    assert [row["target"].split(",")[0] for row in judged[5:7]] == [
+        "ledger upkeep per put and stats() / a walk of the changed leaves"
+    ] * 2
+    assert judged[7]["target"].startswith("nbytes_by_device")
 
 
 def test_markdown_has_the_targets_table(quick_run: tuple[dict, str]) -> None:
