@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, final, overload
+from typing import TYPE_CHECKING, Any, final, overload
 
 import attrs
 import torch
@@ -291,15 +291,17 @@ class LatentBuffer(StateObject):
             )
             raise ValueError(msg)
 
-    def __getattr__(self, name: str) -> Any:
-        # A buffer built by a commit holds its chunks as `_seq` alone; the `chunks` tuple is
-        # built once, the first time it is read, so a commit never copies the history.
-        if name == "chunks":  # (`self._seq` of a buffer without one raises, naming `_seq`)
-            chunks = self._seq.as_tuple()
-            object.__setattr__(self, "chunks", chunks)
-            return chunks
-        msg = f"{type(self).__name__!r} object has no attribute {name!r}"
-        raise AttributeError(msg)
+    if not TYPE_CHECKING:  # (a type checker still flags a misspelt attribute)
+
+        def __getattr__(self, name: str) -> Any:
+            # A buffer built by a commit holds its chunks as `_seq` alone; the `chunks` tuple
+            # is built once, the first time it is read, so a commit never copies the history.
+            if name == "chunks":  # (`self._seq` of a buffer without one raises, naming it)
+                chunks = self._seq.as_tuple()
+                object.__setattr__(self, "chunks", chunks)
+                return chunks
+            msg = f"{type(self).__name__!r} object has no attribute {name!r}"
+            raise AttributeError(msg)
 
     @property
     def is_allocated(self) -> bool:
