@@ -124,6 +124,22 @@ def test_a_commit_shares_every_block_but_the_newest() -> None:
     assert "chunks" not in vars(buf)  # nothing read the tuple, so nothing built it
 
 
+def test_a_short_buffer_is_one_tuple_and_a_long_one_blocks() -> None:
+    # Up to a block's worth of chunks (every small ring) is one tuple, as cheap as a commit
+    # gets; the commit past it moves the chunks into blocks, once.
+    buf = LatentBuffer(name="latents", dim=0).allocate()
+    for i in range(_BLOCK):
+        buf = buf.commit(_chunk(i))
+        assert buf._seq is buf.chunks
+    buf = buf.commit(_chunk(_BLOCK))
+    assert len(buf._seq._blocks) == 1
+    assert len(buf._seq._tail) == 1
+    ring = LatentBuffer(name="ring", dim=0).allocate(maxlen=_BLOCK)
+    for i in range(3 * _BLOCK):
+        ring = ring.commit(_chunk(i))
+        assert type(ring._seq) is tuple
+
+
 def test_a_ring_rebuilds_only_its_first_block() -> None:
     ring = LatentBuffer(name="latents", dim=0).allocate(maxlen=3 * _BLOCK)
     ring = ring.extend([_chunk(i) for i in range(3 * _BLOCK)])

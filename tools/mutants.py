@@ -84,10 +84,16 @@ MUTANTS = (
         "sessionstate/_objects.py",
         (
             (
-                "if self.maxlen is not None and len(seq) > self.maxlen:\n"
-                "            seq = seq.drop_front(len(seq) - self.maxlen)",
-                "if self.maxlen is not None and len(seq) > self.maxlen + 1:\n"
-                "            seq = seq.drop_front(len(seq) - self.maxlen - 1)",
+                "if maxlen is not None and len(joined) > maxlen:\n"
+                "            joined = joined[len(joined) - maxlen :]",
+                "if maxlen is not None and len(joined) > maxlen + 1:\n"
+                "            joined = joined[len(joined) - maxlen - 1 :]",
+            ),
+            (
+                "if maxlen is not None and len(out) > maxlen:\n"
+                "        out = out.drop_front(len(out) - maxlen)",
+                "if maxlen is not None and len(out) > maxlen + 1:\n"
+                "        out = out.drop_front(len(out) - maxlen - 1)",
             ),
             (
                 "if self.maxlen is not None and len(self.chunks) > self.maxlen:",

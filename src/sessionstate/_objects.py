@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, final, overload
+from typing import Any, final, overload
 
 import attrs
 import torch
@@ -114,7 +114,9 @@ _BLOCK = 64  # chunks per shared block: a commit copies at most this many refere
 
 @final
 class _Chunks(Sequence[torch.Tensor]):
-    """A buffer's chunks, oldest first, in full blocks of ``_BLOCK`` shared between versions.
+    """A long buffer's chunks, oldest first, in blocks of ``_BLOCK`` shared between versions.
+
+    A buffer holds up to ``_BLOCK`` chunks as one tuple, and this beyond.
 
     A commit builds a new ``tail`` (at most ``_BLOCK`` references) and, once the tail is full,
     a new tuple of block references; every block a version holds is shared with the version it
@@ -215,14 +217,27 @@ class _Chunks(Sequence[torch.Tensor]):
             tail = tail[left:]
         return _Chunks(blocks, tail, self._len - count)
 
-    def last(self) -> Any:
-        """The newest chunk, or None if there is none."""
-        if self._tail:
-            return self._tail[-1]
-        return self._blocks[-1][-1] if self._blocks else None
+
+_Seq = tuple[torch.Tensor, ...] | _Chunks
+"""How a buffer keeps its chunks: a tuple up to a block's worth, then `_Chunks`."""
 
 
-_NO_CHUNKS = _Chunks((), (), 0)
+def _joined(seq: _Seq, new: tuple[torch.Tensor, ...], maxlen: int | None) -> _Seq:
+    """``seq`` then ``new``, less the oldest beyond ``maxlen``: a tuple up to `_BLOCK`, then blocks.
+
+    >>> _joined((1, 2), (3,), 2), type(_joined(tuple(range(64)), (64,), None)).__name__
+    ((2, 3), '_Chunks')
+    """
+    if type(seq) is tuple:  # a ring or a short buffer: one tuple, as cheap as it gets
+        joined = (*seq, *new)
+        if maxlen is not None and len(joined) > maxlen:
+            joined = joined[len(joined) - maxlen :]
+        return joined if len(joined) <= _BLOCK else _Chunks.of(joined)
+    assert isinstance(seq, _Chunks)
+    out = seq.append(new[0]) if len(new) == 1 else seq.extend(new)
+    if maxlen is not None and len(out) > maxlen:
+        out = out.drop_front(len(out) - maxlen)
+    return out
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -270,11 +285,13 @@ class LatentBuffer(StateObject):
     dim: int = static_field(default=2, kw_only=True, validator=_check_dim)
     maxlen: int | None = static_field(default=None, kw_only=True, converter=_check_maxlen)
     allocated: bool = static_field(default=False, kw_only=True)
-    # The chunks as the buffer keeps them; `chunks` is built from it when read (`__getattr__`).
-    _seq: _Chunks = static_field(init=False, repr=False, eq=False)
+    # The chunks as the buffer keeps them: the `chunks` tuple itself up to a block's worth,
+    # then shared blocks, from which `chunks` is built when read (`_BuiltOnRead`).
+    _seq: _Seq = static_field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "_seq", _Chunks.of(self.chunks))
+        chunks = self.chunks
+        object.__setattr__(self, "_seq", chunks if len(chunks) <= _BLOCK else _Chunks.of(chunks))
         for i, chunk in enumerate(self.chunks):
             _check_chunk(self.name, self.dim, chunk, self.chunks[i - 1] if i else None)
         if self.chunks and not self.allocated:
@@ -290,18 +307,6 @@ class LatentBuffer(StateObject):
                 "the oldest."
             )
             raise ValueError(msg)
-
-    if not TYPE_CHECKING:  # (a type checker still flags a misspelt attribute)
-
-        def __getattr__(self, name: str) -> Any:
-            # A buffer built by a commit holds its chunks as `_seq` alone; the `chunks` tuple
-            # is built once, the first time it is read, so a commit never copies the history.
-            if name == "chunks":  # (`self._seq` of a buffer without one raises, naming it)
-                chunks = self._seq.as_tuple()
-                object.__setattr__(self, "chunks", chunks)
-                return chunks
-            msg = f"{type(self).__name__!r} object has no attribute {name!r}"
-            raise AttributeError(msg)
 
     @property
     def is_allocated(self) -> bool:
@@ -354,11 +359,8 @@ class LatentBuffer(StateObject):
         """
         self._require_allocated("commit to")
         seq = self._seq
-        _check_chunk(self.name, self.dim, chunk, seq.last())
-        seq = seq.append(chunk)
-        if self.maxlen is not None and len(seq) > self.maxlen:
-            seq = seq.drop_front(len(seq) - self.maxlen)
-        return self._with_chunks(seq, 1)
+        _check_chunk(self.name, self.dim, chunk, seq[-1] if seq else None)
+        return self._with_chunks(_joined(seq, (chunk,), self.maxlen), 1)
 
     def extend(self, chunks: Iterable[torch.Tensor], /) -> LatentBuffer:
         """Return a buffer that also holds ``chunks``, in order, built in one transition.
@@ -391,14 +393,14 @@ class LatentBuffer(StateObject):
             )
             raise TypeError(msg)
         new = tuple(chunks)
-        ref = self._seq.last()
+        seq = self._seq
+        ref = seq[-1] if seq else None
         for chunk in new:
             _check_chunk(self.name, self.dim, chunk, ref)
             ref = chunk
-        joined = self._seq.extend(new)
-        if self.maxlen is not None and len(joined) > self.maxlen:
-            joined = joined.drop_front(len(joined) - self.maxlen)
-        return self._with_chunks(joined, len(new))
+        if not new:
+            return self._with_chunks(seq, 0)
+        return self._with_chunks(_joined(seq, new, self.maxlen), len(new))
 
     def view(self, *, last: int | None = None) -> tuple[torch.Tensor, ...]:
         """The retained chunks, oldest to newest; with ``last=n``, the newest ``min(n, len)``.
@@ -466,7 +468,7 @@ class LatentBuffer(StateObject):
         (0, 2, True)
         """
         self._require_allocated("reset")
-        return self._with_chunks(_NO_CHUNKS)
+        return self._with_chunks(())
 
     def evict(self) -> LatentBuffer:
         """Return a buffer with its chunks released and not resident; `allocate` to reuse it.
@@ -478,11 +480,13 @@ class LatentBuffer(StateObject):
         """
         return attrs.evolve(self, chunks=(), maxlen=None, allocated=False)
 
-    def _with_chunks(self, seq: _Chunks, added: int = 0) -> LatentBuffer:
+    def _with_chunks(self, seq: _Seq, added: int = 0) -> LatentBuffer:
         # `attrs.evolve` re-runs every converter and validator; a commit only swaps the chunks.
         if type(self) is not LatentBuffer:  # a subclass may carry fields of its own
-            return attrs.evolve(self, chunks=seq.as_tuple())
+            return attrs.evolve(self, chunks=tuple(seq))
         new = object.__new__(LatentBuffer)
+        if type(seq) is tuple:
+            object.__setattr__(new, "chunks", seq)
         object.__setattr__(new, "_seq", seq)  # `chunks` is built from it when read
         object.__setattr__(new, "name", self.name)
         object.__setattr__(new, "dim", self.dim)
@@ -499,6 +503,25 @@ class LatentBuffer(StateObject):
                 "call `.allocate(maxlen=...)` first."
             )
             raise NotAllocatedError(msg)
+
+
+class _BuiltOnRead:
+    """`LatentBuffer.chunks` of a buffer that holds only blocks: the tuple, built once.
+
+    A non-data descriptor: once built, the tuple sits in the buffer's ``__dict__`` and is
+    read from there, as attrs's own ``__init__`` leaves it for a buffer it built.
+    """
+
+    def __get__(self, buffer: LatentBuffer | None, owner: type) -> Any:
+        if buffer is None:
+            return self
+        seq = buffer._seq
+        chunks = seq.as_tuple() if isinstance(seq, _Chunks) else seq
+        object.__setattr__(buffer, "chunks", chunks)
+        return chunks
+
+
+LatentBuffer.chunks = _BuiltOnRead()  # type: ignore[assignment]
 
 
 @register_record
