@@ -33,9 +33,8 @@ SECTIONS = (
 )
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "latest.json"
+def _quick_run(tmp_path: Path) -> tuple[dict, str]:
+    out = tmp_path / "latest.json"
     # A hang guard only (the quick run takes seconds); nothing here measures time.
     proc = subprocess.run(
         [sys.executable, str(HARNESS), "--quick", "--out", str(out)],
@@ -49,16 +48,25 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
-def test_json_has_every_section(quick_run: tuple[dict, str]) -> None:
-    results, _ = quick_run
+def test_quick_run_has_every_section_judges_the_targets_and_charts(tmp_path: Path) -> None:
+    # One test, not one per check: the quick run takes a minute, and pytest-xdist would run a
+    # module fixture once per worker.
+    results, markdown = _quick_run(tmp_path)
+    _check_sections(results)
+    _check_paths_and_sizes(results)
+    _check_targets(results)
+    _check_markdown(markdown)
+    _check_chart(results, tmp_path)
+
+
+def _check_sections(results: dict) -> None:
     assert results["quick"] is True
     for section in SECTIONS:
         assert section in results, section
     assert {"cores", "torch", "torch_threads"} <= set(results["machine"])
 
 
-def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) -> None:
-    results, _ = quick_run
+def _check_paths_and_sizes(results: dict) -> None:
     sizes = results["sizes"]
     checkpoints = results["step_time"]["checkpoints"]
     assert [c["step"] for c in checkpoints] == sizes["step_checkpoints"]
@@ -93,8 +101,7 @@ def test_sections_hold_both_paths_and_every_size(quick_run: tuple[dict, str]) ->
         assert path["deploy_meta_bytes_by_step"]
 
 
-def test_targets_are_judged(quick_run: tuple[dict, str]) -> None:
-    results, _ = quick_run
+def _check_targets(results: dict) -> None:
     judged = [row for row in results["targets"] if row["threshold"] is not None]
     # The step growth, the overhead, the ring commit, stats(), then issue 23's accounting
     # targets: the put at the longest buffer, the ledger upkeep at each length, nbytes.
@@ -114,18 +121,15 @@ def test_targets_are_judged(quick_run: tuple[dict, str]) -> None:
     assert judged[7]["target"].startswith("nbytes_by_device")
 
 
-def test_markdown_has_the_targets_table(quick_run: tuple[dict, str]) -> None:
-    _, markdown = quick_run
+def _check_markdown(markdown: str) -> None:
     assert "## Targets" in markdown
     assert "| target | measured | threshold | met |" in markdown
     for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
         assert heading in markdown
 
 
-def test_chart_draws_the_step_times_of_a_results_file(
-    quick_run: tuple[dict, str], tmp_path: Path
-) -> None:
-    results, _ = quick_run
+def _check_chart(results: dict, tmp_path: Path) -> None:
+    # The chart draws the step times of a results file.
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
     out = tmp_path / "chart.png"
