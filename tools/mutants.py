@@ -113,7 +113,16 @@ MUTANTS = (
         "chunk-blocks-sealed-short",
         "a buffer seals a block one chunk short, so later blocks are not full",
         "sessionstate/_objects.py",
-        (("if len(self._tail) < _BLOCK:", "if len(self._tail) < _BLOCK - 1:"),),
+        (
+            (
+                "whole = len(items) - len(items) % _BLOCK\n"
+                "        blocks = tuple(items[i : i + _BLOCK] for i in range(0, whole, _BLOCK))",
+                "whole = len(items) - len(items) % (_BLOCK - 1)\n"
+                "        blocks = tuple(\n"
+                "            items[i : i + _BLOCK - 1] for i in range(0, whole, _BLOCK - 1)\n"
+                "        )",
+            ),
+        ),
         ("tests/test_chunk_blocks.py",),
     ),
     Mutant(

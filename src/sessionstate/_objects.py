@@ -128,7 +128,7 @@ class _Chunks(Sequence[torch.Tensor]):
     Blocks after the first hold exactly ``_BLOCK`` chunks; the first holds 1 to ``_BLOCK``.
 
     >>> seq = _Chunks.of(tuple(range(70)))
-    >>> len(seq), seq[0], seq[-1], seq[63:66], len(seq.append(70)._blocks)
+    >>> len(seq), seq[0], seq[-1], seq[63:66], len(seq.extend((70,))._blocks)
     (70, 0, 69, (63, 64, 65), 1)
     >>> seq.drop_front(3)[0], len(seq.drop_front(3)._blocks[0])
     (3, 61)
@@ -189,20 +189,17 @@ class _Chunks(Sequence[torch.Tensor]):
             return self._tail
         return (*itertools.chain.from_iterable(self._blocks), *self._tail)
 
-    def append(self, chunk: Any) -> _Chunks:
-        """This sequence with ``chunk`` after its last."""
-        if len(self._tail) < _BLOCK:
-            return _Chunks(self._blocks, (*self._tail, chunk), self._len + 1)
-        return _Chunks((*self._blocks, self._tail), (chunk,), self._len + 1)
-
     def extend(self, chunks: tuple[Any, ...]) -> _Chunks:
-        """This sequence with ``chunks`` after its last, in order."""
+        """This sequence with ``chunks`` after its last, in order.
+
+        Builds a new tail and, once the tail outgrows a block, the blocks it fills: this
+        sequence's blocks are kept as they are.
+        """
         tail = (*self._tail, *chunks)
         if len(tail) <= _BLOCK:
             return _Chunks(self._blocks, tail, self._len + len(chunks))
-        whole = len(tail) - len(tail) % _BLOCK
-        sealed = tuple(tail[i : i + _BLOCK] for i in range(0, whole, _BLOCK))
-        return _Chunks((*self._blocks, *sealed), tail[whole:], self._len + len(chunks))
+        sealed = _Chunks.of(tail)
+        return _Chunks((*self._blocks, *sealed._blocks), sealed._tail, self._len + len(chunks))
 
     def drop_front(self, count: int) -> _Chunks:
         """This sequence without its first ``count`` chunks (``0 <= count <= len``)."""
@@ -234,7 +231,7 @@ def _joined(seq: _Seq, new: tuple[torch.Tensor, ...], maxlen: int | None) -> _Se
             joined = joined[len(joined) - maxlen :]
         return joined if len(joined) <= _BLOCK else _Chunks.of(joined)
     assert isinstance(seq, _Chunks)
-    out = seq.append(new[0]) if len(new) == 1 else seq.extend(new)
+    out = seq.extend(new)
     if maxlen is not None and len(out) > maxlen:
         out = out.drop_front(len(out) - maxlen)
     return out
