@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import operator
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ ATTR_VALUES = [None, 3, 2.5, True, "text", b"raw"]
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["append", "empty", "same-kv", "cache", "same-cache", "attr", "put"]),
+        st.sampled_from(
+            ["append", "empty", "same-kv", "cache", "alias-cache", "same-cache", "attr", "put"]
+        ),
         st.integers(0, 20),  # which earlier version to build on
         st.integers(0, len(ATTR_VALUES)),  # an attribute value (the last: a tensor)
     ),
@@ -54,6 +57,12 @@ def _run(ops: list[tuple[str, int, int]], manager: SessionStateManager, pool: KV
             state = base.with_object("kv", kv.commit(kv.view()))
         elif op == "cache":
             state = base.with_object("cache", cache.commit((torch.zeros(value + 1),)))
+        elif op == "alias-cache":
+            # A flat tuple (the ledger's short cut) of None, tensors of the record's own
+            # attribute (the same one twice, a view of it when it is a tensor) and a new one.
+            a = base.attrs["a"]
+            held = (a, a[:1]) if isinstance(a, torch.Tensor) else ()
+            state = base.with_object("cache", cache.commit((None, *held, torch.ones(value + 1))))
         elif op == "same-cache":
             state = base.with_object("cache", cache.commit(cache.view()))
         elif op == "attr":
@@ -77,6 +86,36 @@ def test_stats_equal_a_recount_after_kv_cache_and_attribute_puts(
     gc.collect()
     assert manager.stats()["total_nbytes"] == 0
     assert pool.free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        None,
+        (),
+        (None, None),
+        (torch.zeros(2), None, torch.ones(3)),
+        (torch.zeros(2), (torch.ones(1), None)),  # nested: flattened as a tree
+        [torch.zeros(2), None],  # a list: flattened as a tree
+        (torch.nn.Parameter(torch.zeros(2)), torch.ones(1)),  # a subclass: flattened
+        (torch.zeros(2), 3),
+    ],
+)
+def test_a_caches_leaves_without_a_flatten_are_its_tree_leaves(contents: object) -> None:
+    from sessionstate._manager._ledger import _flat_cache_leaves
+    from sessionstate._tree import tree_leaves
+
+    cache = TensorCache().allocate().commit(contents)
+    flat = _flat_cache_leaves(cache)
+    leaves = tree_leaves(cache)
+    if flat is not None:
+        assert len(flat) == len(leaves)
+        assert all(map(operator.is_, flat, leaves))
+    # The short cut is taken exactly for a flat tuple of plain tensors and None.
+    is_flat = type(contents) is tuple and all(
+        type(x) is torch.Tensor or x is None for x in contents
+    )
+    assert (flat is not None) == is_flat
 
 
 def test_a_kv_cache_commit_derives_its_successor_from_the_handle_alone() -> None:

@@ -506,13 +506,25 @@ MUTANTS = (
         ("tests/test_ledger_fast_paths.py",),
     ),
     Mutant(
+        "ledger-cache-short-cut-skips-a-leaf",
+        "the ledger's walk of a flat feature cache leaves out its first tensor",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "return [leaf for leaf in contents if leaf is not None]",
+                "return [leaf for leaf in contents[1:] if leaf is not None]",
+            ),
+        ),
+        ("tests/test_ledger_fast_paths.py",),
+    ),
+    Mutant(
         "lazy-ledger-never-remeasures",
         "a ledger without a budget keeps its first measured union after ranges are added",
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "        if not count:\n            self._pending.append((1, span))",
-                "        if False:\n            self._pending.append((1, span))",
+                "            if not count:\n                pending.append((1, span))",
+                "            if False:\n                pending.append((1, span))",
             ),
         ),
         ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
@@ -530,13 +542,16 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "            if len(self._pending) > self._fold_at:\n"
-                "                self._fold()\n",
-                "",
+                "            pending.append((1, span))\n"
+                "        if len(pending) > self._fold_at:\n"
+                "            self._fold()\n",
+                "            pending.append((1, span))\n",
             ),
             (
-                "        if len(self._pending) > self._fold_at:\n            self._fold()\n",
-                "",
+                "            pending.append((-1, span))\n"
+                "        if len(pending) > self._fold_at:\n"
+                "            self._fold()\n",
+                "            pending.append((-1, span))\n",
             ),
         ),
         ("tests/test_ledger_fast_paths.py",),

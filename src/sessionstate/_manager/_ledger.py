@@ -31,6 +31,7 @@ from sessionstate._accounting import (
     union_size,
 )
 from sessionstate._errors import UnsupportedTensorError
+from sessionstate._objects import TensorCache
 from sessionstate._session import SessionState, ValueKey, iter_values
 from sessionstate._tree import tree_leaves
 
@@ -58,6 +59,14 @@ class _Ranges:
         spans.insert(at, span)
         if end - start > self._longest:
             self._longest = end - start
+
+    def add_all(self, spans: Iterable[tuple[int, int]]) -> None:
+        for start, end in spans:
+            self.add(start, end)
+
+    def remove_all(self, spans: Iterable[tuple[int, int]]) -> None:
+        for start, end in spans:
+            self.remove(start, end)
 
     def remove(self, start: int, end: int) -> None:
         span = (start, end)
@@ -109,24 +118,26 @@ class _LazyRanges:
         self._disjoint = True  # whether no two of `_spans` overlap
         self._fold_at = 256  # pending changes that trigger a fold without a read
 
-    def add(self, start: int, end: int) -> None:
-        counts, span = self._counts, (start, end)
-        count = counts.get(span, 0)
-        counts[span] = count + 1
-        if not count:
-            self._pending.append((1, span))
-            if len(self._pending) > self._fold_at:
-                self._fold()
+    def add_all(self, spans: Iterable[tuple[int, int]]) -> None:
+        counts, pending = self._counts, self._pending
+        for span in spans:
+            count = counts.get(span, 0)
+            counts[span] = count + 1
+            if not count:
+                pending.append((1, span))
+        if len(pending) > self._fold_at:
+            self._fold()
 
-    def remove(self, start: int, end: int) -> None:
-        counts, span = self._counts, (start, end)
-        count = counts[span] - 1
-        if count:
-            counts[span] = count
-            return
-        del counts[span]
-        self._pending.append((-1, span))
-        if len(self._pending) > self._fold_at:
+    def remove_all(self, spans: Iterable[tuple[int, int]]) -> None:
+        counts, pending = self._counts, self._pending
+        for span in spans:
+            count = counts[span] - 1
+            if count:
+                counts[span] = count
+                continue
+            del counts[span]
+            pending.append((-1, span))
+        if len(pending) > self._fold_at:
             self._fold()
 
     @property
@@ -198,7 +209,7 @@ class Ledger:
     """
 
     def __init__(self, *, lazy: bool = False) -> None:
-        self._refs: dict[Hashable, list[object]] = {}  # identity -> [count, entry]
+        self._refs: dict[Hashable, int] = {}  # storage identity -> references
         self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
         self._ranges: dict[str, _Ranges | _LazyRanges] = {}
         self._range_kind: type[_Ranges | _LazyRanges] = _LazyRanges if lazy else _Ranges
@@ -207,45 +218,54 @@ class Ledger:
     def add(self, entries: Iterable[StorageEntry], /) -> None:
         """Add one reference to each entry's storage."""
         refs = self._refs
+        born = []  # storages that had no reference: counted, in one pass
         for entry in entries:
             identity = entry[1]
-            ref = refs.get(identity)
-            if ref is not None:
-                ref[0] = int(ref[0]) + 1  # type: ignore[call-overload]
-                continue
-            refs[identity] = [1, entry]
-            if entry[3]:
-                self._count(entry, +1)
+            count = refs.get(identity, 0)
+            refs[identity] = count + 1
+            if not count and entry[3]:
+                born.append(entry)
+        if born:
+            self._count(born, add=True)
 
     def remove(self, entries: Iterable[StorageEntry], /) -> None:
         """Remove one reference from each entry's storage (added before)."""
         refs = self._refs
+        died = []  # storages left with no reference
         for entry in entries:
             identity = entry[1]
-            ref = refs[identity]
-            count = int(ref[0]) - 1  # type: ignore[call-overload]
+            count = refs[identity] - 1
             if count:
-                ref[0] = count
+                refs[identity] = count
                 continue
             del refs[identity]
             if entry[3]:
-                self._count(entry, -1)
+                died.append(entry)
+        if died:
+            self._count(died, add=False)
 
-    def _count(self, entry: StorageEntry, sign: int) -> None:
-        # Callers skip entries of no bytes.
-        device, identity, pointer, nbytes, _ = entry
-        if isinstance(identity, EngineBlock):
-            self._engine[device] = self._engine.get(device, 0) + sign * nbytes
-        if not pointer:
-            self._unmapped[device] = self._unmapped.get(device, 0) + sign * nbytes
-            return
-        ranges = self._ranges.get(device)
-        if ranges is None:
-            ranges = self._ranges[device] = self._range_kind()
-        if sign > 0:
-            ranges.add(pointer, pointer + nbytes)
-        else:
-            ranges.remove(pointer, pointer + nbytes)
+    def _count(self, entries: list[StorageEntry], *, add: bool) -> None:
+        # Count storages that came (or went), each once; callers skip entries of no bytes.
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for device, identity, pointer, nbytes, _ in entries:
+            if isinstance(identity, EngineBlock):
+                self._engine[device] = self._engine.get(device, 0) + (nbytes if add else -nbytes)
+            if not pointer:
+                unmapped = self._unmapped.get(device, 0)
+                self._unmapped[device] = unmapped + (nbytes if add else -nbytes)
+                continue
+            on_device = spans.get(device)
+            if on_device is None:
+                on_device = spans[device] = []
+            on_device.append((pointer, pointer + nbytes))
+        for device, moved in spans.items():
+            ranges = self._ranges.get(device)
+            if ranges is None:
+                ranges = self._ranges[device] = self._range_kind()
+            if add:
+                ranges.add_all(moved)
+            else:
+                ranges.remove_all(moved)
 
     def total(self, device: str, /) -> int:
         """Resident bytes on ``device``."""
@@ -310,9 +330,12 @@ _MAX_DROPPED = 8  # leading leaves a new version of a value may drop and still s
 def _shared_run(old: Sequence[object], new: Sequence[object]) -> int | None:
     # The number of leading leaves of `old` that are gone when the rest of `old` starts `new`
     # (leaf for leaf, the same objects); None when no such run exists.
+    first = new[0] if new else None
     for dropped in range(min(len(old), _MAX_DROPPED + 1)):
         kept = len(old) - dropped
-        if kept <= len(new) and all(map(operator.is_, old[dropped:], new[:kept])):
+        if kept > len(new) or old[dropped] is not first:  # (a cheap test before the slices)
+            continue
+        if all(map(operator.is_, old[dropped:], new[:kept])):
             return dropped
     return None
 
@@ -341,13 +364,27 @@ def _walk(value: object, previous: _Item | None) -> _Item:
                 kept = len(previous.leaves) - dropped
                 added = _count_leaves(value, derived.leaves[kept:])
                 return _successor(value, derived.leaves, previous, dropped, added)
-        leaves = tree_leaves(value)
+        flat = _flat_cache_leaves(value)
+        leaves = tree_leaves(value) if flat is None else flat
     shared = None if previous is None else _shared_run(previous.leaves, leaves)
     if previous is None or shared is None:
         return _Item(value, leaves, _count_leaves(value, leaves))
     kept = len(previous.leaves) - shared
     return _successor(value, leaves, previous, shared, _count_leaves(value, leaves[kept:]))
 
+
+def _flat_cache_leaves(value: object) -> list[torch.Tensor] | None:
+    # The leaves of a `TensorCache` whose contents are a flat tuple of plain tensors and None
+    # (a streaming encoder's feature cache), as `tree_leaves` lists them but without the
+    # flatten; None for any other value.
+    if type(value) is TensorCache:
+        contents = value.contents
+        if type(contents) is tuple and _TENSOR_OR_NONE.issuperset(map(type, contents)):
+            return [leaf for leaf in contents if leaf is not None]
+    return None
+
+
+_TENSOR_OR_NONE = frozenset({torch.Tensor, type(None)})
 
 # Attribute values that are leaves themselves, walked without a tree flatten.
 _SCALAR_LEAVES = frozenset({int, float, bool, str, bytes})

@@ -105,8 +105,11 @@ class Parking:
     def track(self, session_id: Hashable, state: SessionState, /) -> None:
         """``state`` is now stored for ``session_id``: keep its parked objects' handles."""
         parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
-        kept = {id(handle) for handle in _handles_of(parked.values())}
         self._unreserve(session_id, dropped=True)
+        if not parked and session_id not in self._parked:  # resident before and after
+            self._kv_parked.discard(session_id)
+            return
+        kept = {id(handle) for handle in _handles_of(parked.values())}
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
             handle.discard_prefetch()
             if id(handle) not in kept:
