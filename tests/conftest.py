@@ -5,6 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+# CPU kernels: the golden snapshot files (`tests/data/snapshots/`) hold model sessions that the
+# tests rebuild with seeded networks and compare bit for bit, and float results depend on which
+# vector kernels torch and oneDNN pick for the CPU at hand (an AVX-512 machine rounds some
+# convolutions and matmuls differently from an AVX2 one). The files were written with the AVX2
+# kernels, so every test run uses those, whatever x86 machine it lands on (read by torch and
+# oneDNN at first use; set before anything here imports torch; a subprocess inherits them).
+# `tests/data/make_golden.py` sets the same.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
 import pytest
 from hypothesis import HealthCheck, settings
 

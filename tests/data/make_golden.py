@@ -20,9 +20,15 @@ what rebuilds their pipeline (the config fields) and how far the session ran.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+# The CPU kernels the files are written with, and that `tests/conftest.py` sets for every test
+# run: float results of the model builders depend on them (set before torch is imported).
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import attrs
 import torch
