@@ -13,8 +13,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sessionstate import KVPool, SessionState, SessionStateManager, TensorCache
+from sessionstate._accounting import StorageEntry, storage_entries
+from sessionstate._manager import Ledger
 from sessionstate.testing import recount_nbytes_by_device
 
 
@@ -91,3 +95,63 @@ def test_replacing_a_value_by_an_overlapping_one_keeps_the_ledger_exact() -> Non
         held["a"] = SessionState(attrs={"v": values[name], "w": values["middle"]})
         m.put("a", held["a"])
         _check(m, held)
+
+
+# -- a ledger without a budget counts a storage that owns its memory by its size alone ------
+#
+# Unless the device also holds a range over memory some storage does not own. These drive
+# owned storages, aliases made of them while they are held (`torch.from_numpy` of
+# `tensor.numpy()`, which also marks the tensor's storage as no longer resizable), and
+# entries a leaf reports itself over part of an owned storage, in any order.
+
+_OWNED_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["owned", "alias", "report", "remove", "read"]),
+        st.integers(0, 3),  # which owned tensor
+        st.integers(0, 7),  # where an alias starts, or which held entry goes
+    ),
+    max_size=40,
+)
+
+
+@given(ops=_OWNED_OPS)
+def test_a_lazy_ledger_counts_owned_storages_and_their_aliases_once(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    tensors = [torch.zeros(8) for _ in range(4)]
+    # Lazy ledgers read after every change, at "read" only, and only at the end.
+    eager, lazy, sometimes, unread = (
+        Ledger(),
+        Ledger(lazy=True),
+        Ledger(lazy=True),
+        Ledger(lazy=True),
+    )
+    held: list[list[StorageEntry]] = []
+    keep: list[object] = []  # what the aliases' entries point into, alive throughout
+    for op, which, at in ops:
+        if op == "remove":
+            if held:
+                entries = held.pop(at % len(held))
+                for ledger in (eager, lazy, sometimes, unread):
+                    ledger.remove(entries)
+        elif op == "read":
+            assert sometimes.totals() == eager.totals()
+            continue
+        else:
+            tensor = tensors[which]
+            if op == "owned":
+                entries = storage_entries(tensor[at:])
+            elif op == "alias":
+                alias = torch.from_numpy(tensor.numpy()[at:])
+                keep.append(alias)
+                entries = storage_entries(alias)
+            else:  # a reported entry: part of the tensor's storage, another identity
+                storage = tensor.untyped_storage()
+                pointer = storage.data_ptr() + 4 * at
+                entries = [("cpu", ("reported", which, at), pointer, 4, storage)]
+            held.append(entries)
+            for ledger in (eager, lazy, sometimes, unread):
+                ledger.add(entries)
+        covered = {b for e in held for _, _, p, n, _ in e for b in range(p, p + n)}
+        assert lazy.totals() == eager.totals() == ({"cpu": len(covered)} if covered else {})
+    assert sometimes.totals() == unread.totals() == eager.totals()

@@ -523,8 +523,8 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "            if not count:\n                pending.append((1, span))",
-                "            if False:\n                pending.append((1, span))",
+                "            if not count and tracked:\n                pending.append((1, *span))",
+                "            if False:\n                pending.append((1, *span))",
             ),
         ),
         ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
@@ -542,19 +542,32 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "            pending.append((1, span))\n"
-                "        if len(pending) > self._fold_at:\n"
-                "            self._fold()\n",
-                "            pending.append((1, span))\n",
-            ),
-            (
-                "            pending.append((-1, span))\n"
-                "        if len(pending) > self._fold_at:\n"
-                "            self._fold()\n",
-                "            pending.append((-1, span))\n",
+                "        return len(self._pending) > self._fold_at\n",
+                "        return False\n",
             ),
         ),
         ("tests/test_ledger_fast_paths.py",),
+    ),
+    Mutant(
+        "lazy-ledger-trusts-every-storage",
+        "a ledger without a budget counts a storage over memory it does not own by its size",
+        "sessionstate/_manager/_ledger.py",
+        (("                    and keepalive.resizable()\n", "                    and True\n"),),
+        ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
+    ),
+    Mutant(
+        "lazy-ledger-skips-owned-placement",
+        "a ledger without a budget, once its ranges are sorted, does not place an owned one",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "                    if tracked and device in tracked:\n"
+                "                        self._shared[device].place(1,",
+                "                    if False:\n"
+                "                        self._shared[device].place(1,",
+            ),
+        ),
+        ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
     ),
     Mutant(
         "with-values-skips-the-bucket-check",

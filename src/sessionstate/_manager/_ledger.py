@@ -9,14 +9,21 @@ while it has a reference, once, however many values reach it, so the totals are 
 `nbytes_by_device` of all stored records together would say (each storage once; storages over
 overlapping memory as the union of their address ranges), at the cost of the values that
 changed rather than a walk of every session.
+
+Without a byte budget the ledger is read only by `stats()`, and it counts the common storage,
+one that owns its memory (an allocator made it), by its size alone: no two live allocations
+overlap, so only a device that also holds memory some storage does not own (a NumPy array's,
+a loaded file's, an engine pool's block) has its address ranges sorted and their union
+measured (`_LazyRanges`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import operator
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -101,91 +108,113 @@ class _Ranges:
 
 
 class _LazyRanges:
-    """A multiset of address ranges whose union is measured when read, not on every change.
+    """The shared address ranges of one device, and their union with the owned ones when read.
 
-    For a ledger nobody reads between puts (no byte budget): a change costs a dict update,
-    and a read after changes brings a sorted list of the distinct ranges up to date (placing
-    each range that came or went, or sorting afresh after many) and sums their union. The
-    pending changes never outgrow the held ranges (by 8x, plus 256): past that they are
-    folded in without a read.
+    For a ledger nobody reads between puts (no byte budget), which sorts each storage's range
+    into one of two kinds as it comes (`Ledger`):
+
+    - *owned*: the whole allocation of a storage that owns its memory (one an allocator made:
+      `UntypedStorage.resizable`). No two live allocations overlap, so while a device holds
+      only owned ranges its total is the sum of their lengths, kept by the ledger as they
+      come and go, and no range is placed anywhere.
+    - *shared*: any other range (memory its storage does not own: `torch.from_numpy`, a
+      loaded or memory-mapped file, an engine pool's block, an entry a leaf reports itself).
+      These can overlap each other and owned ones; they are held here, as a multiset.
+
+    While a shared range is held, a read after changes brings the ranges of both kinds,
+    sorted, up to date (placing each range that came or went, or sorting afresh after many)
+    and sums their union. The sorted ranges are two lists, starts and ends, so placing a
+    range compares integers. The pending changes never outgrow the held ranges (by 8x, plus
+    256): past that they are folded in without a read.
     """
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[int, int], int] = {}
-        self._spans: list[tuple[int, int]] = []  # distinct ranges, sorted, as of the last read
-        self._pending: list[tuple[int, tuple[int, int]]] = []  # (+1 | -1, range) since then
+        self._counts: dict[tuple[int, int], int] = {}  # distinct shared ranges: references
+        self.shared = 0  # shared ranges held, one per storage
+        # Owned and distinct shared ranges as of the last read, sorted by (start, end), as two
+        # lists; kept up to date (`sorted`) only while shared ranges are held.
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.sorted = False
+        self._pending: list[tuple[int, int, int]] = []  # (+1 | -1, start, end) since then
         self._total = 0
-        self._disjoint = True  # whether no two of `_spans` overlap
+        self._disjoint = True  # whether no two sorted ranges overlap
         self._fold_at = 256  # pending changes that trigger a fold without a read
 
-    def add_all(self, spans: Iterable[tuple[int, int]]) -> None:
-        counts, pending = self._counts, self._pending
+    def add_shared(self, spans: Sequence[tuple[int, int]]) -> None:
+        counts, pending, tracked = self._counts, self._pending, self.sorted
         for span in spans:
             count = counts.get(span, 0)
             counts[span] = count + 1
-            if not count:
-                pending.append((1, span))
-        if len(pending) > self._fold_at:
-            self._fold()
+            if not count and tracked:
+                pending.append((1, *span))
+        self.shared += len(spans)
 
-    def remove_all(self, spans: Iterable[tuple[int, int]]) -> None:
-        counts, pending = self._counts, self._pending
+    def remove_shared(self, spans: Sequence[tuple[int, int]]) -> None:
+        counts, pending, tracked = self._counts, self._pending, self.sorted
         for span in spans:
             count = counts[span] - 1
             if count:
                 counts[span] = count
                 continue
             del counts[span]
-            pending.append((-1, span))
-        if len(pending) > self._fold_at:
-            self._fold()
+            if tracked:
+                pending.append((-1, *span))
+        self.shared -= len(spans)
+        if not self.shared:  # owned ranges alone again: none to place until a shared one
+            self.sorted = False
+            pending.clear()
 
-    @property
-    def total(self) -> int:
-        if self._pending:
-            self._fold()
+    def place(self, sign: int, start: int, end: int) -> None:
+        """Note an owned range that came (``sign`` 1) or went (-1) while ranges are sorted."""
+        self._pending.append((sign, start, end))
+
+    def overdue(self) -> bool:
+        """Whether the pending changes have outgrown the held ranges (fold them unread)."""
+        return len(self._pending) > self._fold_at
+
+    def total(self, owned: Callable[[], Iterable[tuple[int, int]]]) -> int:
+        """The union of the shared ranges and the owned ones (``owned()``, read if needed)."""
+        if self._pending or not self.sorted:
+            self.fold(owned)
         return self._total
 
-    def _fold(self) -> None:
-        # Bring `_spans` and `_total` up to date with the pending changes. Also run when the
-        # pending list outgrows the held ranges, so a ledger nobody reads stays bounded.
+    def fold(self, owned: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """Bring the sorted ranges and the union up to date with the pending changes."""
         pending = self._pending
-        spans = self._spans
-        if 8 * len(pending) > len(spans):  # many changes: sorting afresh is cheaper
-            self._spans = spans = sorted(self._counts)
-            self._total, self._disjoint = _union_size(spans)
+        starts, ends = self._starts, self._ends
+        if not self.sorted or 8 * len(pending) > len(starts):  # sorting afresh is cheaper
+            spans = sorted(itertools.chain(owned(), self._counts))
+            self._starts = starts = [start for start, _ in spans]
+            self._ends = ends = [end for _, end in spans]
+            self._total, self._disjoint = union_size(starts, ends)
+            self.sorted = True
         else:
             # While no two ranges overlap (distinct allocations, the common case) the union is
             # the sum of the lengths, moved by each range that came or went; a range that
             # reaches into a neighbour as it is placed ends that, and the union is measured.
             total, disjoint = self._total, self._disjoint
-            for sign, (start, end) in pending:
-                at = bisect.bisect_left(spans, (start, end))
+            for sign, start, end in pending:
+                at = bisect.bisect_left(starts, start)
+                while at < len(starts) and starts[at] == start and ends[at] < end:
+                    at += 1  # ranges sharing a start sort by end
                 if sign > 0:
                     if disjoint and (
-                        (at and spans[at - 1][1] > start)
-                        or (at < len(spans) and spans[at][0] < end)
+                        (at and ends[at - 1] > start) or (at < len(starts) and starts[at] < end)
                     ):
                         disjoint = False
-                    spans.insert(at, (start, end))
+                    starts.insert(at, start)
+                    ends.insert(at, end)
                     total += end - start
                 else:
-                    del spans[at]
+                    del starts[at], ends[at]
                     total -= end - start
             if disjoint:
                 self._total = total
             else:
-                self._total, self._disjoint = _union_size(spans)
+                self._total, self._disjoint = union_size(starts, ends)
         pending.clear()
-        self._fold_at = 8 * len(spans) + 256
-
-
-def _union_size(spans: Sequence[tuple[int, int]]) -> tuple[int, bool]:
-    # `union_size` of sorted, distinct `(start, end)` ranges.
-    if not spans:
-        return 0, True
-    starts, ends = zip(*spans, strict=True)
-    return union_size(starts, ends)
+        self._fold_at = 8 * len(starts) + 256
 
 
 class Ledger:
@@ -193,7 +222,9 @@ class Ledger:
 
     With ``lazy=True`` the union of each device's address ranges is measured when a total is
     read after changes, instead of kept up to date on every change: for a ledger read rarely
-    (`stats()`) and moved on every put.
+    (`stats()`) and moved on every put. A lazy ledger also counts a storage that owns its
+    memory by its size alone, placing no range, unless the device holds a range over memory
+    some storage does not own (`_LazyRanges`).
 
     >>> import torch
     >>> from sessionstate._accounting import storage_entries
@@ -211,26 +242,58 @@ class Ledger:
     def __init__(self, *, lazy: bool = False) -> None:
         self._refs: dict[Hashable, int] = {}  # storage identity -> references
         self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
-        self._ranges: dict[str, _Ranges | _LazyRanges] = {}
-        self._range_kind: type[_Ranges | _LazyRanges] = _LazyRanges if lazy else _Ranges
+        self._ranges: dict[str, _Ranges] = {}  # eager: every range, per device
         self._unmapped: dict[str, int] = {}  # bytes of storages without memory (meta)
+        self._lazy = lazy
+        # Lazy: the owned storages held (identity -> entry), their bytes per device, the shared
+        # ranges per device, and the devices whose ranges are sorted (owned changes placed).
+        self._owned: dict[Hashable, StorageEntry] = {}
+        self._owned_bytes: dict[str, int] = {}
+        self._shared: dict[str, _LazyRanges] = {}
+        self._tracked: set[str] = set()
 
     def add(self, entries: Iterable[StorageEntry], /) -> None:
         """Add one reference to each entry's storage."""
         refs = self._refs
         born = []  # storages that had no reference: counted, in one pass
-        for entry in entries:
-            identity = entry[1]
-            count = refs.get(identity, 0)
-            refs[identity] = count + 1
-            if not count and entry[3]:
-                born.append(entry)
+        if self._lazy:
+            # The common storage, one that owns its memory, is counted as it comes.
+            owned, owned_bytes, tracked = self._owned, self._owned_bytes, self._tracked
+            for entry in entries:
+                identity = entry[1]
+                count = refs.get(identity, 0)
+                refs[identity] = count + 1
+                if count or not entry[3]:
+                    continue
+                keepalive = entry[4]
+                if (
+                    type(keepalive) is torch.UntypedStorage
+                    and keepalive._cdata == identity
+                    and entry[2]
+                    and keepalive.resizable()
+                ):
+                    owned[identity] = entry
+                    device = entry[0]
+                    owned_bytes[device] = owned_bytes.get(device, 0) + entry[3]
+                    if tracked and device in tracked:
+                        self._shared[device].place(1, entry[2], entry[2] + entry[3])
+                else:
+                    born.append(entry)
+            self._fold_overdue()
+        else:
+            for entry in entries:
+                identity = entry[1]
+                count = refs.get(identity, 0)
+                refs[identity] = count + 1
+                if not count and entry[3]:
+                    born.append(entry)
         if born:
             self._count(born, add=True)
 
     def remove(self, entries: Iterable[StorageEntry], /) -> None:
         """Remove one reference from each entry's storage (added before)."""
-        refs = self._refs
+        refs, owned = self._refs, self._owned
+        owned_bytes, tracked = self._owned_bytes, self._tracked
         died = []  # storages left with no reference
         for entry in entries:
             identity = entry[1]
@@ -239,29 +302,66 @@ class Ledger:
                 refs[identity] = count
                 continue
             del refs[identity]
-            if entry[3]:
+            if not entry[3]:
+                continue
+            if owned and owned.pop(identity, None) is not None:  # lazy: an owned storage
+                device = entry[0]
+                owned_bytes[device] -= entry[3]
+                if tracked and device in tracked:
+                    self._shared[device].place(-1, entry[2], entry[2] + entry[3])
+            else:
                 died.append(entry)
+        if self._lazy:
+            self._fold_overdue()
         if died:
             self._count(died, add=False)
 
+    def _fold_overdue(self) -> None:
+        # A lazy ledger nobody reads stays bounded: fold what outgrew the held ranges.
+        for device in self._tracked:
+            ranges = self._shared[device]
+            if ranges.overdue():
+                ranges.fold(functools.partial(self._owned_spans, device))
+
+    def _owned_spans(self, device: str) -> Iterator[tuple[int, int]]:
+        for entry_device, _, pointer, nbytes, _ in self._owned.values():
+            if entry_device == device:
+                yield pointer, pointer + nbytes
+
     def _count(self, entries: list[StorageEntry], *, add: bool) -> None:
-        # Count storages that came (or went), each once; callers skip entries of no bytes.
+        # Count storages that came (or went), each once; callers skip entries of no bytes (and
+        # a lazy ledger, the owned storages it counted).
         spans: dict[str, list[tuple[int, int]]] = {}
         for device, identity, pointer, nbytes, _ in entries:
+            signed = nbytes if add else -nbytes
             if isinstance(identity, EngineBlock):
-                self._engine[device] = self._engine.get(device, 0) + (nbytes if add else -nbytes)
+                self._engine[device] = self._engine.get(device, 0) + signed
             if not pointer:
-                unmapped = self._unmapped.get(device, 0)
-                self._unmapped[device] = unmapped + (nbytes if add else -nbytes)
+                self._unmapped[device] = self._unmapped.get(device, 0) + signed
                 continue
             on_device = spans.get(device)
             if on_device is None:
                 on_device = spans[device] = []
             on_device.append((pointer, pointer + nbytes))
         for device, moved in spans.items():
+            if self._lazy:
+                shared = self._shared.get(device)
+                if shared is None:
+                    shared = self._shared[device] = _LazyRanges()
+                if add:
+                    shared.add_shared(moved)
+                    if shared.sorted and shared.overdue():
+                        shared.fold(functools.partial(self._owned_spans, device))
+                else:
+                    shared.remove_shared(moved)
+                    if not shared.sorted:
+                        self._tracked.discard(device)
+                    elif shared.overdue():
+                        shared.fold(functools.partial(self._owned_spans, device))
+                continue
             ranges = self._ranges.get(device)
             if ranges is None:
-                ranges = self._ranges[device] = self._range_kind()
+                ranges = self._ranges[device] = _Ranges()
             if add:
                 ranges.add_all(moved)
             else:
@@ -269,8 +369,16 @@ class Ledger:
 
     def total(self, device: str, /) -> int:
         """Resident bytes on ``device``."""
-        ranges = self._ranges.get(device)
-        return (ranges.total if ranges is not None else 0) + self._unmapped.get(device, 0)
+        unmapped = self._unmapped.get(device, 0)
+        if not self._lazy:
+            ranges = self._ranges.get(device)
+            return (ranges.total if ranges is not None else 0) + unmapped
+        shared = self._shared.get(device)
+        if shared is None or not shared.shared:
+            return self._owned_bytes.get(device, 0) + unmapped
+        total = shared.total(functools.partial(self._owned_spans, device))
+        self._tracked.add(device)  # sorted now: owned changes are placed
+        return total + unmapped
 
     def engine_totals(self) -> dict[str, int]:
         """Bytes of engine-owned blocks per device (each block once), for devices holding any."""
@@ -278,7 +386,7 @@ class Ledger:
 
     def totals(self) -> dict[str, int]:
         """Resident bytes per device, for devices holding any."""
-        devices = {*self._ranges, *self._unmapped}
+        devices = {*self._ranges, *self._unmapped, *self._owned_bytes, *self._shared}
         out = {d: self.total(d) for d in devices}
         return {d: n for d, n in sorted(out.items()) if n}
 
