@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sessionstate import KVPool, SessionState, SessionStateManager, TensorCache
-from sessionstate._accounting import StorageEntry, storage_entries
+from sessionstate._accounting import EngineBlock, StorageEntry, leaf_entries, storage_entries
 from sessionstate._manager import Ledger
 from sessionstate.testing import recount_nbytes_by_device
 
@@ -106,7 +106,7 @@ def test_replacing_a_value_by_an_overlapping_one_keeps_the_ledger_exact() -> Non
 
 _OWNED_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["owned", "alias", "report", "remove", "read"]),
+        st.sampled_from(["owned", "alias", "report", "block", "remove", "read"]),
         st.integers(0, 3),  # which owned tensor
         st.integers(0, 7),  # where an alias starts, or which held entry goes
     ),
@@ -145,6 +145,10 @@ def test_a_lazy_ledger_counts_owned_storages_and_their_aliases_once(
                 alias = torch.from_numpy(tensor.numpy()[at:])
                 keep.append(alias)
                 entries = storage_entries(alias)
+            elif op == "block":  # an engine block of the tensor as a pool, four bytes
+                storage = tensor.untyped_storage()
+                block = EngineBlock(storage._cdata, at)
+                entries = [("cpu", block, storage.data_ptr() + 4 * at, 4, tensor)]
             else:  # a reported entry: part of the tensor's storage, another identity
                 storage = tensor.untyped_storage()
                 pointer = storage.data_ptr() + 4 * at
@@ -155,3 +159,50 @@ def test_a_lazy_ledger_counts_owned_storages_and_their_aliases_once(
         covered = {b for e in held for _, _, p, n, _ in e for b in range(p, p + n)}
         assert lazy.totals() == eager.totals() == ({"cpu": len(covered)} if covered else {})
     assert sometimes.totals() == unread.totals() == eager.totals()
+
+
+def test_a_device_counts_by_size_again_once_its_last_shared_range_goes() -> None:
+    ledger = Ledger(lazy=True)
+    held = storage_entries(torch.zeros(4))
+    shared = [("cpu", "shared", 8, 8, None)]
+    ledger.add(held)
+    ledger.add(shared)
+    assert ledger.totals() == {"cpu": 16 + 8}
+    ranges = ledger._shared["cpu"]
+    assert ranges.sorted  # sorted, and owned changes placed among the ranges
+    assert "cpu" in ledger._tracked
+    ledger.remove(shared)
+    for _ in range(20):
+        churn = storage_entries(torch.zeros(2))
+        ledger.add(churn)
+        ledger.remove(churn)
+    assert not ranges.sorted
+    assert not ranges._pending
+    assert "cpu" not in ledger._tracked
+    assert ledger.totals() == {"cpu": 16}
+
+
+def test_kv_blocks_count_by_size_until_their_pools_storage_is_held() -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=(2,))
+    handle = pool.append(pool.empty(), torch.ones(3, 2))  # two blocks
+    lazy, eager = Ledger(lazy=True), Ledger()
+    blocks, storage = leaf_entries(handle), storage_entries(pool.storage[1:3])
+    for order in ([blocks, storage], [storage, blocks]):
+        for entries in order:
+            for ledger in (lazy, eager):
+                ledger.add(entries)
+            assert lazy.totals() == eager.totals()
+            assert lazy.engine_totals() == eager.engine_totals()
+        # The blocks lie inside the pool's storage: the union is the storage, once.
+        assert lazy.totals() == {"cpu": pool.storage.nbytes}
+        assert lazy.engine_totals() == {"cpu": 2 * pool.block_nbytes}
+        for entries in order:
+            for ledger in (lazy, eager):
+                ledger.remove(entries)
+            assert lazy.totals() == eager.totals()
+            assert lazy.engine_totals() == eager.engine_totals()
+    lazy.add(blocks)
+    assert lazy.totals() == {"cpu": 2 * pool.block_nbytes}
+    shared = lazy._shared.get("cpu")
+    assert "cpu" not in lazy._tracked
+    assert shared is None or not shared.shared

@@ -570,6 +570,42 @@ MUTANTS = (
         ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
     ),
     Mutant(
+        "lazy-ledger-stays-sorted",
+        "a ledger without a budget keeps placing owned ranges after its last shared one went",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "none to place until a shared one\n            self.sorted = False\n",
+                "none to place until a shared one\n            pass\n",
+            ),
+        ),
+        ("tests/test_ledger_overlaps.py",),
+    ),
+    Mutant(
+        "lazy-ledger-blocks-beside-their-pool",
+        "a ledger without a budget counts a KV block by size while its pool's storage is held",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "    if not entry[2] or pool in refs or not isinstance(keepalive, torch.Tensor):",
+                "    if not entry[2] or not isinstance(keepalive, torch.Tensor):",
+            ),
+        ),
+        ("tests/test_ledger_overlaps.py",),
+    ),
+    Mutant(
+        "lazy-ledger-pool-beside-its-blocks",
+        "a ledger without a budget counts a pool's storage by size while its blocks are",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "                    and identity not in pools  # not a pool",
+                "                    and True  # not a pool",
+            ),
+        ),
+        ("tests/test_ledger_overlaps.py",),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

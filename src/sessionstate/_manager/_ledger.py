@@ -11,10 +11,10 @@ overlapping memory as the union of their address ranges), at the cost of the val
 changed rather than a walk of every session.
 
 Without a byte budget the ledger is read only by `stats()`, and it counts the common storage,
-one that owns its memory (an allocator made it), by its size alone: no two live allocations
-overlap, so only a device that also holds memory some storage does not own (a NumPy array's,
-a loaded file's, an engine pool's block) has its address ranges sorted and their union
-measured (`_LazyRanges`).
+one that owns its memory (an allocator made it), by its size alone, and so the blocks of an
+engine pool whose storage is not itself held: no two live allocations overlap, nor two blocks.
+Only a device that also holds memory some storage does not own (a NumPy array's, a loaded
+file's) has its address ranges sorted and their union measured (`_LazyRanges`).
 """
 
 from __future__ import annotations
@@ -114,12 +114,14 @@ class _LazyRanges:
     into one of two kinds as it comes (`Ledger`):
 
     - *owned*: the whole allocation of a storage that owns its memory (one an allocator made:
-      `UntypedStorage.resizable`). No two live allocations overlap, so while a device holds
-      only owned ranges its total is the sum of their lengths, kept by the ledger as they
-      come and go, and no range is placed anywhere.
+      `UntypedStorage.resizable`), or a block of an engine pool whose storage owns its memory
+      and is not itself held. No two live allocations overlap, nor two blocks, so while a
+      device holds only owned ranges its total is the sum of their lengths, kept by the
+      ledger as they come and go, and no range is placed anywhere.
     - *shared*: any other range (memory its storage does not own: `torch.from_numpy`, a
-      loaded or memory-mapped file, an engine pool's block, an entry a leaf reports itself).
-      These can overlap each other and owned ones; they are held here, as a multiset.
+      loaded or memory-mapped file, an entry a leaf reports itself; a pool's storage held
+      beside its blocks). These can overlap each other and owned ones; they are held here,
+      as a multiset.
 
     While a shared range is held, a read after changes brings the ranges of both kinds,
     sorted, up to date (placing each range that came or went, or sorting afresh after many)
@@ -248,6 +250,7 @@ class Ledger:
         # Lazy: the owned storages held (identity -> entry), their bytes per device, the shared
         # ranges per device, and the devices whose ranges are sorted (owned changes placed).
         self._owned: dict[Hashable, StorageEntry] = {}
+        self._pools: dict[int, int] = {}  # pool storage identity -> its blocks counted by size
         self._owned_bytes: dict[str, int] = {}
         self._shared: dict[str, _LazyRanges] = {}
         self._tracked: set[str] = set()
@@ -257,8 +260,10 @@ class Ledger:
         refs = self._refs
         born = []  # storages that had no reference: counted, in one pass
         if self._lazy:
-            # The common storage, one that owns its memory, is counted as it comes.
+            # The common storages, those that own their memory and blocks of a pool that owns
+            # its memory, are counted as they come.
             owned, owned_bytes, tracked = self._owned, self._owned_bytes, self._tracked
+            pools = self._pools
             for entry in entries:
                 identity = entry[1]
                 count = refs.get(identity, 0)
@@ -271,14 +276,20 @@ class Ledger:
                     and keepalive._cdata == identity
                     and entry[2]
                     and keepalive.resizable()
+                    and identity not in pools  # not a pool whose blocks are counted by size
                 ):
-                    owned[identity] = entry
-                    device = entry[0]
-                    owned_bytes[device] = owned_bytes.get(device, 0) + entry[3]
-                    if tracked and device in tracked:
-                        self._shared[device].place(1, entry[2], entry[2] + entry[3])
+                    pass
+                elif type(identity) is EngineBlock and _pool_owns(identity, entry, refs):
+                    pools[identity.pool] = pools.get(identity.pool, 0) + 1
+                    self._engine[entry[0]] = self._engine.get(entry[0], 0) + entry[3]
                 else:
                     born.append(entry)
+                    continue
+                owned[identity] = entry
+                device = entry[0]
+                owned_bytes[device] = owned_bytes.get(device, 0) + entry[3]
+                if tracked and device in tracked:
+                    self._shared[device].place(1, entry[2], entry[2] + entry[3])
             self._fold_overdue()
         else:
             for entry in entries:
@@ -304,11 +315,19 @@ class Ledger:
             del refs[identity]
             if not entry[3]:
                 continue
-            if owned and owned.pop(identity, None) is not None:  # lazy: an owned storage
-                device = entry[0]
-                owned_bytes[device] -= entry[3]
+            counted = owned.pop(identity, None) if owned else None
+            if counted is not None:  # lazy: counted by size (as it came, whatever `entry` says)
+                device, nbytes = counted[0], counted[3]
+                owned_bytes[device] -= nbytes
+                if type(identity) is EngineBlock:
+                    self._engine[device] -= nbytes
+                    left = self._pools[identity.pool] - 1
+                    if left:
+                        self._pools[identity.pool] = left
+                    else:
+                        del self._pools[identity.pool]
                 if tracked and device in tracked:
-                    self._shared[device].place(-1, entry[2], entry[2] + entry[3])
+                    self._shared[device].place(-1, counted[2], counted[2] + nbytes)
             else:
                 died.append(entry)
         if self._lazy:
@@ -389,6 +408,17 @@ class Ledger:
         devices = {*self._ranges, *self._unmapped, *self._owned_bytes, *self._shared}
         out = {d: self.total(d) for d in devices}
         return {d: n for d, n in sorted(out.items()) if n}
+
+
+def _pool_owns(block: EngineBlock, entry: StorageEntry, refs: Mapping[Hashable, int]) -> bool:
+    # Whether an engine block's entry can be counted by size: its pool's storage (the entry's
+    # keepalive, a tensor) owns its memory and is not itself held, so only the pool's blocks
+    # reach that memory, and blocks do not overlap.
+    pool, keepalive = block.pool, entry[4]
+    if not entry[2] or pool in refs or not isinstance(keepalive, torch.Tensor):
+        return False
+    storage = keepalive.untyped_storage()
+    return bool(storage._cdata == pool and storage.resizable())
 
 
 @attrs.define(eq=False)
