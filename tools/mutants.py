@@ -561,10 +561,9 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "                    if tracked and device in tracked:\n"
-                "                        self._shared[device].place(1,",
-                "                    if False:\n"
-                "                        self._shared[device].place(1,",
+                "                if tracked and device in tracked:\n"
+                "                    self._shared[device].place(1,",
+                "                if False:\n                    self._shared[device].place(1,",
             ),
         ),
         ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
