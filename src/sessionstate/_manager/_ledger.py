@@ -290,7 +290,6 @@ class Ledger:
                 owned_bytes[device] = owned_bytes.get(device, 0) + entry[3]
                 if tracked and device in tracked:
                     self._shared[device].place(1, entry[2], entry[2] + entry[3])
-            self._fold_overdue()
         else:
             for entry in entries:
                 identity = entry[1]
@@ -300,6 +299,8 @@ class Ledger:
                     born.append(entry)
         if born:
             self._count(born, add=True)
+        if self._lazy:
+            self._fold_overdue()
 
     def remove(self, entries: Iterable[StorageEntry], /) -> None:
         """Remove one reference from each entry's storage (added before)."""
@@ -330,13 +331,14 @@ class Ledger:
                     self._shared[device].place(-1, counted[2], counted[2] + nbytes)
             else:
                 died.append(entry)
-        if self._lazy:
-            self._fold_overdue()
         if died:
             self._count(died, add=False)
+        if self._lazy:
+            self._fold_overdue()
 
     def _fold_overdue(self) -> None:
-        # A lazy ledger nobody reads stays bounded: fold what outgrew the held ranges.
+        # A lazy ledger nobody reads stays bounded: after each change, fold the pending changes
+        # of a sorted device that outgrew its held ranges.
         for device in self._tracked:
             ranges = self._shared[device]
             if ranges.overdue():
@@ -369,14 +371,10 @@ class Ledger:
                     shared = self._shared[device] = _LazyRanges()
                 if add:
                     shared.add_shared(moved)
-                    if shared.sorted and shared.overdue():
-                        shared.fold(functools.partial(self._owned_spans, device))
                 else:
                     shared.remove_shared(moved)
                     if not shared.sorted:
                         self._tracked.discard(device)
-                    elif shared.overdue():
-                        shared.fold(functools.partial(self._owned_spans, device))
                 continue
             ranges = self._ranges.get(device)
             if ranges is None:
