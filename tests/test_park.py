@@ -217,6 +217,59 @@ def test_object_aliasing_an_attribute_is_not_parked() -> None:
     assert m.peek("a").parked == ()  # type: ignore[union-attr]
 
 
+def _chain(links: int) -> SessionState:
+    # cache0 shares a storage with cache1, cache1 with cache2, ...; the last with attribute x.
+    storages = [torch.full((8,), float(i)) for i in range(links + 1)]
+    objects = {
+        f"cache{i}": TensorCache(name=f"cache{i}").allocate().commit((storages[i], storages[i + 1]))
+        for i in range(links)
+    }
+    return SessionState(objects=objects, attrs={"x": storages[links][4:]})
+
+
+@pytest.mark.parametrize("links", [1, 2, 3])
+@pytest.mark.parametrize("tier", TIERS)
+def test_objects_linked_to_an_attribute_through_each_other_are_not_parked(
+    links: int, tier: str, tmp_path: Path
+) -> None:
+    # Only the last object shares a storage with the attribute; the others reach it through
+    # the objects after them. Parking any of them would free nothing of the storage it shares
+    # with one that stays, and its unpark would split that alias into two copies.
+    a = _chain(links)
+    m = SessionStateManager(
+        on_full="refuse", max_bytes={"cpu": 100 + 32 * links}, park_tier=tier, spool_dir=tmp_path
+    )
+    m.put("a", a)
+    with pytest.raises(SessionAdmissionError):
+        m.put("b", SessionState(attrs={"y": torch.zeros(25)}))
+    assert m.peek("a").parked == ()  # type: ignore[union-attr]
+    got = m.get("a")
+    assert tree_equal(got, a)
+    assert _alias_graph(got) == _alias_graph(a)
+    assert nbytes_by_device(got) == nbytes_by_device(a)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_objects_sharing_storages_only_among_themselves_park_together(
+    tier: str, tmp_path: Path
+) -> None:
+    # The chain's attribute is a storage of its own: every object is parked, in one handle,
+    # and they come back sharing what they shared.
+    a = _chain(3)
+    a = a.with_attrs(x=torch.zeros(2))
+    m = SessionStateManager(
+        on_full="refuse", max_bytes={"cpu": 160}, park_tier=tier, spool_dir=tmp_path
+    )
+    m.put("a", a)
+    m.put("b", SessionState(attrs={"y": torch.zeros(25)}))
+    assert m.peek("a").parked == ("cache0", "cache1", "cache2")  # type: ignore[union-attr]
+    m.drop("b")
+    got = m.get("a")
+    assert tree_equal(got, a)
+    assert _alias_graph(got) == _alias_graph(a)
+    assert nbytes_by_device(got) == nbytes_by_device(a)
+
+
 def test_stats_keys_unchanged_without_a_budget() -> None:
     m = SessionStateManager()
     m.put("a", _record())

@@ -362,6 +362,19 @@ MUTANTS = (
         ("tests/test_budget_devices.py",),
     ),
     Mutant(
+        "park-splits-alias-through-objects",
+        "the budget parks an object sharing a storage with another object that stays resident "
+        "because it shares one with an attribute (what stays is not closed over shared storages)",
+        "sessionstate/_manager/_policy.py",
+        (
+            (
+                "                    reached.add(key)\n                    staying.append(key)\n",
+                "                    reached.add(key)\n",
+            ),
+        ),
+        ("tests/test_park.py",),
+    ),
+    Mutant(
         "guard-floating-point-only",
         "the guard records only floating-point tensors",
         "sessionstate/_manager/_guard.py",

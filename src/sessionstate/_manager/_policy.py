@@ -15,6 +15,7 @@ from sessionstate._checks import describe, is_int
 from sessionstate._errors import SessionAdmissionError
 from sessionstate._manager._ledger import SessionLedger, Values, entries_of
 from sessionstate._protocols import StorageEntry
+from sessionstate._session import ValueKey
 from sessionstate._stateobject import StateObject
 
 __all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "objects_to_park", "parse_nbytes"]
@@ -155,11 +156,13 @@ def objects_to_park(
 ) -> list[str]:
     """The objects of one session to park (in table order) to free the storages ``frees`` picks.
 
-    The parkable objects holding bytes in such a storage, except any sharing a storage with a
-    value that stays resident (an attribute): parking it would free nothing, and unparking
-    would split the alias into two copies. A `KVHandle`'s blocks (`EngineBlock` entries) count:
-    its class implements the offload protocol, so parking moves them to the tier and they
-    return to their pool.
+    The parkable objects holding bytes in such a storage, except any that shares a storage
+    with a value that stays resident: an attribute, an object that is not parked, or (in
+    turn) an object left out for sharing with one. Parking such an object would free nothing
+    of that storage, and unparking it would split the alias into two copies; objects that
+    share storages only among themselves are parked together, into one handle, and come back
+    sharing them. A `KVHandle`'s blocks (`EngineBlock` entries) count: its class implements
+    the offload protocol, so parking moves them to the tier and they return to their pool.
 
     >>> import torch
     >>> from sessionstate import SessionState, TensorCache
@@ -176,18 +179,21 @@ def objects_to_park(
     }
     if not candidates:
         return []
-    staying = {
-        entry[1]
-        for key, item in values.items()
-        if not (key[0] == "o" and key[1] in candidates)
-        for entry in item.entries
-    }
-    return [
-        name
-        for name in objects
-        if name in candidates
-        and not any(entry[1] in staying for entry in values[("o", name)].entries)
-    ]
+    # Who holds each storage; then what stays resident, closed over shared storages: a
+    # candidate sharing a storage with a value that stays, stays too, and so on.
+    holders: dict[Hashable, list[ValueKey]] = {}
+    for key, item in values.items():
+        for entry in item.entries:
+            holders.setdefault(entry[1], []).append(key)
+    staying = [key for key in values if not (key[0] == "o" and key[1] in candidates)]
+    reached = set(staying)
+    while staying:
+        for entry in values[staying.pop()].entries:
+            for key in holders[entry[1]]:
+                if key not in reached:
+                    reached.add(key)
+                    staying.append(key)
+    return [name for name in objects if name in candidates and ("o", name) not in reached]
 
 
 class BudgetPolicy:
