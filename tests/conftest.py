@@ -11,7 +11,9 @@ from collections.abc import Iterator
 # convolutions and matmuls differently from an AVX2 one). The files were written with the AVX2
 # kernels, so every test run uses those, whatever x86 machine it lands on (read by torch and
 # oneDNN at first use; set before anything here imports torch; a subprocess inherits them).
-# `tests/data/make_golden.py` sets the same.
+# `tests/data/make_golden.py` sets the same. They are not enough everywhere: an AMX machine
+# (Sapphire Rapids) still rounds the seeded networks' matmuls and convolutions differently, so
+# the golden tests hold model files to bits pinned when they were written, not to a rebuild.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 

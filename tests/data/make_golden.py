@@ -3,6 +3,7 @@
 Run only to add a new version's files; never regenerate existing ones::
 
     python tests/data/make_golden.py tests/data/snapshots/<library version> [BUILDER ...]
+    python tests/data/make_golden.py --digests    # pin the bits of files not yet pinned
 
 Each file is named ``<builder>_v<format version>.safetensors``; a file that exists is never
 written again (a new format version of the same library version gets files of its own).
@@ -15,10 +16,18 @@ no longer match. Add a new builder (and new files) instead.
 
 Each builder returns ``(record, metadata)``; the two model builders also store in the metadata
 what rebuilds their pipeline (the config fields) and how far the session ran.
+
+The model builders run seeded networks, whose float results depend on the CPU's kernels (an
+AMX machine rounds some matmuls and convolutions differently from an AVX2 one, whatever the
+environment asks for). So each file's loaded bits are also pinned, leaf by leaf, in
+``snapshots/digests.json`` (`digest`), written once when the file is added, on the machine
+that wrote it: the test compares every file against its pins on any machine, and against
+what its builder builds today where that is machine-independent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -185,6 +194,52 @@ def cosmos3_session(
     return pipe.manager.peek("s"), meta
 
 
+MODEL_BUILDERS = frozenset({"dreamzero", "cosmos3"})
+"""Builders that run seeded networks: what they build today depends on the CPU's kernels."""
+
+DIGESTS = Path(__file__).with_name("snapshots") / "digests.json"
+"""``"<library version>/<file stem>"`` -> `digest` of the file's loaded record, pinned once."""
+
+
+def digest(record: Any) -> list[list[Any]]:
+    """Each leaf of ``record`` in tree order: its key path, kind, and what it holds.
+
+    A tensor as its dtype, shape and the SHA-256 of its bytes (in index order); a `KVHandle`
+    as its tokens, read, the same way; any other leaf as its repr.
+    """
+    keys, leaves, _ = ss.tree_flatten_with_keys(record)
+    out: list[list[Any]] = []
+    for key, leaf in zip(keys, leaves, strict=True):
+        if isinstance(leaf, ss.KVHandle):
+            out.append([key, "kv", *_tensor_digest(leaf.read())])
+        elif isinstance(leaf, torch.Tensor):
+            out.append([key, "tensor", *_tensor_digest(leaf)])
+        else:
+            out.append([key, type(leaf).__name__, repr(leaf)])
+    return out
+
+
+def _tensor_digest(t: torch.Tensor) -> list[Any]:
+    data = t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+    return [str(t.dtype), list(t.shape), hashlib.sha256(data.numpy().tobytes()).hexdigest()]
+
+
+def write_digests(root: Path) -> None:
+    """Pin the bits of every golden file under ``root`` not pinned yet; never change a pin."""
+    pinned = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
+    for path in sorted(root.glob("*/*.safetensors")):
+        name = f"{path.parent.name}/{path.stem}"
+        if name not in pinned:
+            pinned[name] = digest(ss.load_state(path))
+            print(f"pinned {name}")
+    names = sorted(pinned)
+    parts = []
+    for name in names:  # a leaf a line, so a diff names the leaf
+        leaves = ",\n".join(f"  {json.dumps(leaf)}" for leaf in pinned[name])
+        parts.append(f" {json.dumps(name)}: [\n{leaves}\n ]")
+    DIGESTS.write_text("{\n" + ",\n".join(parts) + "\n}\n")
+
+
 BUILDERS = {
     "plain": plain_session,
     "kv": kv_session,
@@ -209,4 +264,7 @@ def main(outdir: Path, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    if sys.argv[1:] == ["--digests"]:
+        write_digests(DIGESTS.parent)
+    else:
+        main(Path(sys.argv[1]), sys.argv[2:])
