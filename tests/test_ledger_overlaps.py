@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from sessionstate import KVPool, SessionState, SessionStateManager, TensorCache
 from sessionstate._accounting import EngineBlock, StorageEntry, leaf_entries, storage_entries
 from sessionstate._manager import Ledger
+from sessionstate._manager._ledger import SessionLedger
 from sessionstate.testing import recount_nbytes_by_device
 
 
@@ -81,6 +82,35 @@ def test_overlapping_storages_in_every_order_match_a_recount(
             assert m.drop(name)
             del held[name]
             _check(m, held)
+
+
+def _one_record(kind: str, held: dict[str, object]) -> SessionState:
+    if kind == "attr":
+        return SessionState(attrs=dict(held))
+    return SessionState(
+        objects={n: TensorCache(name=n).allocate().commit((v, None)) for n, v in held.items()}
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(_AS))
+def test_a_sessions_own_total_over_overlapping_storages_matches_a_recount(kind: str) -> None:
+    # What a budget reads on every put: the bytes one session holds alone, from its own
+    # ledger, with storages over overlapping memory and owned ones in one record, in every
+    # order they come and go.
+    values = _values()
+    for order in itertools.permutations(values):
+        ledger = SessionLedger(per_session=True)
+        held: dict[str, object] = {}
+        for name in [*order, *order]:  # grow to every value, then shrink, first in first out
+            if name in held:
+                del held[name]
+            else:
+                held[name] = values[name]
+            record = _one_record(kind, held)
+            ledger.set("s", ledger.values_for("s", record))
+            recount = recount_nbytes_by_device([record])
+            assert ledger.session_total("s", "cpu") == recount.get("cpu", 0)
+            assert ledger.totals() == recount
 
 
 def test_replacing_a_value_by_an_overlapping_one_keeps_the_ledger_exact() -> None:

@@ -532,7 +532,7 @@ MUTANTS = (
     ),
     Mutant(
         "lazy-ledger-never-remeasures",
-        "a ledger without a budget keeps its first measured union after ranges are added",
+        "the manager's (lazy) ledger keeps its first measured union after ranges are added",
         "sessionstate/_manager/_ledger.py",
         (
             (
@@ -544,14 +544,14 @@ MUTANTS = (
     ),
     Mutant(
         "lazy-ledger-misses-an-overlap",
-        "a ledger without a budget adds an overlapping range's whole length to its union",
+        "the manager's (lazy) ledger adds an overlapping range's whole length to its union",
         "sessionstate/_manager/_ledger.py",
         (("                        disjoint = False\n", "                        pass\n"),),
         ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
     ),
     Mutant(
         "lazy-ledger-grows-unread",
-        "a ledger without a budget whose stats() is never read keeps every range change",
+        "the manager's (lazy) ledger whose stats() is never read keeps every range change",
         "sessionstate/_manager/_ledger.py",
         (
             (
@@ -563,14 +563,14 @@ MUTANTS = (
     ),
     Mutant(
         "lazy-ledger-trusts-every-storage",
-        "a ledger without a budget counts a storage over memory it does not own by its size",
+        "the manager's (lazy) ledger counts a storage over memory it does not own by its size",
         "sessionstate/_manager/_ledger.py",
         (("                    and keepalive.resizable()\n", "                    and True\n"),),
         ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
     ),
     Mutant(
         "lazy-ledger-skips-owned-placement",
-        "a ledger without a budget, once its ranges are sorted, does not place an owned one",
+        "the manager's (lazy) ledger, once its ranges are sorted, does not place an owned one",
         "sessionstate/_manager/_ledger.py",
         (
             (
@@ -583,7 +583,7 @@ MUTANTS = (
     ),
     Mutant(
         "lazy-ledger-stays-sorted",
-        "a ledger without a budget keeps placing owned ranges after its last shared one went",
+        "the manager's (lazy) ledger keeps placing owned ranges after its last shared one went",
         "sessionstate/_manager/_ledger.py",
         (
             (
@@ -595,7 +595,7 @@ MUTANTS = (
     ),
     Mutant(
         "lazy-ledger-blocks-beside-their-pool",
-        "a ledger without a budget counts a KV block by size while its pool's storage is held",
+        "the manager's (lazy) ledger counts a KV block by size while its pool's storage is held",
         "sessionstate/_manager/_ledger.py",
         (
             (
@@ -607,7 +607,7 @@ MUTANTS = (
     ),
     Mutant(
         "lazy-ledger-pool-beside-its-blocks",
-        "a ledger without a budget counts a pool's storage by size while its blocks are",
+        "the manager's (lazy) ledger counts a pool's storage by size while its blocks are",
         "sessionstate/_manager/_ledger.py",
         (
             (

@@ -10,11 +10,15 @@ while it has a reference, once, however many values reach it, so the totals are 
 overlapping memory as the union of their address ranges), at the cost of the values that
 changed rather than a walk of every session.
 
-Without a byte budget the ledger is read only by `stats()`, and it counts the common storage,
-one that owns its memory (an allocator made it), by its size alone, and so the blocks of an
-engine pool whose storage is not itself held: no two live allocations overlap, nor two blocks.
-Only a device that also holds memory some storage does not own (a NumPy array's, a loaded
-file's) has its address ranges sorted and their union measured (`_LazyRanges`).
+The manager's ledgers are lazy (`Ledger(lazy=True)`): each counts the common storage, one that
+owns its memory (an allocator made it), by its size alone, and so the blocks of an engine pool
+whose storage is not itself held: no two live allocations overlap, nor two blocks. Only a
+device that also holds memory some storage does not own (a NumPy array's, a loaded file's) has
+its address ranges sorted and their union measured, when a total is read (`_LazyRanges`).
+Without a byte budget only `stats()` reads the totals; under one, every put reads them (and
+the per-session ledgers' totals of the session it stores), which costs a dict lookup per
+device while the device holds owned storages only. The eager ledger (`Ledger()`, every range
+placed as it comes) is kept as the reference the lazy one is tested against.
 """
 
 from __future__ import annotations
@@ -584,8 +588,9 @@ class SessionLedger:
     """
 
     def __init__(self, *, per_session: bool = False) -> None:
-        # Without per-session totals (no byte budget) nobody reads the totals between puts.
-        self._ledger = Ledger(lazy=not per_session)
+        # Lazy: owned storages are counted by size; shared ranges are placed when a total is
+        # read (by `stats()`, and under a budget by the checks of every put).
+        self._ledger = Ledger(lazy=True)
         self._values: dict[Hashable, Values] = {}
         self._alone: dict[Hashable, Ledger] | None = {} if per_session else None
 
@@ -625,7 +630,7 @@ class SessionLedger:
         if self._alone is not None:
             alone = self._alone.get(session_id)
             if alone is None:
-                alone = self._alone[session_id] = Ledger()
+                alone = self._alone[session_id] = Ledger(lazy=True)
             ledgers.append(alone)
         previous = self._values.get(session_id, {})
         added: list[StorageEntry] = []
