@@ -164,6 +164,11 @@ def objects_to_park(
     sharing them. A `KVHandle`'s blocks (`EngineBlock` entries) count: its class implements
     the offload protocol, so parking moves them to the tier and they return to their pool.
 
+    Sharing is seen within the session only: an object sharing a storage with another
+    session's value is parked (the other session keeps the storage, and this one comes back
+    with a copy of it). Leaving it resident instead would leave a session forked from another
+    with nothing parkable, and the budget evicting one of the two.
+
     >>> import torch
     >>> from sessionstate import SessionState, TensorCache
     >>> from sessionstate._manager._ledger import SessionLedger
@@ -180,16 +185,23 @@ def objects_to_park(
     if not candidates:
         return []
     # Who holds each storage; then what stays resident, closed over shared storages: a
-    # candidate sharing a storage with a value that stays, stays too, and so on.
-    holders: dict[Hashable, list[ValueKey]] = {}
+    # candidate sharing a storage with a value that stays, stays too, and so on. Each
+    # storage is followed once, so this costs the session's entries, however many leaves
+    # share a storage.
+    holders: dict[Hashable, set[ValueKey]] = {}
     for key, item in values.items():
         for entry in item.entries:
-            holders.setdefault(entry[1], []).append(key)
+            holders.setdefault(entry[1], set()).add(key)
     staying = [key for key in values if not (key[0] == "o" and key[1] in candidates)]
     reached = set(staying)
+    followed: set[Hashable] = set()
     while staying:
         for entry in values[staying.pop()].entries:
-            for key in holders[entry[1]]:
+            identity = entry[1]
+            if identity in followed:
+                continue
+            followed.add(identity)
+            for key in holders[identity]:
                 if key not in reached:
                     reached.add(key)
                     staying.append(key)
