@@ -15,8 +15,10 @@ format.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,24 +71,38 @@ def _assert_same_output(got: Any, want: Any) -> None:
 DIGESTS: dict[str, Any] = json.loads(make_golden.DIGESTS.read_text())
 
 
-def _layout(record: Any) -> list[tuple[Any, ...]]:
-    """Each leaf as everything but a tensor's bits: key path, kind, dtype, shape, strides,
-    storage offset and storage number in order of first use; a `KVHandle` as its tokens'
-    dtype and shape; any other leaf as its type and repr."""
-    keys, leaves, _ = ss.tree_flatten_with_keys(record)
+def _layout(record: Any) -> tuple[Any, list[tuple[Any, ...]]]:
+    """Everything but a tensor's bits: the tree spec (node types and their static fields, such
+    as a buffer's ``maxlen``), and each leaf as its key path, kind, device, dtype, shape,
+    strides, storage offset and storage number in order of first use; a `KVHandle` as its
+    tokens' device, dtype and shape; any other leaf as its type and repr."""
+    keys, leaves, spec = ss.tree_flatten_with_keys(record)
     numbers: dict[int, int] = {}
     out: list[tuple[Any, ...]] = []
     for key, leaf in zip(keys, leaves, strict=True):
         if isinstance(leaf, ss.KVHandle):
             tokens = leaf.read()
-            out.append((key, "kv", tokens.dtype, tuple(tokens.shape)))
+            out.append((key, "kv", tokens.device, tokens.dtype, tuple(tokens.shape)))
         elif isinstance(leaf, torch.Tensor):
             number = numbers.setdefault(leaf.untyped_storage()._cdata, len(numbers))
-            shape, stride = tuple(leaf.shape), leaf.stride()
-            out.append((key, "tensor", leaf.dtype, shape, stride, leaf.storage_offset(), number))
+            shape, stride, offset = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
+            out.append((key, "tensor", leaf.device, leaf.dtype, shape, stride, offset, number))
         else:
             out.append((key, type(leaf), repr(leaf)))  # repr: a NaN equals itself
-    return out
+    return spec, out
+
+
+def _float_bits_differ_only(got: Any, want: Any) -> bool:
+    """Whether ``got`` and ``want`` differ in the bits of floating-point tensors (or K/V
+    tokens) alone: the same layout, and every other leaf equal."""
+    if _layout(got) != _layout(want):
+        return False
+    for a, b in zip(ss.tree_leaves(got), ss.tree_leaves(want), strict=True):
+        if isinstance(b, ss.KVHandle):
+            a, b = a.read(), b.read()
+        if isinstance(b, torch.Tensor) and not ss.tree_equal(a, b) and not b.is_floating_point():
+            return False
+    return True
 
 
 def test_every_builder_has_golden_files_and_every_file_a_builder() -> None:
@@ -108,12 +124,20 @@ def test_golden_file_loads_the_bits_pinned_when_it_was_written(path: Path) -> No
 def test_a_pin_tells_one_flipped_bit_and_a_changed_layout() -> None:
     record, _ = make_golden.plain_session()
     pinned = make_golden.digest(record)
+    flipped = copy.deepcopy(record)  # the same aliasing (the ring's chunks view the base)
+    flipped.attrs["base"].view(torch.int32)[0, 0] ^= 1  # the lowest mantissa bit of one float
+    assert make_golden.digest(flipped) != pinned
+    assert _float_bits_differ_only(flipped, record)
     base = record.attrs["base"]
-    flipped = base.clone()
-    flipped.view(torch.int32)[0, 0] ^= 1  # the lowest mantissa bit of one element
-    assert make_golden.digest(record.with_attrs(base=flipped)) != pinned
-    assert make_golden.digest(record.with_attrs(base=base.t().contiguous().t())) == pinned
-    assert _layout(record.with_attrs(base=base.t().contiguous().t())) != _layout(record)
+    transposed = record.with_attrs(base=base.t().contiguous().t())
+    assert make_golden.digest(transposed) == pinned
+    assert _layout(transposed) != _layout(record)
+    assert not _float_bits_differ_only(transposed, record)
+    ring = record.objects["ring"]
+    wider = record.with_object("ring", attrs.evolve(ring, maxlen=3))
+    assert _layout(wider) != _layout(record)  # a static field, in the spec
+    mask = record.attrs["mask"]
+    assert not _float_bits_differ_only(record.with_attrs(mask=~mask), record)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -148,10 +172,19 @@ def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_p
     reference, inputs = run(fields)
     assert reference.manager is not None
     steps = int(_document(path)["metadata"]["steps"])
-    if not ss.tree_equal(ss.load_state(path), reference.manager.peek("s")):
-        # This machine's kernels round the seeded networks differently from those that wrote
-        # the file (its layout and bits are checked above): the in-process session continues
-        # from the file's record instead, written in today's format and restored.
+    built = reference.manager.peek("s")
+    if not ss.tree_equal(ss.load_state(path), built):
+        # Only float bits may differ: this machine's kernels round the seeded networks
+        # differently from those that wrote the file (whose bits are pinned, and layout
+        # checked, above). The in-process session then continues from the file's record,
+        # written in today's format and restored; said as a warning, since on such a machine
+        # this test cannot tell a change of the networks' numerics from the CPU's rounding.
+        assert _float_bits_differ_only(ss.load_state(path), built)
+        warnings.warn(
+            f"{path.name}: this CPU does not rebuild the golden session bit for bit (float "
+            "rounding only); its continuation is checked from the file's record",
+            stacklevel=1,
+        )
         today = tmp_path / "today.safetensors"
         ss.save_state(ss.load_state(path), today)
         reference.manager.restore("s", today)

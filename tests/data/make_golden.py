@@ -20,9 +20,11 @@ what rebuilds their pipeline (the config fields) and how far the session ran.
 The model builders run seeded networks, whose float results depend on the CPU's kernels (an
 AMX machine rounds some matmuls and convolutions differently from an AVX2 one, whatever the
 environment asks for). So each file's loaded bits are also pinned, leaf by leaf, in
-``snapshots/digests.json`` (`digest`), written once when the file is added, on the machine
-that wrote it: the test compares every file against its pins on any machine, and against
-what its builder builds today where that is machine-independent.
+``snapshots/digests.json`` (`digest`, by ``--digests``), once, from the file: the test
+compares every file against its pins on any machine, and against what its builder builds
+today where that is machine-independent. The files of ``0.1.0.dev0`` were pinned after they
+were written, by the loader of the day, which had loaded each of them `tree_equal` to its
+builder's record on the machines that wrote them (CI, through the golden tests).
 """
 
 from __future__ import annotations
