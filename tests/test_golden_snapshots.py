@@ -52,6 +52,11 @@ def _document(path: Path) -> dict[str, Any]:
     return document
 
 
+def _builder(path: Path) -> str:
+    """The builder a golden file was written from (its stem before ``_v<format version>``)."""
+    return path.stem.rpartition("_v")[0]
+
+
 def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
     config = document["metadata"].get("config")
     return json.loads(config) if config is not None else None
@@ -106,7 +111,7 @@ def _float_bits_differ_only(got: Any, want: Any) -> bool:
 
 
 def test_every_builder_has_golden_files_and_every_file_a_builder() -> None:
-    builders = {p.stem.rpartition("_v")[0] for p in GOLDEN}
+    builders = {_builder(p) for p in GOLDEN}
     assert builders == set(make_golden.BUILDERS)
     # Formats 1 and 2 (written before format 3 existed), 3 (CRC-32) and 4 (xxh3-64) are pinned.
     assert {int(p.stem.rpartition("_v")[2]) for p in GOLDEN} == {1, 2, 3, 4}
@@ -146,7 +151,7 @@ def test_golden_file_loads_as_the_record_its_builder_builds_today(path: Path) ->
     version = int(path.stem.rpartition("_v")[2])
     assert document["format_version"] == version
     assert document["library_version"] == path.parent.name
-    build = make_golden.BUILDERS[path.stem.rpartition("_v")[0]]
+    build = make_golden.BUILDERS[_builder(path)]
     fields = _fields(document)
     expected, meta = build(fields) if fields is not None else build()
     assert document["metadata"] == meta
@@ -156,39 +161,38 @@ def test_golden_file_loads_as_the_record_its_builder_builds_today(path: Path) ->
         assert type(loaded) is type(expected)
         assert _layout(loaded) == _layout(expected)
         assert ss.nbytes_by_device(loaded) == ss.nbytes_by_device(expected)
-        if path.stem.rpartition("_v")[0] not in make_golden.MODEL_BUILDERS:
+        if _builder(path) not in make_golden.MODEL_BUILDERS:
             assert ss.tree_equal(loaded, expected)
 
 
-_MODELS = [p for p in GOLDEN if p.stem.startswith("dreamzero_") or p.stem.startswith("cosmos3_")]
+_MODELS = [p for p in GOLDEN if _builder(p) in make_golden.MODEL_BUILDERS]
 
 
 @pytest.mark.parametrize("path", _MODELS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_path: Path) -> None:
     fields = _fields(_document(path))
-    run = (
-        make_golden.dreamzero_run if path.stem.startswith("dreamzero_") else make_golden.cosmos3_run
-    )
+    run = make_golden.dreamzero_run if _builder(path) == "dreamzero" else make_golden.cosmos3_run
     reference, inputs = run(fields)
     assert reference.manager is not None
     steps = int(_document(path)["metadata"]["steps"])
+    golden = ss.load_state(path)
     built = reference.manager.peek("s")
-    if not ss.tree_equal(ss.load_state(path), built):
+    if not ss.tree_equal(golden, built):
         # Only float bits may differ: this machine's kernels round the seeded networks
         # differently from those that wrote the file (whose bits are pinned, and layout
         # checked, above). The in-process session then continues from the file's record,
         # written in today's format and restored; said as a warning, since on such a machine
         # this test cannot tell a change of the networks' numerics from the CPU's rounding.
-        assert _float_bits_differ_only(ss.load_state(path), built)
+        assert _float_bits_differ_only(golden, built)
         warnings.warn(
             f"{path.name}: this CPU does not rebuild the golden session bit for bit (float "
             "rounding only); its continuation is checked from the file's record",
             stacklevel=1,
         )
         today = tmp_path / "today.safetensors"
-        ss.save_state(ss.load_state(path), today)
+        ss.save_state(golden, today)
         reference.manager.restore("s", today)
-    assert ss.tree_equal(ss.load_state(path), reference.manager.peek("s"))
+    assert ss.tree_equal(golden, reference.manager.peek("s"))
 
     # A fresh pipeline of the same config, its session restored from the golden file.
     restored, _ = run(fields, steps=0)

@@ -71,8 +71,8 @@ def _check(m: SessionStateManager, held: dict[str, SessionState]) -> None:
 def test_overlapping_storages_in_every_order_match_a_recount(
     kind: str, budget: dict[str, int] | None
 ) -> None:
-    # Without a budget the ledger measures the union when `stats()` reads it; with one, on
-    # every put: both must agree with the recount.
+    # The ledger measures the union when a total is read: without a budget by `stats()`, with
+    # one by the checks of every put too: both must agree with the recount.
     values = _values()
     names = list(values)
     for order in itertools.permutations(names):
@@ -131,7 +131,7 @@ def test_replacing_a_value_by_an_overlapping_one_keeps_the_ledger_exact() -> Non
         _check(m, held)
 
 
-# -- a ledger without a budget counts a storage that owns its memory by its size alone ------
+# -- a lazy ledger counts a storage that owns its memory by its size alone -----------------
 #
 # Unless the device also holds a range over memory some storage does not own. These drive
 # owned storages, aliases made of them while they are held (`torch.from_numpy` of

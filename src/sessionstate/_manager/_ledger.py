@@ -114,8 +114,8 @@ class _Ranges:
 class _LazyRanges:
     """The shared address ranges of one device, and their union with the owned ones when read.
 
-    For a ledger nobody reads between puts (no byte budget), which sorts each storage's range
-    into one of two kinds as it comes (`Ledger`):
+    For a lazy ledger (every manager's), which sorts each storage's range into one of two kinds
+    as it comes (`Ledger`):
 
     - *owned*: the whole allocation of a storage that owns its memory (one an allocator made:
       `UntypedStorage.resizable`), or a block of an engine pool whose storage owns its memory
@@ -227,8 +227,9 @@ class Ledger:
     """Resident bytes per device from per-storage reference counts.
 
     With ``lazy=True`` the union of each device's address ranges is measured when a total is
-    read after changes, instead of kept up to date on every change: for a ledger read rarely
-    (`stats()`) and moved on every put. A lazy ledger also counts a storage that owns its
+    read after changes, instead of kept up to date on every change: the manager's ledgers are
+    moved on every put and read by `stats()` (and, under a budget, by the checks of every put).
+    A lazy ledger also counts a storage that owns its
     memory by its size alone, placing no range, unless the device holds a range over memory
     some storage does not own (`_LazyRanges`).
 
