@@ -7,6 +7,7 @@ pool; `park_until` parks the least recently used sessions' KV until a predicate 
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,66 @@ def test_a_reload_over_two_pools_is_all_or_nothing() -> None:
         reload_handles(payload)
     assert (roomy.free_blocks, tight.free_blocks) == (8, 1)  # the roomy pool gave its back
     del hog
+
+
+def test_a_reload_whose_second_pool_fails_gives_the_first_pools_blocks_back_once() -> None:
+    # A copy into the second pool fails (as a device allocation can) after the first pool's
+    # blocks were taken and filled: they go back once, and its next append gets distinct blocks.
+    p1 = KVPool(4, block_tokens=2, token_shape=(2,), name="p1")
+    p2 = KVPool(4, block_tokens=2, token_shape=(2,), name="p2")
+    both = {
+        "a": p1.append(p1.empty(), torch.ones(3, 2)),
+        "b": p2.append(p2.empty(), torch.ones(3, 2)),
+    }
+    parked = SessionState(objects={"kv": TensorCache().allocate().commit(both)}).park("host")
+    del both
+    assert (p1.free_blocks, p2.free_blocks) == (4, 4)
+
+    def failing_copy(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device allocation failed")
+
+    p2.storage.index_copy_ = failing_copy  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device allocation failed"):
+        parked.unpark()
+    assert (p1.free_blocks, p2.free_blocks) == (4, 4)
+    filler = p1.append(p1.empty(), torch.arange(16.0).reshape(8, 2))
+    assert sorted(filler.blocks) == [0, 1, 2, 3]  # each block handed out once
+    assert torch.equal(filler.read(), torch.arange(16.0).reshape(8, 2))
+    assert p1.free_blocks == 0
+    del filler, p2.storage.index_copy_
+    back = parked.unpark().object("kv", TensorCache).view()  # the session stayed parked
+    assert torch.equal(back["a"].read(), torch.ones(3, 2))  # type: ignore[index]
+    assert torch.equal(back["b"].read(), torch.ones(3, 2))  # type: ignore[index]
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_a_reload_of_handles_in_any_order_reads_back_bit_identical(order: tuple[int, ...]) -> None:
+    # The prefix and its in-place branch share a block the branch fills further: whichever is
+    # listed last, the reloaded block holds the longest fill.
+    pool = KVPool(12, block_tokens=2, token_shape=(2,))
+    branches = _branches(pool)
+    handles = [branches[i] for i in order]
+    del branches
+    reads = [h.read() for h in handles]
+    record = SessionState(objects={"kv": TensorCache().allocate().commit(handles)})
+    del handles
+    parked = record.park("host")
+    del record
+    back = parked.unpark().object("kv", TensorCache).view()
+    assert [torch.equal(h.read(), r) for h, r in zip(back, reads, strict=True)] == [True] * 3  # type: ignore[arg-type]
+
+
+def test_an_append_after_a_reload_fills_the_handles_own_last_block_in_place() -> None:
+    pool = KVPool(8, block_tokens=2, token_shape=(2,))
+    record = SessionState(objects={"kv": KVCache().allocate().append(pool, torch.ones(3, 2))})
+    back = record.park("host").unpark().object("kv", KVCache)
+    del record
+    handle = back.view()
+    assert handle is not None
+    free = pool.free_blocks
+    grown = pool.append(handle, torch.zeros(1, 2))  # block 2 of 2 is the handle's alone
+    assert (grown.blocks, pool.free_blocks) == (handle.blocks, free)
+    assert torch.equal(grown.read(), torch.cat([torch.ones(3, 2), torch.zeros(1, 2)]))
 
 
 def test_reloaded_handles_survive_a_step_that_rolls_back() -> None:

@@ -618,6 +618,63 @@ MUTANTS = (
         ("tests/test_ledger_overlaps.py",),
     ),
     Mutant(
+        "reload-gives-blocks-back-twice",
+        "a KV reload makes each pool's handles as it fills it, and a failure in a later pool "
+        "gives the earlier pools' blocks back twice (through the dropped handles and again)",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "    taken: list[list[int]] = []\n",
+                "    taken: list[list[int]] = []\n    early: list[Any] = []\n",
+            ),
+            (
+                '            group["pool"]._fill(blocks, group["blocks"], group["fills"])\n',
+                '            group["pool"]._fill(blocks, group["blocks"], group["fills"])\n'
+                "            early.append(\n"
+                '                group["pool"]._adopt_blocks(blocks, facts[len(early)])\n'
+                "            )\n",
+            ),
+            (
+                "    except BaseException:\n"
+                "        for group, blocks in zip(groups, taken, strict=False):",
+                "    except BaseException:\n"
+                "        early.clear()\n"
+                "        for group, blocks in zip(groups, taken, strict=False):",
+            ),
+            (
+                "                if self._refs[block] == 0 and block not in free:",
+                "                if self._refs[block] == 0:",
+            ),
+        ),
+        ("tests/test_kv_park.py",),
+    ),
+    Mutant(
+        "reload-marks-blocks-empty",
+        "a KV reload marks its blocks empty, so the next append copies on write (a spare block "
+        "after every unpark)",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                self._filled[block] = fill\n",
+                "                self._filled[block] = 0\n",
+            ),
+        ),
+        ("tests/test_kv_park.py",),
+    ),
+    Mutant(
+        "offload-keeps-the-last-listed-fill",
+        "a block shared by several handles is offloaded with the fill of the last handle listed, "
+        "not the longest (the longer handle's last tokens come back as zeros)",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "            fills[g][slot] = max(fills[g][slot], fill)\n",
+                "            fills[g][slot] = fill\n",
+            ),
+        ),
+        ("tests/test_kv_park.py",),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

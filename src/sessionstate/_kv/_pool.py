@@ -604,19 +604,21 @@ class KVPool:
             return taken
 
     def _untake(self, blocks: Sequence[int], /) -> None:
-        """Blocks `_take` took and no handle holds: back to the free list."""
+        """Blocks `_take` took and no handle holds: back to the free list (each once: a block
+        already back there is left alone)."""
         with self._lock:
+            free = set(self._free)
             for block in blocks:
-                if self._refs[block] == 0:
+                if self._refs[block] == 0 and block not in free:
+                    free.add(block)
                     self._filled[block] = 0
                     heapq.heappush(self._free, block)
 
-    def _reload(
-        self, taken: Sequence[int], data: torch.Tensor, fills: Sequence[int], facts: Sequence[Any]
-    ) -> list[KVHandle]:
-        """Handles over ``taken`` (from `_take`) filled with ``data``, per ``facts``.
+    def _fill(self, taken: Sequence[int], data: torch.Tensor, fills: Sequence[int]) -> None:
+        """Write ``data`` into ``taken`` (from `_take`, held by no handle) and set their fills.
 
-        Not part of any transaction: a rolled-back step never kills restored handles.
+        Fails before anything changes when the copy cannot be made (``data`` is moved to the
+        pool's device first).
         """
         with self._lock:
             if taken:
@@ -624,10 +626,16 @@ class KVPool:
                 self.storage.index_copy_(0, index, data.to(self.storage.device))
             for block, fill in zip(taken, fills, strict=True):
                 self._filled[block] = fill
-            return [
-                self._handle(tuple(taken[i] for i in fact["blocks"]), fact["tokens"], logged=False)
-                for fact in facts
-            ]
+
+    def _adopt_blocks(self, taken: Sequence[int], facts: Sequence[Any]) -> list[KVHandle]:
+        """Handles over ``taken`` (from `_take`, filled by `_fill`), per ``facts``.
+
+        Not part of any transaction: a rolled-back step never kills restored handles.
+        """
+        return [
+            self._handle(tuple(taken[i] for i in fact["blocks"]), fact["tokens"], logged=False)
+            for fact in facts
+        ]
 
     def _copy_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
         """A copy of ``blocks``' data, in that order, taken under the pool's lock."""
@@ -747,22 +755,27 @@ def reload_handles(payload: Any) -> list[KVHandle]:
     """
     groups = payload["pools"]
     taken: list[list[int]] = []
+    facts: list[list[Any]] = [[] for _ in groups]
+    order: list[tuple[int, int]] = []  # per handle: its pool, its index there
+    for fact in payload["handles"]:
+        order.append((fact["pool"], len(facts[fact["pool"]])))
+        facts[fact["pool"]].append(fact)
+    # Every pool's blocks are taken and filled before any handle is made: a failure (a pool
+    # short of blocks, a copy that cannot allocate) leaves no handle whose collection would
+    # give its blocks back a second time; the blocks taken go back once, here.
     try:
         for group in groups:
             taken.append(group["pool"]._take(int(group["blocks"].shape[0])))
-        facts: list[list[Any]] = [[] for _ in groups]
-        order: list[tuple[int, int]] = []  # per handle: its pool, its index there
-        for fact in payload["handles"]:
-            order.append((fact["pool"], len(facts[fact["pool"]])))
-            facts[fact["pool"]].append(fact)
-        made = [
-            group["pool"]._reload(blocks, group["blocks"], group["fills"], facts[g])
-            for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
-        ]
+        for group, blocks in zip(groups, taken, strict=True):
+            group["pool"]._fill(blocks, group["blocks"], group["fills"])
     except BaseException:
         for group, blocks in zip(groups, taken, strict=False):
             group["pool"]._untake(blocks)
         raise
+    made = [
+        group["pool"]._adopt_blocks(blocks, facts[g])
+        for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
+    ]
     return [made[g][i] for g, i in order]
 
 
