@@ -16,7 +16,9 @@ import torch
 
 from sessionstate import (
     KVCache,
+    KVHandle,
     KVPool,
+    ParkingError,
     SessionState,
     SessionStateManager,
     TensorCache,
@@ -148,6 +150,75 @@ def test_prefetch_then_drop_or_evict_gives_everything_back(end: str, tmp_path: P
     assert pool.free_blocks == pool.num_blocks
     assert host.stats()["free"] == free_host
     assert m.stats()["prefetches_dropped"] == 1
+
+
+@pytest.mark.parametrize("end", ["drop", "evict", "replace"])
+def test_ending_a_session_while_its_background_restore_runs_gives_its_blocks_back_at_once(
+    end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The background restore is held after it took the pool's blocks; the session is then
+    # dropped, evicted or replaced. When that call returns, the blocks are back.
+    pool = KVPool(16, block_tokens=2, token_shape=(3,))
+    m = SessionStateManager(2 if end == "evict" else 64, host_pool_bytes=1 << 16)
+    host = m.host_pool
+    assert host is not None
+    free_host = host.stats()["free"]
+    m.put("a", _record(pool, 1))
+    assert m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    took, release = threading.Event(), threading.Event()
+    reload = KVHandle.__dict__["__sessionstate_reload__"].__func__
+
+    def held_reload(cls: type, payload: object) -> object:
+        handles = reload(cls, payload)
+        took.set()
+        release.wait(timeout=30)
+        return handles
+
+    monkeypatch.setattr(KVHandle, "__sessionstate_reload__", classmethod(held_reload))
+    assert m.prefetch("a")
+    assert took.wait(timeout=30)
+    assert pool.free_blocks < pool.num_blocks  # held by the running restore
+    opener = threading.Timer(0.2, release.set)  # lets the restore finish while `end` waits
+    opener.start()
+    try:
+        if end == "drop":
+            assert m.drop("a")
+        elif end == "replace":
+            m.put("a", SessionState())
+        else:
+            m.put("b", SessionState())
+            m.put("c", SessionState())  # the cap: "a" is the least recently used
+            assert "a" not in m
+        assert pool.free_blocks == pool.num_blocks
+        assert host.stats()["free"] == free_host
+    finally:
+        release.set()
+        opener.join()
+    assert m.stats()["prefetches_dropped"] == 1
+
+
+def test_a_prefetch_whose_restore_fails_keeps_no_charge(tmp_path: Path) -> None:
+    # The background restore fails on a damaged spool file, the `get` raises: the prefetch is
+    # dropped with it, its bytes no longer charged, so another session's prefetch fits.
+    pool = KVPool(32, block_tokens=2, token_shape=(3,))
+    one = _one_session_bytes(pool)
+    m = _manager("disk", tmp_path, 3 * one + one // 2)
+    for sid in "abcd":
+        m.put(sid, _record(pool, ord(sid)))
+    assert m.peek("a").parked  # type: ignore[union-attr]
+    (path,) = tmp_path.rglob("*.safetensors")
+    path.write_bytes(b"garbage")
+    assert m.prefetch("a", make_room=True)  # parks "b" for its room
+    assert m.peek("b").parked  # type: ignore[union-attr]
+    with pytest.raises(ParkingError):
+        m.get("a")
+    s = m.stats()
+    assert (s["prefetches"], s["prefetches_dropped"], s["prefetch_hits"]) == (1, 1, 0)
+    assert m.prefetch("b")  # fits only if "a"'s prefetch no longer holds its charge
+    b = m.get("b")
+    assert b is not None
+    assert b.attrs["seed"] == ord("b")
+    assert m.stats()["prefetch_hits"] == 1
 
 
 def test_a_failed_background_restore_falls_back_to_the_foreground(tmp_path: Path) -> None:

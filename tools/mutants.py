@@ -675,6 +675,31 @@ MUTANTS = (
         ("tests/test_kv_park.py",),
     ),
     Mutant(
+        "dropped-prefetch-not-waited-for",
+        "dropping, evicting or replacing a prefetched session does not wait for its running "
+        "background restore (its pool blocks come back later, not when the call returns)",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "    handle.wait_prefetch()\n    handle.discard_prefetch()\n",
+                "    handle.discard_prefetch()\n",
+            ),
+        ),
+        ("tests/test_prefetch.py",),
+    ),
+    Mutant(
+        "failed-prefetch-keeps-its-charge",
+        "a get whose parked bytes fail their check leaves the session's prefetch reserved",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            parking.discard(session_id)  # a failed prefetch's charge goes too\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_prefetch.py",),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

@@ -111,7 +111,7 @@ class Parking:
             return
         kept = {id(handle) for handle in _handles_of(parked.values())}
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
-            handle.discard_prefetch()
+            _drop_prefetch(handle)
             if id(handle) not in kept:
                 self._release(handle)
         if parked:
@@ -123,7 +123,7 @@ class Parking:
         """``session_id`` is gone from the table: release the handles it held."""
         self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
-            handle.discard_prefetch()
+            _drop_prefetch(handle)
             self._release(handle)
         self._kv_parked.discard(session_id)
 
@@ -229,8 +229,7 @@ class Parking:
         for session_id in dropped:
             self._unreserve(session_id, dropped=True)
             for handle in _handles_of(self._parked[session_id].values()):
-                handle.wait_prefetch()
-                handle.discard_prefetch()
+                _drop_prefetch(handle)
         return bool(dropped)
 
     def _unreserve(self, session_id: Hashable, *, dropped: bool) -> None:
@@ -264,7 +263,7 @@ class Parking:
         its prefetch, if any."""
         self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.get(session_id, {}).values()):
-            handle.discard_prefetch()
+            _drop_prefetch(handle)
 
     def unpark(self, session_id: Hashable, state: _S, /) -> _S:
         """``state`` resident again, its parked bytes released; counted as an unpark.
@@ -379,6 +378,14 @@ def _holds_kv(obj: StateObject) -> bool:
     if isinstance(obj, (EncodeOnceKV, KVCache)):
         return True
     return any(is_offloadable(leaf) for leaf in tree_leaves(obj))
+
+
+def _drop_prefetch(handle: ParkedBytes) -> None:
+    # A running background restore is waited for first (a copy: it never takes the manager's
+    # lock), so what it took (a pool's blocks, a host pool's ranges) is back when the caller
+    # returns, unless someone else holds it.
+    handle.wait_prefetch()
+    handle.discard_prefetch()
 
 
 def _handles_of(objects: Iterable[ParkedObject]) -> list[ParkedBytes]:

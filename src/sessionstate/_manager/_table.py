@@ -834,7 +834,11 @@ class SessionStateManager(Generic[SessionT]):
         parking = self._parking
         if not parking.is_parked(session_id):
             return state
-        need = parking.check(session_id)
+        try:
+            need = parking.check(session_id)
+        except BaseException:
+            parking.discard(session_id)  # a failed prefetch's charge goes too
+            raise
         parking.unreserve(session_id)  # a prefetch's bytes: charged as the session's now
         try:
             self._make_room(session_id, need)
