@@ -28,6 +28,8 @@ from sessionstate import (
     SessionAdmissionError,
     SessionStateLostError,
     tree_equal,
+    tree_leaves,
+    tree_map,
 )
 from sessionstate.models._registry import ModelSpec, get_model
 from support import torch_threads
@@ -401,3 +403,26 @@ def test_a_bad_model_section_names_the_deploy_file(model: Model, tmp_path: Path)
         KeyError, match=re.escape(f"Deploy config {str(path)!r}, `model` section: ")
     ):
         model.spec.pipeline(config, environ={ENV_ENABLE: "0"})
+
+
+def test_a_steps_output_is_a_pytree_on_both_paths(model: Model) -> None:
+    # Equal outputs are `tree_equal`, `tree_map` reaches their tensors, and the reset reason
+    # is static data (outputs that differ only in it are not equal).
+    bespoke, managed = _pair(model)
+    (step_input,) = model.inputs(1, seed=3)
+    a = bespoke.forward(step_input, "s")
+    b = managed.forward(step_input, "s")
+    assert type(a) is type(b)
+    assert tree_equal(a, b)
+    tensors = [v for v in model.outputs(a).values() if isinstance(v, torch.Tensor)]
+    assert len(tree_leaves(a)) == len(tensors)
+    assert all(any(leaf is t for t in tensors) for leaf in tree_leaves(a)), (
+        "a leaf that is not one of the output's tensors"
+    )
+    doubled = tree_map(lambda t: t * 2, a)
+    assert type(doubled) is type(a)
+    assert doubled.reset == a.reset
+    assert all(
+        torch.equal(x, y * 2) for x, y in zip(tree_leaves(doubled), tree_leaves(a), strict=True)
+    )
+    assert not tree_equal(a, attrs.evolve(a, reset=None if a.reset else "session"))

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-import attrs
 import torch
 
-from sessionstate import KVPair
+from sessionstate import KVPair, record, static_field
 from sessionstate.models._kit import SessionMessages
 from sessionstate.models.cosmos3.config import Cosmos3Config
 from sessionstate.models.cosmos3.networks import Cosmos3Networks, build_networks
@@ -32,21 +31,28 @@ KVSource = Callable[[str], Sequence[KVPair]]
 """``kv_for(branch)``: every layer's K/V pair of one guidance branch, in layer order."""
 
 
-@attrs.frozen(eq=False)
+@record
 class Cosmos3Request:
-    """One streaming step's input: the prompts and a control vector (e.g. a camera action)."""
+    """One streaming step's input: the prompts and a control vector (e.g. a camera action).
 
-    prompt: str
+    A record: a pytree of its control tensor, the prompts static data.
+    """
+
+    prompt: str = static_field()
     control: torch.Tensor
-    negative_prompt: str = ""
+    negative_prompt: str = static_field(default="")
 
 
-@attrs.frozen(eq=False)
+@record
 class Cosmos3Output:
-    """What one forward returns: the chunk's latents, and ``"session"`` if it reset."""
+    """What one forward returns: the chunk's latents, and ``"session"`` if it reset.
+
+    A record: a pytree of its latents, with the reset reason as static data, so `tree_equal`,
+    `tree_map` and `save_state` take it whole.
+    """
 
     video_latents: torch.Tensor
-    reset: str | None
+    reset: str | None = static_field()
 
 
 _MESSAGES = SessionMessages("Cosmos3", "request")

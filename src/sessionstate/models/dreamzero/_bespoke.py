@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-import attrs
 import torch
 
 from sessionstate.models._kit import SessionTable
@@ -134,7 +133,7 @@ class BespokePath:
         )
         state.current_start_frame += cfg.num_frame_per_block
         state.video_latents_across_time.append(video.detach().to(model.host_device, copy=True))
-        return attrs.evolve(out, reset=reason)
+        return DreamZeroOutput(out.actions, out.video_latents, reset=reason)
 
     def _stream_append(self, state: DreamZeroState, frame: torch.Tensor) -> None:
         pending = state.vae_pending_body_frames

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-import attrs
 import torch
 
 from sessionstate import (
@@ -229,7 +228,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
             {"video_latents_across_time": latents},
             current_start_frame=csf + cfg.num_frame_per_block,
         )
-        return state, attrs.evolve(out, reset=reason)
+        return state, DreamZeroOutput(out.actions, out.video_latents, reset=reason)
 
     def _stream_seed(
         self,

@@ -6,9 +6,9 @@ comes back.
 
 from __future__ import annotations
 
-import attrs
 import torch
 
+from sessionstate import record, static_field
 from sessionstate.models._kit import SessionMessages
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
@@ -27,13 +27,17 @@ BODY_FRAMES = 4
 """Pixel frames the VAE encoder takes per body chunk after the seed frame."""
 
 
-@attrs.frozen(eq=False)
+@record
 class DreamZeroOutput:
-    """What one forward returns: the action chunk and the newly generated video latents."""
+    """What one forward returns: the action chunk and the newly generated video latents.
+
+    A record: a pytree of its two tensors, with the reset reason (``"session"``, ``"window"``
+    or None) as static data, so `tree_equal`, `tree_map` and `save_state` take it whole.
+    """
 
     actions: torch.Tensor
     video_latents: torch.Tensor
-    reset: str | None
+    reset: str | None = static_field()
 
 
 _MESSAGES = SessionMessages("DreamZero", "obs")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import attrs
 import torch
 from torch.nn import functional
 
+from sessionstate import record, static_field
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 
 __all__ = ["CAMERAS", "Observation", "check_observation", "stitch_views"]
@@ -16,9 +16,11 @@ CAMERAS = ("exterior_image_1_left", "exterior_image_2_left", "wrist_image_left")
 """Camera keys, DROID naming: left exterior, right exterior, wrist."""
 
 
-@attrs.frozen(eq=False)
+@record
 class Observation:
     """One robot observation: three uint8 camera images (H, W, 3), a prompt and joint state.
+
+    A record: a pytree of its images and state, the prompt static data.
 
     >>> import torch
     >>> img = torch.zeros(40, 72, 3, dtype=torch.uint8)
@@ -28,7 +30,7 @@ class Observation:
     """
 
     images: Mapping[str, torch.Tensor]
-    prompt: str
+    prompt: str = static_field()
     state: torch.Tensor
 
 
