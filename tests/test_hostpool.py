@@ -44,6 +44,7 @@ def test_allocate_free_and_coalesce() -> None:
         "allocations": 3,
         "refusals": 0,
         "pinned": 0,
+        "pinned_nbytes": 0,
     }
     pool.free(b)
     assert _runs(pool) == [(128, 64), (256, 768)]
@@ -299,3 +300,48 @@ def test_cpu_restores_land_in_the_pool_until_freed() -> None:
     again = park_tree(x, "host", pool=tight).restore()
     assert torch.equal(again, x)
     assert not 0 <= again.data_ptr() - tight.buffer.data_ptr() < tight.total
+
+
+class _FakeCudart:
+    """Records the host registrations a pool asks CUDA for."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_a_pinned_pool_pins_exactly_its_bytes_and_unpins_them_when_collected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not `torch.empty(pin_memory=True)`, whose caching host allocator rounds a block up to a
+    # power of two: pageable memory, registered with CUDA for exactly the pool's bytes.
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    nbytes = 3 * 2**20 + 64  # a power of two would round it to 4 MiB
+    pool = HostBufferPool(nbytes, pin_memory=True)
+    ptr = pool.buffer.data_ptr()
+    assert fake.registered == {ptr: nbytes}
+    assert (pool.pinned, pool.pinned_nbytes) == (True, nbytes)
+    assert (pool.stats()["pinned"], pool.stats()["pinned_nbytes"]) == (1, nbytes)
+    assert pool.allocate(0).numel() == 0  # an empty range pins nothing
+    del pool
+    gc.collect()
+    assert fake.unregistered == [ptr]
+
+
+def test_a_failed_registration_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCudart()
+    fake.cudaHostRegister = lambda ptr, nbytes, flags: 2  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister returned 2.*ulimit -l"):
+        HostBufferPool(4096, pin_memory=True)

@@ -17,7 +17,12 @@ Runs, on ``cuda:0``:
    sessions are dropped; `park_until` frees pool blocks the same way;
 7. prefetch: `SessionStateManager.prefetch` restores a parked session on the background
    worker (a side CUDA stream) while the caller's stream runs other work, and the `get`
-   after it reads bit-identically (skipped if the manager has no ``prefetch``).
+   after it reads bit-identically (skipped if the manager has no ``prefetch``);
+8. the host buffer pool pins what it reports: a pool of 3 MiB + 64 bytes (a power of two
+   would round it to 4 MiB) reports ``pinned_nbytes`` equal to its size, its buffer is
+   page-locked (``is_pinned``), torch's caching host allocator reserved nothing for it, and a
+   non-blocking copy through it round-trips; a parked session's snapshot, taken with the KV
+   pool full, records ``cuda:0`` for every storage and loads back onto it.
 
 Prints one JSON object; exits non-zero if any check fails. Without CUDA it prints
 ``{"skipped": ...}`` and exits 0 (the project's tests need no GPU);
@@ -174,6 +179,66 @@ def prefetch_checks() -> None:
     )  # fmt: skip
 
 
+def host_pool_pin_checks() -> None:
+    from sessionstate._storage import HostBufferPool
+
+    cuda = DEV.startswith("cuda")
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats().get("reserved_bytes.all.current", 0) if cuda and stats else None
+    nbytes = 3 * 2**20 + 64
+    pool = HostBufferPool(nbytes, pin_memory=cuda)
+    after = stats().get("reserved_bytes.all.current", 0) if cuda and stats else None
+    x = torch.randn(nbytes // 4 - 16, device=DEV)
+    view = pool.allocate(x.numel() * 4)
+    view.copy_(x.view(torch.uint8).flatten(), non_blocking=True)
+    y = view.to(DEV, non_blocking=True).view(torch.float32)
+    if cuda:
+        torch.cuda.synchronize()
+    check(
+        "host_pool_pins_what_it_reports",
+        pool.stats()["pinned_nbytes"] == (pool.total if cuda else 0)
+        and pool.buffer.is_pinned() == cuda
+        and before == after
+        and torch.equal(x, y),
+        total=pool.total,
+        pinned_nbytes=pool.stats()["pinned_nbytes"],
+        is_pinned=pool.buffer.is_pinned(),
+        caching_host_allocator_reserved=(before, after),
+    )
+
+
+def parked_snapshot_checks() -> None:
+    pool = ss.KVPool(
+        3, block_tokens=16, token_shape=(2,), dtype=torch.bfloat16, device=DEV, name="kv"
+    )
+    m = ss.SessionStateManager()
+    m.put("a", _kv_session(pool, 1))
+    want = _kv_read(m.peek("a"))
+    m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    hog = pool.append(pool.empty(), torch.zeros(48, 2, dtype=torch.bfloat16, device=DEV))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "a.safetensors")
+        m.snapshot("a", path)
+        back = ss.load_state(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        document = json.loads(header["__metadata__"]["sessionstate"])
+        devices = sorted({s["device"] for s in document["storages"]})
+    got = _kv_read(back)
+    check(
+        "snapshot_of_parked_session_records_its_device",
+        devices == [str(torch.device(DEV))]
+        and pool.free_blocks == 0
+        and got is not None
+        and want is not None
+        and got.device == want.device
+        and torch.equal(got, want),
+        devices=devices,
+    )
+    del hog
+
+
 def main() -> int:
     if DEV.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"skipped": f"no CUDA device ({DEV}): nothing checked", "ok": True}))
@@ -273,6 +338,8 @@ def main() -> int:
 
     kv_park_checks()
     prefetch_checks()
+    host_pool_pin_checks()
+    parked_snapshot_checks()
 
     results["failures"] = failures
     print(json.dumps(results, indent=2, default=str))

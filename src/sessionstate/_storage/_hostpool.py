@@ -37,6 +37,36 @@ class HostPoolFullError(MemoryError):
     """A `HostBufferPool` has no free run large enough for what was asked."""
 
 
+def _register(buffer: torch.Tensor) -> int:
+    """Page-lock ``buffer``'s memory with CUDA (unregistered when the buffer is collected);
+    return the bytes locked.
+
+    Raises:
+        RuntimeError: naming CUDA's error, if the registration fails.
+    """
+    nbytes = buffer.numel() * buffer.element_size()
+    cudart = torch.cuda.cudart()
+    code = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    if int(code) != 0:
+        msg = (
+            f"Cannot page-lock the host pool's {nbytes} bytes with CUDA (cudaHostRegister "
+            f"returned {code}). Make `host_pool_bytes` smaller, raise the locked-memory limit "
+            "(`ulimit -l`), or pass `pin_memory=False`."
+        )
+        raise RuntimeError(msg)
+    return nbytes
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    # The pool is gone, and with it every parked handle that copied through it (each holds the
+    # pool): nothing is in flight from the buffer. Not `contextlib.suppress`: at interpreter
+    # shutdown module globals may already be gone.
+    try:  # noqa: SIM105
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    except Exception:  # shutdown: CUDA is torn down already
+        pass
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -89,8 +119,16 @@ class HostBufferPool:
             )
             raise ValueError(msg)
         total = -(-nbytes // alignment) * alignment
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=bool(pin_memory))
+        # Pageable memory, registered with CUDA when pinned: `torch.empty(pin_memory=True)`
+        # goes through the caching host allocator, which rounds a block up to a power of two
+        # (a 40 GiB pool would pin 64 GiB). A registration pins exactly the buffer's pages.
+        buffer = torch.empty(total, dtype=torch.uint8)
         buffer.zero_()  # pre-touch: every page is faulted in now, not on a park's copy
+        self.pinned_nbytes = _register(buffer) if pin_memory else 0
+        """Bytes page-locked for the pool (its whole buffer when pinned, else 0)."""
+        if self.pinned_nbytes:
+            # Holds the buffer: its memory is unregistered before it is freed.
+            weakref.finalize(self, _unregister, buffer)
         self.buffer = buffer
         self.total = total
         self.alignment = alignment
@@ -124,7 +162,7 @@ class HostBufferPool:
         if offset is None:
             return None
         if offset < 0:
-            return torch.empty(0, dtype=torch.uint8, pin_memory=self.pinned)
+            return torch.empty(0, dtype=torch.uint8)  # nothing to pin
         return self.buffer[offset : offset + nbytes]
 
     def allocate(self, nbytes: int, *, what: str = "the request") -> torch.Tensor:
@@ -183,7 +221,8 @@ class HostBufferPool:
 
     def stats(self) -> dict[str, int]:
         """``total``, ``free``, ``used`` and ``largest_free`` bytes, live ``allocations``,
-        ``refusals`` (requests that did not fit) and ``pinned`` (1 or 0)."""
+        ``refusals`` (requests that did not fit), ``pinned`` (1 or 0) and ``pinned_nbytes``
+        (bytes page-locked for the pool: ``total`` when pinned)."""
         with self._lock:
             self._drain()
             free = sum(self._free_sizes)
@@ -195,6 +234,7 @@ class HostBufferPool:
                 "allocations": len(self._live),
                 "refusals": self._refusals,
                 "pinned": int(self.pinned),
+                "pinned_nbytes": self.pinned_nbytes,
             }
 
     # -- what the park tiers use ----------------------------------------------------------------
