@@ -313,13 +313,13 @@ def test_park_failing_half_way_leaves_the_session_resident_and_intact(
     def failing(storages: Any) -> Any:
         calls["n"] += 1
         real(storages[:1])  # half the work done, then the failure
-        raise OSError("injected: no memory for the host copy")
+        raise OSError("injected: no memory for the host copy.")  # a message ends a sentence
 
     monkeypatch.setattr(park_module, "copy_storages_to_host", failing)
     b = _record(fill=2)
     with pytest.raises(ParkingError, match=re.escape("Cannot park session 'a' (objects")) as info:
         m.put("b", b)
-    assert "The session is left resident and intact" in str(info.value)
+    assert "host copy. The session is left resident and intact" in str(info.value)
     assert calls["n"] == 1
     assert m.session_ids() == ["a"]
     assert m.peek("a").parked == ()  # type: ignore[union-attr]
@@ -354,13 +354,13 @@ def test_unpark_failing_leaves_it_parked_and_a_retry_succeeds(
 
     def failing(buffers: Any, devices: Any) -> Any:
         real(buffers[:1], devices[:1])
-        raise RuntimeError("injected: device allocation failed")
+        raise RuntimeError("injected: device allocation failed.")  # a message ends a sentence
 
     monkeypatch.setattr(park_module, "copy_storages_to_devices", failing)
     msg = "Cannot unpark session 'a' (objects ['cache', 'ring']) from the host tier: injected"
     with pytest.raises(ParkingError, match=re.escape(msg)) as info:
         m.get("a")
-    assert "The session stays parked and intact" in str(info.value)
+    assert "failed. The session stays parked and intact" in str(info.value)  # one period
     assert m.peek("a").parked == ("cache", "ring")  # type: ignore[union-attr]
     assert m.stats()["unparks"] == 0
     monkeypatch.undo()

@@ -357,22 +357,22 @@ def test_snapshot_of_a_parked_session_under_a_concurrent_get(
     m.put("a", a)
     m.put("b", _record(fill=2))
     assert m.peek("a").parked  # type: ignore[union-attr]
-    real = SessionState.unpark
+    real = SessionState.unpark_on_host
     snapshotter = threading.get_ident()
     racer: dict[str, Any] = {}
 
     def get_a() -> None:
         racer["got"] = m.get("a")
 
-    def unpark_while_a_get_runs(self: SessionState) -> SessionState:
-        # The snapshot's unpark lets a concurrent `get` run first, unless the lock holds it.
+    def read_while_a_get_runs(self: SessionState) -> SessionState:
+        # The snapshot's read lets a concurrent `get` run first, unless the lock holds it.
         if threading.get_ident() == snapshotter and "thread" not in racer:
             racer["thread"] = threading.Thread(target=get_a)
             racer["thread"].start()
             racer["thread"].join(timeout=0.5)
         return real(self)
 
-    monkeypatch.setattr(SessionState, "unpark", unpark_while_a_get_runs)
+    monkeypatch.setattr(SessionState, "unpark_on_host", read_while_a_get_runs)
     m.snapshot("a", tmp_path / "a.safetensors")
     racer["thread"].join()
     assert tree_equal(load_state(tmp_path / "a.safetensors"), a)

@@ -700,6 +700,31 @@ MUTANTS = (
         ("tests/test_prefetch.py",),
     ),
     Mutant(
+        "reading-parked-state-takes-device-room",
+        "peek(on_host=True), and so snapshot and export, unpark a parked session onto its "
+        "devices and pools instead of reading it in host memory",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                    state = state.unpark_on_host()\n",
+                "                    state = state.unpark()\n",
+            ),
+        ),
+        ("tests/test_park_reading.py",),
+    ),
+    Mutant(
+        "get-makes-no-kv-room",
+        "a get of a parked session whose KV pool is short raises instead of parking others' KV",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                if pool is None or id(pool) in tried:\n",
+                "                if True:\n",
+            ),
+        ),
+        ("tests/test_park_reading.py",),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

@@ -6,6 +6,8 @@ Each one subclasses the builtin a caller would already catch for that kind of mi
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 __all__ = [
@@ -85,8 +87,27 @@ class IncompleteStateError(ValueError):
 
 
 class KVPoolExhaustedError(RuntimeError):
-    """A `KVPool` had no free block for an append."""
+    """A `KVPool` had no free block for an append, or too few to take parked KV back.
+
+    Attributes:
+        pool: The pool that was short (None where it is not known).
+        needed: The free blocks the operation needed there (0 where it is not known).
+    """
+
+    def __init__(self, message: str, /, *, pool: Any = None, needed: int = 0) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.needed = needed
 
 
 class StaleKVHandleError(RuntimeError):
     """A `KVHandle` made by a step that was rolled back was used."""
+
+
+def reason(exc: BaseException, /) -> str:
+    """``exc``'s message as a clause inside another message: without its closing period.
+
+    >>> f"Cannot unpark: {reason(RuntimeError('The pool is full.'))}. Retry."
+    'Cannot unpark: The pool is full. Retry.'
+    """
+    return str(exc).rstrip().removesuffix(".")

@@ -26,6 +26,7 @@ __all__ = [
     "ASSIGNMENT_FIX_HOOK",
     "OFFLOAD_HOOKS",
     "SNAPSHOT_HOOKS",
+    "STANDALONE_HOOK",
     "STORAGE_ENTRIES_HOOK",
     "NamesItsTransition",
     "OffloadsStorages",
@@ -53,6 +54,10 @@ SNAPSHOT_HOOKS = ("__sessionstate_snapshot__", "__sessionstate_restore__")
 
 OFFLOAD_HOOKS = ("__sessionstate_offload__", "__sessionstate_reload__")
 """The class methods an engine leaf class defines so that parking moves it (`OffloadsStorages`)."""
+
+STANDALONE_HOOK = "__sessionstate_standalone__"
+"""The optional class method that reads an offload payload without its engine (see
+`OffloadsStorages`)."""
 
 
 @runtime_checkable
@@ -110,6 +115,12 @@ class OffloadsStorages(Protocol):
 
     The payload's tensors stay on the engine's device until the tier moves them, so the parked
     bytes report the device that unparking fills again.
+
+    Optionally, ``__sessionstate_standalone__(payload)`` returns leaves that read the same
+    without the engine (holding their own copies, e.g. a `KVPool` of just the saved blocks on
+    the payload's device): reading a parked record (a manager's `snapshot`, a migration's
+    export) then takes none of the engine's memory. Without it such a read reloads the leaves
+    into their engine.
     """
 
     @classmethod

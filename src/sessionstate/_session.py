@@ -12,7 +12,7 @@ import torch
 
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._checks import describe
-from sessionstate._errors import MissingKeyError
+from sessionstate._errors import MissingKeyError, reason
 from sessionstate._frozen import freeze
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import HostBufferPool, Tier, park_tree
@@ -118,7 +118,7 @@ class SessionAttr(Generic[_V]):
             coerce = getattr(self.coerce, "__qualname__", repr(self.coerce))
             msg = (
                 f"Session attribute `{self.name}` coerces its values with `{coerce}`, which "
-                f"refused {describe(value)}: {type(exc).__name__}: {exc}. "
+                f"refused {describe(value)}: {type(exc).__name__}: {reason(exc)}. "
                 f"Pass a value `{coerce}` accepts."
             )
             raise (TypeError if isinstance(exc, TypeError) else ValueError)(msg) from exc
@@ -420,6 +420,39 @@ class SessionState:
                 tree = restored.get(id(obj.handle))
                 if tree is None:
                     tree = restored[id(obj.handle)] = obj.handle.restore()
+                objects[name] = obj.unpark_from(tree)
+        return self._replace(objects, self._attrs)
+
+    def unpark_on_host(self: _St) -> _St:
+        """A copy to read or save, every parked object rebuilt in host memory (``self`` if none
+        is parked); this record and its parked bytes are left as they are.
+
+        Takes no device memory and no engine memory: parked tensors come back as CPU copies,
+        parked `KVHandle` leaves over standalone pools of just their blocks. A manager's
+        `snapshot` of a parked session and a worker's `export_session` read it so (their files
+        record the devices the bytes came from), so checkpointing or migrating a parked session
+        never needs free device memory or free pool blocks.
+
+        Raises:
+            RuntimeError: if a parked object's bytes were released by their owner.
+            SnapshotError: if a disk-parked object's file is damaged.
+
+        >>> import torch
+        >>> from sessionstate import TensorCache, tree_equal
+        >>> s = SessionState(objects={"c": TensorCache().allocate().commit(torch.ones(2))})
+        >>> parked = s.park("host")
+        >>> tree_equal(parked.unpark_on_host(), s), parked.parked
+        (True, ('c',))
+        """
+        if not self.parked:
+            return self
+        read: dict[int, Any] = {}  # one read per handle keeps shared storages shared
+        objects = dict(self._objects)
+        for name, obj in self._objects.items():
+            if isinstance(obj, ParkedObject):
+                tree = read.get(id(obj.handle))
+                if tree is None:
+                    tree = read[id(obj.handle)] = obj.handle.read()
                 objects[name] = obj.unpark_from(tree)
         return self._replace(objects, self._attrs)
 

@@ -51,7 +51,7 @@ import torch
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
 from sessionstate._checks import check_count, is_int
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
-from sessionstate._storage import register_snapshot_leaf
+from sessionstate._storage import record_device, register_snapshot_leaf
 from sessionstate._tree import tree_equal
 
 __all__ = ["KVHandle", "KVPool", "offload_payload", "reload_handles"]
@@ -214,6 +214,16 @@ class KVHandle:
         return offload_payload(leaves)
 
     @classmethod
+    def __sessionstate_standalone__(cls, payload: Any) -> list[KVHandle]:
+        """The handles an offload payload describes, over standalone pools of just their blocks.
+
+        For reading a parked record: no block of the handles' own pools is taken (the new
+        pools live where the payload's copy is, in host memory once parked), and a snapshot
+        of them records their own pools' device.
+        """
+        return standalone_handles(payload)
+
+    @classmethod
     def __sessionstate_reload__(cls, payload: Any) -> list[KVHandle]:
         """The handles an offload payload describes, on fresh blocks of their own pools.
 
@@ -306,6 +316,9 @@ class KVPool:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._block_entries: dict[int, StorageEntry] = {}  # see `_entries`
+        # A standalone pool read from a parked record stands in for a pool on this device: a
+        # snapshot records its blocks there (see `standalone_handles`).
+        self._home: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -547,7 +560,7 @@ class KVPool:
                 f"{self.block_tokens} tokens are held by live handles. Drop finished sessions "
                 "(or records you keep), or build the pool with more blocks."
             )
-            raise KVPoolExhaustedError(msg)
+            raise KVPoolExhaustedError(msg, pool=self, needed=1)
         block = heapq.heappop(self._free)
         fresh.append(block)
         self._set_filled(block, 0)
@@ -597,7 +610,7 @@ class KVPool:
                     "drop other sessions first (a manager parks the least recently used), or "
                     "build the pool with more bytes."
                 )
-                raise KVPoolExhaustedError(msg)
+                raise KVPoolExhaustedError(msg, pool=self, needed=n)
             taken = [heapq.heappop(self._free) for _ in range(n)]
             for block in taken:
                 self._filled[block] = 0
@@ -696,6 +709,8 @@ def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     saved = []
     for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
         data = _read_blocks(pool, slot_of, filled)
+        if pool._home is not None:
+            record_device(data.untyped_storage(), pool._home)
         saved.append(
             {
                 "name": pool.name,
@@ -777,6 +792,36 @@ def reload_handles(payload: Any) -> list[KVHandle]:
         for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
     ]
     return [made[g][i] for g, i in order]
+
+
+def standalone_handles(payload: Any) -> list[KVHandle]:
+    """The handles an offload payload describes, over standalone pools of just their blocks.
+
+    Each pool is built where the payload's copy of its blocks is; no block of the pools the
+    handles came from is taken. A snapshot of the handles (within `recorded_devices`)
+    records those pools' device.
+
+    >>> pool = KVPool(2, block_tokens=2, token_shape=(3,))
+    >>> payload = offload_payload([("kv", pool.append(pool.empty(), torch.ones(3, 3)))])
+    >>> (copy,) = standalone_handles(payload)
+    >>> copy.pool is pool, torch.equal(copy.read(), torch.ones(3, 3)), pool.free_blocks
+    (False, True, 2)
+    """
+    groups = payload["pools"]
+    saved = [
+        {
+            "name": group["pool"].name,
+            "block_tokens": group["pool"].block_tokens,
+            "token_shape": list(group["pool"].token_shape),
+            "dtype": _dtype_name(group["pool"].storage.dtype),
+            "blocks": group["blocks"],
+        }
+        for group in groups
+    ]
+    handles = restore_handles({"pools": saved, "handles": payload["handles"]})
+    for handle, fact in zip(handles, payload["handles"], strict=True):
+        handle.pool._home = str(groups[fact["pool"]]["pool"].storage.device)
+    return handles
 
 
 def _gather(

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Collection, Hashable, Iterable
 from typing import Literal, TypeVar
 
-from sessionstate._errors import KVPoolExhaustedError, ParkingError
+from sessionstate._errors import KVPoolExhaustedError, ParkingError, reason
 from sessionstate._kv import EncodeOnceKV, KVCache
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject, StateObject
@@ -160,7 +160,7 @@ class Parking:
             )
             msg = (
                 f"Cannot park session {session_id!r} (objects {names}) on the "
-                f"{self.tier} tier: {exc}. The session is left resident and intact; {fix}."
+                f"{self.tier} tier: {reason(exc)}. The session is left resident and intact; {fix}."
             )
             raise ParkingError(msg) from exc
         parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
@@ -306,7 +306,8 @@ class Parking:
         ``prefetch_hits`` the unparks that took one's result, ``prefetches_dropped`` those
         that did not fit when asked for or were dropped later (to make room, or because the
         session was replaced, dropped or evicted first). With a host pool:
-        ``host_pool_nbytes`` (its size), ``host_pool_free_nbytes`` and ``host_pool_spills``
+        ``host_pool_nbytes`` (its size), ``host_pool_free_nbytes``, ``host_pool_pinned_nbytes``
+        (bytes page-locked for it: its size when pinned, exactly) and ``host_pool_spills``
         (parks it could not hold that went to disk).
         """
         parked = {"host": 0, "disk": 0}
@@ -335,6 +336,7 @@ class Parking:
         return {
             "host_pool_nbytes": pool["total"],
             "host_pool_free_nbytes": pool["free"],
+            "host_pool_pinned_nbytes": pool["pinned_nbytes"],
             "host_pool_spills": self._spills,
         }
 
@@ -347,11 +349,11 @@ class Parking:
         tiers = sorted({obj.handle.tier for obj in parked.values()})
         msg = (
             f"Cannot unpark session {session_id!r} (objects {sorted(parked)}) from the "
-            f"{' and '.join(tiers)} tier: {exc}. The session stays parked and intact; "
+            f"{' and '.join(tiers)} tier: {reason(exc)}. The session stays parked and intact; "
             "retry once the cause is fixed, or `drop` it."
         )
         if isinstance(exc, KVPoolExhaustedError):
-            return KVPoolExhaustedError(msg)
+            return KVPoolExhaustedError(msg, pool=exc.pool, needed=exc.needed)
         return ParkingError(msg)
 
     def _spool(self, *, spill: bool = False) -> SpoolDir | None:

@@ -9,19 +9,25 @@ nothing), `Parking` (the tier, the spool directory and the handles it made) and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
-from typing import Generic, cast
+from typing import Any, Generic, cast
 
 import torch
 from typing_extensions import TypeVar
 
 from sessionstate._checks import check_bool, check_count, is_int
 from sessionstate._checks import check_session_id as check_session_id
-from sessionstate._errors import ParkingError, SessionAdmissionError, SessionStateLostError
+from sessionstate._errors import (
+    KVPoolExhaustedError,
+    ParkingError,
+    SessionAdmissionError,
+    SessionStateLostError,
+)
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
 from sessionstate._manager._parking import HostPoolFull, Parking
@@ -40,6 +46,7 @@ from sessionstate._storage import (
     Tier,
     check_tier,
     load_state,
+    recorded_devices,
     save_state,
 )
 
@@ -292,12 +299,20 @@ class SessionStateManager(Generic[SessionT]):
             self._table.move_to_end(session_id)
             return state
 
-    def peek(self, session_id: Hashable, /) -> SessionT | None:
+    def peek(self, session_id: Hashable, /, *, on_host: bool = False) -> SessionT | None:
         """The latest record of ``session_id``, or None, for inspection only.
 
         Unlike `get`, it leaves the LRU order and the hit/miss counters alone, so looking at
         a session (for a size table, a dashboard) does not keep it resident. With
         ``check_immutable``, it raises for a corrupted record, as `get` does.
+
+        With ``on_host=True``, a parked session's objects are read into host memory
+        (`SessionState.unpark_on_host`, under the manager's lock): the record returned holds
+        them readable, the stored one stays parked, and no device memory or pool block is
+        taken.
+
+        Raises:
+            TypeError: for an ``on_host`` that is not a bool.
 
         >>> from sessionstate import SessionState
         >>> m = SessionStateManager()
@@ -306,10 +321,13 @@ class SessionStateManager(Generic[SessionT]):
         (True, ['a', 'b'], 0)
         """
         check_session_id(session_id)
+        check_bool(on_host, "on_host")
         with self._lock:
             state = self._table.get(session_id)
             if state is not None:
                 self._verify(session_id, state)
+                if on_host:
+                    state = state.unpark_on_host()
             return state
 
     def require(self, session_id: Hashable, /) -> SessionT:
@@ -631,24 +649,22 @@ class SessionStateManager(Generic[SessionT]):
         (['a', 'b'], 0)
         """
         check_session_id(session_id)
-        with self._lock:
-            state = self._table.get(session_id)
-            if state is not None:
-                self._verify(session_id, state)
-                # A resident copy, made under the lock: a concurrent `get` that unparks the
-                # session (and releases its parked bytes) cannot come in between. The table
-                # keeps the parked record: saving does not make a session resident.
-                state = state.unpark()
-        if state is None:
-            msg = (
-                f"Cannot snapshot session {session_id!r}: this manager does not hold it (never "
-                "created, dropped, or evicted by the LRU cap). Snapshot a held session; "
-                "`session_ids()` lists them."
-            )
-            raise SessionStateLostError(msg)
-        # Metadata values are strings: a non-str id is stored as its repr.
-        sid = session_id if isinstance(session_id, str) else repr(session_id)
-        save_state(state, path, metadata={**(metadata or {}), "session_id": sid})
+        with recorded_devices():
+            # A parked session is read into host memory under the lock (a concurrent `get`
+            # that unparks it, releasing its parked bytes, cannot come in between), taking no
+            # device memory or pool block; the file records the devices the bytes came from.
+            # The table keeps the parked record: saving does not make a session resident.
+            state = self.peek(session_id, on_host=True)
+            if state is None:
+                msg = (
+                    f"Cannot snapshot session {session_id!r}: this manager does not hold it "
+                    "(never created, dropped, or evicted by the LRU cap). Snapshot a held "
+                    "session; `session_ids()` lists them."
+                )
+                raise SessionStateLostError(msg)
+            # Metadata values are strings: a non-str id is stored as its repr.
+            sid = session_id if isinstance(session_id, str) else repr(session_id)
+            save_state(state, path, metadata={**(metadata or {}), "session_id": sid})
 
     def restore(
         self,
@@ -842,14 +858,31 @@ class SessionStateManager(Generic[SessionT]):
         parking.unreserve(session_id)  # a prefetch's bytes: charged as the session's now
         try:
             self._make_room(session_id, need)
+            new = self._unpark(session_id, state)
         except BaseException:
             parking.discard(session_id)
             raise
-        new = parking.unpark(session_id, state)
         self._table[session_id] = new
         self._ledger.set(session_id, self._ledger.values_for(session_id, new))
         self._record_versions(session_id, new)
         return new
+
+    def _unpark(self, session_id: Hashable, state: SessionT) -> SessionT:
+        # Unpark; a `KVPool` short of the blocks to take the session's KV back gets them from
+        # the least recently used other sessions' parkable KV (then from their prefetches),
+        # pool by pool, before the shortage is the caller's.
+        tried: set[int] = set()
+        while True:
+            try:
+                return self._parking.unpark(session_id, state)
+            except KVPoolExhaustedError as exc:
+                pool, needed = exc.pool, exc.needed
+                if pool is None or id(pool) in tried:
+                    raise
+                tried.add(id(pool))
+                done = functools.partial(_has_free_blocks, pool, needed)
+                if not self.park_until(done, frees=pool.owns_entry, keep=(session_id,)):
+                    raise
 
     def _forget(self, session_id: Hashable) -> bool:
         state = self._table.pop(session_id, None)
@@ -866,6 +899,10 @@ class SessionStateManager(Generic[SessionT]):
     def _verify(self, session_id: Hashable, state: SessionState) -> None:
         if self._guard is not None:
             self._guard.verify(session_id, state)
+
+
+def _has_free_blocks(pool: Any, needed: int) -> bool:
+    return bool(pool.free_blocks >= needed)
 
 
 def _check_state(state: object, session_id: Hashable) -> None:

@@ -46,7 +46,13 @@ host buffer pool a host tier may copy into) and the device mover
 from __future__ import annotations
 
 from sessionstate._storage._decode import load_state, loads_parts, loads_state, read_header
-from sessionstate._storage._encode import dumps_parts, dumps_state, save_state
+from sessionstate._storage._encode import (
+    dumps_parts,
+    dumps_state,
+    record_device,
+    recorded_devices,
+    save_state,
+)
 from sessionstate._storage._format import (
     CHECKSUM_KEY,
     CRC32_KEY,
@@ -102,7 +108,9 @@ __all__ = [
     "read_header",
     "rebuild_views",
     "reclaim_spool",
+    "record_device",
     "record_name",
+    "recorded_devices",
     "register_snapshot_leaf",
     "resolve_leaf_class",
     "resolve_record",

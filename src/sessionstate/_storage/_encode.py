@@ -16,7 +16,8 @@ import math
 import os
 import secrets
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,31 @@ class _Encoder:
         return {"type": "record", "class": record_name(cls), "fields": fields, "static": statics}
 
 
+_RECORDED: ContextVar[dict[int, str] | None] = ContextVar("sessionstate_recorded", default=None)
+
+
+@contextlib.contextmanager
+def recorded_devices() -> Iterator[None]:
+    """Within: a storage marked with `record_device` is saved as if it lived on that device.
+
+    A parked record read into host memory (`SessionState.unpark_on_host`) holds CPU copies of
+    storages that live on a device; a snapshot of it records the device they came from, so it
+    loads where a snapshot of the resident record would.
+    """
+    token = _RECORDED.set({})
+    try:
+        yield
+    finally:
+        _RECORDED.reset(token)
+
+
+def record_device(storage: torch.UntypedStorage, device: str, /) -> None:
+    """Within `recorded_devices`, save ``storage`` as a storage of ``device``; else nothing."""
+    table = _RECORDED.get()
+    if table is not None and device != str(storage.device):
+        table[storage._cdata] = device
+
+
 def _encode(state: PyTree, metadata: Mapping[str, str] | None) -> tuple[bytes, list[memoryview]]:
     """The snapshot of ``state``: its container header, and each storage's bytes in file order."""
     if metadata is not None:
@@ -170,9 +196,10 @@ def _encode(state: PyTree, metadata: Mapping[str, str] | None) -> tuple[bytes, l
     storages, views = collect_storages(encoder.tensors)
     data: list[memoryview] = []
     described = []
+    recorded = _RECORDED.get() or {}
     for storage in storages:
         tensor = storage_bytes(storage)
-        device = str(tensor.device)
+        device = recorded.get(storage._cdata, str(tensor.device))
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         raw = tensor.numpy().data  # the storage's own memory: a CPU storage is not copied

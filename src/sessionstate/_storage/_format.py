@@ -413,6 +413,17 @@ SNAPSHOT_NAMES: Mapping[str, str] = {
     "sessionstate.models.cosmos3.state:Cosmos3Session": (
         "sessionstate.models.cosmos3.state:Cosmos3Session"
     ),
+    # Step inputs and outputs, records since they were made pytrees.
+    "sessionstate.models.dreamzero:Observation": (
+        "sessionstate.models.dreamzero.transform:Observation"
+    ),
+    "sessionstate.models.dreamzero:DreamZeroOutput": (
+        "sessionstate.models.dreamzero._model:DreamZeroOutput"
+    ),
+    "sessionstate.models.cosmos3:Cosmos3Request": (
+        "sessionstate.models.cosmos3._model:Cosmos3Request"
+    ),
+    "sessionstate.models.cosmos3:Cosmos3Output": "sessionstate.models.cosmos3._model:Cosmos3Output",
 }
 """The stable snapshot name of every library class a snapshot may hold, and its location.
 

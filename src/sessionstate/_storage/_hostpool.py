@@ -45,7 +45,7 @@ def _register(buffer: torch.Tensor) -> int:
         RuntimeError: naming CUDA's error, if the registration fails.
     """
     nbytes = buffer.numel() * buffer.element_size()
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     code = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
     if int(code) != 0:
         msg = (
@@ -62,7 +62,7 @@ def _unregister(buffer: torch.Tensor) -> None:
     # pool): nothing is in flight from the buffer. Not `contextlib.suppress`: at interpreter
     # shutdown module globals may already be gone.
     try:  # noqa: SIM105
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())  # type: ignore[no-untyped-call]
     except Exception:  # shutdown: CUDA is torn down already
         pass
 

@@ -58,9 +58,9 @@ import contextlib
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
-from sessionstate._protocols import OFFLOAD_HOOKS, STORAGE_ENTRIES_HOOK
+from sessionstate._protocols import OFFLOAD_HOOKS, STANDALONE_HOOK, STORAGE_ENTRIES_HOOK
 from sessionstate._storage._decode import load_state
-from sessionstate._storage._encode import save_state
+from sessionstate._storage._encode import record_device, save_state
 from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
 from sessionstate._storage._hostpool import HostBufferPool
 from sessionstate._tree import (
@@ -203,6 +203,22 @@ class ParkedBytes(abc.ABC):
             return tree
         return self._restore()
 
+    def read(self) -> PyTree:
+        """The parked tree rebuilt in host memory, to read or save; the bytes stay parked.
+
+        Takes no device memory and no engine memory: every tensor is a fresh CPU copy (within
+        `recorded_devices`, a snapshot of it records the device it came from), and an engine
+        leaf whose class reads its offload payload standalone (``__sessionstate_standalone__``;
+        a `KVHandle`: a pool of just its blocks) is rebuilt so. Another engine leaf is reloaded
+        into its engine, as `restore` does.
+
+        Raises:
+            RuntimeError: if the bytes were released by their owner.
+            SnapshotError: if the disk tier's file is damaged.
+        """
+        self._check_held()
+        return self._flat.rebuild(self._read(), standalone=True)
+
     def start_prefetch(self) -> None:
         """Start rebuilding the tree on the background worker; `restore` takes the result.
 
@@ -310,6 +326,11 @@ class ParkedBytes(abc.ABC):
             logger.debug("A background restore of %s failed: %s", self.label, box.error)
             return None
         return result
+
+    @abc.abstractmethod
+    def _read(self) -> list[torch.Tensor]:
+        """The tensors `_load` returns, as fresh CPU copies, their devices noted with
+        `record_device`."""
 
     @abc.abstractmethod
     def _load(self) -> list[torch.Tensor]:
@@ -450,7 +471,8 @@ class _Flat:
         self.payload_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in p_leaves]
         self.engine = _engine_leaves(tree) if len(offloaded) < _engine_count(leaves) else {}
 
-    def rebuild(self, tensors: Sequence[torch.Tensor]) -> PyTree:
+    def rebuild(self, tensors: Sequence[torch.Tensor], *, standalone: bool = False) -> PyTree:
+        # ``standalone``: engine leaves whose class can are rebuilt outside their engine.
         it = iter(tensors)
         leaves = [next(it) if x is _TENSOR else x for x in self.leaves]
         if self.groups:
@@ -461,7 +483,9 @@ class _Flat:
             # All or nothing: a reload that fails drops the leaves reloaded before it, whose
             # memory goes back to their engines with them.
             for (cls, at), payload in zip(self.groups, payloads, strict=True):
-                for i, leaf in zip(at, getattr(cls, OFFLOAD_HOOKS[1])(payload), strict=True):
+                hook = getattr(cls, STANDALONE_HOOK, None) if standalone else None
+                built = (hook or getattr(cls, OFFLOAD_HOOKS[1]))(payload)
+                for i, leaf in zip(at, built, strict=True):
                     leaves[i] = leaf
         return tree_unflatten(self.treespec, leaves)
 
@@ -499,6 +523,13 @@ class _HostBytes(ParkedBytes):
         if pool is not None:  # the handle owns its ranges: released or collected, they go back
             offsets = [pool.offset_of(b) for b in self._buffers if b.numel()]
             self._give_back = weakref.finalize(self, pool.give_back_later, offsets)
+
+    def _read(self) -> list[torch.Tensor]:
+        # Copies: the buffers (a host pool's ranges) go back when the session is unparked.
+        storages = [b.clone().untyped_storage() for b in self._buffers]
+        for storage, device in zip(storages, self._devices, strict=True):
+            record_device(storage, str(device))
+        return rebuild_views(storages, self._flat.views)
 
     def _load(self) -> list[torch.Tensor]:
         if self._pool is None:
@@ -551,6 +582,12 @@ class _DiskBytes(ParkedBytes):
     def discard_prefetch(self) -> None:
         super().discard_prefetch()
         self._prefetched = None
+
+    def _read(self) -> list[torch.Tensor]:
+        host: list[torch.Tensor] = load_state(self.path, device="cpu")
+        for tensor, device in zip(host, self._devices, strict=True):
+            record_device(tensor.untyped_storage(), str(device))
+        return host
 
     def _load(self) -> list[torch.Tensor]:
         host, self._prefetched = self._prefetched, None

@@ -12,7 +12,7 @@ import torch
 from sessionstate._config import ENV_ENABLE, OmniDiffusionConfig
 from sessionstate._errors import SessionStateLostError
 from sessionstate._manager import SessionStateManager
-from sessionstate._storage import SnapshotParts
+from sessionstate._storage import SnapshotParts, recorded_devices
 from sessionstate.distributed._outcomes import StaleEpochError
 from sessionstate.distributed._transport import decode_record, digest, encode_record
 
@@ -245,16 +245,25 @@ class SessionWorker:
         ...
         sessionstate._errors.SessionStateLostError: Worker 'w0' cannot export session 's'...
         """
-        state = self.manager.peek(session_id)
-        if state is None:
+        if session_id not in self.manager:
             msg = (
                 f"Worker {self.name!r} cannot export session {session_id!r}: it does not hold "
                 "it. Ask the router which worker owns the session."
             )
             raise SessionStateLostError(msg)
         self._fence(session_id, epoch, "export_session", steps=False)
-        # A record with parked objects travels resident: the bytes of its tier stay here.
-        data = encode_record(state.unpark())
+        # A record with parked objects travels resident: the bytes of its tier stay here. They
+        # are read into host memory (no device memory, no pool block taken), and the parts
+        # record the devices they came from.
+        with recorded_devices():
+            state = self.manager.peek(session_id, on_host=True)
+            if state is None:  # dropped meanwhile
+                msg = (
+                    f"Worker {self.name!r} cannot export session {session_id!r}: it was "
+                    "dropped while the export began. Ask the router which worker owns it."
+                )
+                raise SessionStateLostError(msg)
+            data = encode_record(state)
         self._handed_off.add(session_id)
         return data, digest(data)
 
