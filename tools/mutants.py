@@ -725,6 +725,14 @@ MUTANTS = (
         ("tests/test_park_reading.py",),
     ),
     Mutant(
+        "reduced-precision-cpu-convolutions",
+        "a bfloat16 or float16 DreamZero convolves with torch's slow reduced-precision CPU "
+        "kernel instead of in float32",
+        "sessionstate/models/dreamzero/networks.py",
+        (("            if self.dtype in _NO_FAST_CPU_CONV:\n", "            if False:\n"),),
+        ("tests/dreamzero/test_dtypes.py",),
+    ),
+    Mutant(
         "with-values-skips-the-bucket-check",
         "with_values lets one name be both a state object and an attribute",
         "sessionstate/_session.py",

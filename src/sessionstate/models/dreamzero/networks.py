@@ -166,6 +166,10 @@ class DreamZeroNetworks:
                 self.action_q99 = 1.0 + torch.rand(cfg.action_dim)
         for module in (self.vae, self.text_encoder, self.image_encoder, self.denoiser):
             module.eval().requires_grad_(False)
+            if self.dtype in _NO_FAST_CPU_CONV:
+                for conv in module.modules():
+                    if isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+                        conv._conv_forward = _Float32OnCPU(conv)  # type: ignore[method-assign,assignment]
         z = cfg.vae_z_dim
         mean = torch.tensor(self.vae.config.latents_mean[:z], dtype=self.dtype)
         std = torch.tensor(self.vae.config.latents_std[:z], dtype=self.dtype)
@@ -336,6 +340,40 @@ class DreamZeroNetworks:
 
 _NO_CPU_POOL = frozenset({torch.bfloat16, torch.float16})
 """Dtypes `avg_pool3d` has no CPU kernel for."""
+
+_NO_FAST_CPU_CONV = frozenset({torch.bfloat16, torch.float16})
+"""Dtypes whose CPU convolutions fall back to torch's slow reference kernels on most CPUs.
+
+oneDNN takes a bfloat16 convolution only on CPUs with AVX-512 (or AMX); elsewhere torch runs
+``slow_conv3d`` (im2col and a reduced-precision GEMM), about ten times the float32 run's
+time for the whole tiny pipeline. float16 has no fast CPU convolution at all.
+"""
+
+
+class _Float32OnCPU:
+    """A convolution's ``_conv_forward`` that runs a reduced-precision CPU convolution in
+    float32 and rounds the result once (as `_patch_tokens` averages); other devices and
+    dtypes run the module's own.
+
+    Installed on every `nn.Conv2d` and `nn.Conv3d` of a reduced-precision model (the Wan VAE's
+    causal convolutions included): the same arithmetic on every CPU, whatever its ISA, and
+    the same on both session-state paths, which share the networks. A module-level class, so
+    the networks still pickle.
+    """
+
+    def __init__(self, conv: nn.Module) -> None:
+        self.conv = conv
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        forward = type(self.conv)._conv_forward  # type: ignore[attr-defined]
+        if x.device.type != "cpu" or x.dtype not in _NO_FAST_CPU_CONV:
+            out: torch.Tensor = forward(self.conv, x, weight, bias)
+            return out
+        wide = None if bias is None else bias.float()
+        out = forward(self.conv, x.float(), weight.float(), wide)
+        return out.to(x.dtype)
 
 
 def _patch_tokens(x: torch.Tensor) -> torch.Tensor:
