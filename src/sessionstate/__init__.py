@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from sessionstate._manager import SessionStateManager as SessionStateManager
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
+    from sessionstate._protocols import EnginePool as EnginePool
     from sessionstate._protocols import NamesItsTransition as NamesItsTransition
     from sessionstate._protocols import OffloadsStorages as OffloadsStorages
     from sessionstate._protocols import ReportsStorages as ReportsStorages
@@ -136,6 +137,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TensorCache",
     ),
     "sessionstate._protocols": (
+        "EnginePool",
         "NamesItsTransition",
         "OffloadsStorages",
         "ReportsStorages",

@@ -90,7 +90,7 @@ class KVPoolExhaustedError(RuntimeError):
     """A `KVPool` had no free block for an append, or too few to take parked KV back.
 
     Attributes:
-        pool: The pool that was short (None where it is not known).
+        pool: The pool that was short (an `EnginePool`; None where it is not known).
         needed: The free blocks the operation needed there (0 where it is not known).
     """
 

@@ -28,6 +28,7 @@ __all__ = [
     "SNAPSHOT_HOOKS",
     "STANDALONE_HOOK",
     "STORAGE_ENTRIES_HOOK",
+    "EnginePool",
     "NamesItsTransition",
     "OffloadsStorages",
     "ReportsStorages",
@@ -128,6 +129,33 @@ class OffloadsStorages(Protocol):
 
     @classmethod
     def __sessionstate_reload__(cls, payload: Any, /) -> Sequence[Self]: ...
+
+
+@runtime_checkable
+class EnginePool(Protocol):
+    """An engine's pool of fixed-size blocks (a `KVPool`, or a real engine's own).
+
+    A record reaches its blocks through engine leaves (`ReportsStorages`); the manager makes a
+    pool's blocks free by parking the sessions holding entries the pool owns (`owns_entry`),
+    and a `KVPoolExhaustedError` names the pool (its ``pool``) and the blocks it lacked (its
+    ``needed``), so a manager's `get` of a parked session makes room in any pool that says so.
+    ``free_blocks`` is read under the manager's lock and must not call the manager.
+
+    >>> from sessionstate import KVPool
+    >>> isinstance(KVPool(2, block_tokens=1, token_shape=()), EnginePool)
+    True
+    """
+
+    name: str
+    block_nbytes: int
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def free_blocks(self) -> int: ...
+
+    def owns_entry(self, entry: StorageEntry, /) -> bool: ...
 
 
 @runtime_checkable
