@@ -521,7 +521,7 @@ CORE_MESSAGES = {
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
     # (`check_immutable` and `max_sessions` are checked by `_checks` now.)
-    "_manager/_table.py": 11 + 1,
+    "_manager/_table.py": 11 + 2,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -549,6 +549,20 @@ def test_a_config_field_that_must_be_an_int() -> None:
         msg = "`seed` must be an int, got 1.5 (float)."
         with pytest.raises(TypeError, match=re.escape(msg)):
             cls.preset("tiny", seed=1.5)
+
+
+def test_manager_read_of_a_damaged_parked_session(tmp_path: Path) -> None:
+    m = ss.SessionStateManager(max_bytes={"cpu": 64}, park_tier="disk", spool_dir=tmp_path)
+    m.put("a", ss.SessionState(objects={"c": ss.TensorCache().allocate().commit(torch.ones(16))}))
+    m.put("b", ss.SessionState(objects={"c": ss.TensorCache().allocate().commit(torch.ones(16))}))
+    (path,) = tmp_path.rglob("*.safetensors")
+    path.write_bytes(b"garbage")
+    msg = (
+        r"Cannot read parked session 'a' \(objects \['c'\]\) from the disk tier: .+\. The "
+        r"session stays parked and intact; retry once the cause is fixed, or `drop` it\.$"
+    )
+    with pytest.raises(ss.ParkingError, match=msg):
+        m.peek("a", on_host=True)
 
 
 def test_every_core_message_is_pinned_here() -> None:

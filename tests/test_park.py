@@ -462,3 +462,17 @@ def test_a_disk_unpark_moves_each_storage_to_its_device_once() -> None:
     assert moved[0].untyped_storage()._cdata == moved[1].untyped_storage()._cdata
     assert (moved[1].shape, moved[1].stride(), moved[1].storage_offset()) == ((2, 3), (3, 1), 2)
     assert moved[2] is host[2] or torch.equal(moved[2], host[2])
+
+
+def test_a_cause_without_a_message_is_named_by_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    size = _session_bytes()
+    m = SessionStateManager(max_bytes={"cpu": size})
+    m.put("a", _record(fill=1))
+
+    def failing(storages: Any) -> Any:
+        raise MemoryError  # no message
+
+    monkeypatch.setattr(park_module, "copy_storages_to_host", failing)
+    with pytest.raises(ParkingError) as info:
+        m.put("b", _record(fill=2))
+    assert "on the host tier: MemoryError. The session is left resident" in str(info.value)

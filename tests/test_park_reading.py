@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import sessionstate._kv._pool as pool_module
 from sessionstate import (
     KVCache,
     KVPool,
     KVPoolExhaustedError,
+    ParkingError,
     SessionState,
     SessionStateManager,
     TensorCache,
@@ -155,6 +157,14 @@ def test_export_of_a_parked_kv_session_takes_no_block() -> None:
     assert tree_equal(decode_record(data), want)
 
 
+def _devices(data: bytes) -> list[str]:
+    """The device each storage of a snapshot's bytes is recorded on."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    document = json.loads(header["__metadata__"]["sessionstate"])
+    return [s["device"] for s in document["storages"]]
+
+
 def test_a_storage_read_on_host_is_saved_as_one_of_the_device_it_came_from() -> None:
     x = torch.arange(4.0)
     with recorded_devices():
@@ -162,12 +172,97 @@ def test_a_storage_read_on_host_is_saved_as_one_of_the_device_it_came_from() -> 
         inside = dumps_state({"x": x})
     record_device(x.untyped_storage(), "cuda:3")  # outside: nothing is recorded
     outside = dumps_state({"x": x})
+    assert _devices(inside) == ["cuda:3"]
+    assert _devices(outside) == ["cpu"]
 
-    def devices(data: bytes) -> list[str]:
-        (n,) = torch.tensor(list(data[:8]), dtype=torch.uint8).view(torch.int64).tolist()
-        header = json.loads(data[8 : 8 + n])
-        document = json.loads(header["__metadata__"]["sessionstate"])
-        return [s["device"] for s in document["storages"]]
 
-    assert devices(inside) == ["cuda:3"]
-    assert devices(outside) == ["cpu"]
+def test_a_get_whose_room_making_cannot_park_another_session_names_this_one(
+    tmp_path: Path,
+) -> None:
+    # The host pool cannot hold "b" and the spill directory is a file: parking "b" for a's
+    # blocks fails. The error is a's shortage, caused by the failed park; "a" stays parked.
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the spool directory should be")
+    pool = KVPool(4, block_tokens=2, token_shape=(2,), name="kv")
+    m = SessionStateManager(host_pool_bytes=64, host_pool_full="disk", spool_dir=blocked)
+    m.put("a", SessionState(objects={"kv": KVCache().allocate().append(pool, torch.ones(3, 2))}))
+    assert m.park_until(lambda: pool.free_blocks == 4, frees=pool.owns_entry)
+    m.put("b", SessionState(objects={"kv": KVCache().allocate().append(pool, torch.ones(5, 2))}))
+    hog = pool.append(pool.empty(), torch.zeros(1, 2))
+    with pytest.raises(KVPoolExhaustedError, match=re.escape("Cannot unpark session 'a'")) as info:
+        m.get("a")
+    assert "Cannot park session 'b'" in str(info.value.__cause__)
+    assert m.peek("a").parked == ("kv",)  # type: ignore[union-attr]
+    assert m.peek("b").parked == ()  # type: ignore[union-attr]
+    del hog
+
+
+def test_a_failed_multi_handle_unpark_gives_the_first_handles_blocks_back_at_once() -> None:
+    # Two objects parked apart (two handles), the second's pool short: the first's blocks are
+    # back when `get` raises, even while the caller keeps the error.
+    a_pool = KVPool(4, block_tokens=2, token_shape=(2,), name="A")
+    b_pool = KVPool(4, block_tokens=2, token_shape=(2,), name="B")
+    m = SessionStateManager()
+    m.put(
+        "s",
+        SessionState(
+            objects={
+                "a": KVCache().allocate().append(a_pool, torch.ones(5, 2)),
+                "b": KVCache().allocate().append(b_pool, torch.ones(5, 2)),
+            }
+        ),
+    )
+    assert m.park_until(lambda: a_pool.free_blocks == 4, frees=a_pool.owns_entry)
+    assert m.park_until(lambda: b_pool.free_blocks == 4, frees=b_pool.owns_entry)
+    hog = b_pool.append(b_pool.empty(), torch.zeros(4, 2))
+    with pytest.raises(KVPoolExhaustedError) as info:
+        m.get("s")
+    assert info.value is not None  # the error is kept ...
+    assert a_pool.free_blocks == 4  # ... and holds no block
+    del hog
+    s = m.get("s")
+    assert s is not None
+    assert torch.equal(s.object("b", KVCache).read(), torch.ones(5, 2))  # type: ignore[arg-type]
+
+
+def test_a_damaged_spool_file_fails_a_read_naming_the_session(tmp_path: Path) -> None:
+    m, pool, _ = _full("disk", tmp_path)
+    (path,) = [p for p in tmp_path.rglob("*.safetensors")]
+    path.write_bytes(b"garbage")
+    msg = "Cannot read parked session 'a' (objects ['kv']) from the disk tier: "
+    with pytest.raises(ParkingError, match=re.escape(msg)):
+        m.peek("a", on_host=True)
+    with pytest.raises(ParkingError, match=re.escape(msg)):
+        m.snapshot("a", tmp_path / "a.safetensors")
+    assert m.peek("a").parked == ("kv",)  # type: ignore[union-attr]
+    assert pool.free_blocks == 0
+
+
+def test_a_recorded_device_is_never_given_to_a_later_storage_at_the_same_address() -> None:
+    with recorded_devices():
+        t = torch.ones(3)
+        record_device(t.untyped_storage(), "cuda:0")
+        key = t.untyped_storage()._cdata
+        del t  # the record holds the storage: its address cannot go to another
+        u = torch.arange(4.0)
+        assert u.untyped_storage()._cdata != key
+        data = dumps_state({"u": u})
+    assert _devices(data) == ["cpu"]
+
+
+def test_a_standalone_pool_records_its_home_only_within_the_read_that_made_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=(2,), name="kv")
+    kv = KVCache().allocate().append(pool, torch.ones(3, 2))
+    parked = SessionState(objects={"kv": kv}).park("host")
+    with recorded_devices():
+        read = parked.unpark_on_host()
+    marked: list[tuple[object, ...]] = []
+    monkeypatch.setattr(pool_module, "record_device", lambda *args: marked.append(args))
+    with recorded_devices():  # a later block: the read's pool is a plain CPU pool here
+        dumps_state(read)
+    assert marked == []
+    with recorded_devices():
+        dumps_state(parked.unpark_on_host())  # its own block: its pool's device is noted
+    assert len(marked) == 1

@@ -706,8 +706,8 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "                    state = state.unpark_on_host()\n",
-                "                    state = state.unpark()\n",
+                "            return state.unpark_on_host()\n",
+                "            return state.unpark()\n",
             ),
         ),
         ("tests/test_park_reading.py",),
@@ -731,6 +731,19 @@ MUTANTS = (
         "sessionstate/models/dreamzero/networks.py",
         (("            if self.dtype in _NO_FAST_CPU_CONV:\n", "            if False:\n"),),
         ("tests/dreamzero/test_dtypes.py",),
+    ),
+    Mutant(
+        "failed-unpark-keeps-restored-trees",
+        "an unpark that fails in a later handle keeps the earlier handles' restored trees (their "
+        "engine blocks) until the caller lets go of the error",
+        "sessionstate/_session.py",
+        (
+            (
+                "            restored.clear()\n            objects.clear()\n            raise\n",
+                "            raise\n",
+            ),
+        ),
+        ("tests/test_park_reading.py",),
     ),
     Mutant(
         "with-values-skips-the-bucket-check",

@@ -105,9 +105,11 @@ class StaleKVHandleError(RuntimeError):
 
 
 def reason(exc: BaseException, /) -> str:
-    """``exc``'s message as a clause inside another message: without its closing period.
+    """``exc``'s message as a clause inside another message: without its closing period
+    (its type's name when it has none).
 
     >>> f"Cannot unpark: {reason(RuntimeError('The pool is full.'))}. Retry."
     'Cannot unpark: The pool is full. Retry.'
     """
-    return str(exc).rstrip().removesuffix(".")
+    text = str(exc).rstrip().removesuffix(".")
+    return text or type(exc).__name__

@@ -415,12 +415,20 @@ class SessionState:
             return self
         restored: dict[int, Any] = {}  # one restore per handle keeps shared storages shared
         objects = dict(self._objects)
-        for name, obj in self._objects.items():
-            if isinstance(obj, ParkedObject):
-                tree = restored.get(id(obj.handle))
-                if tree is None:
-                    tree = restored[id(obj.handle)] = obj.handle.restore()
-                objects[name] = obj.unpark_from(tree)
+        try:
+            for name, obj in self._objects.items():
+                if isinstance(obj, ParkedObject):
+                    tree = restored.get(id(obj.handle))
+                    if tree is None:
+                        tree = restored[id(obj.handle)] = obj.handle.restore()
+                    objects[name] = obj.unpark_from(tree)
+        except BaseException:
+            # All or nothing: what the handles before the failing one restored (engine
+            # blocks) goes back now, not when the caller lets go of the error (its
+            # traceback holds this frame).
+            restored.clear()
+            objects.clear()
+            raise
         return self._replace(objects, self._attrs)
 
     def unpark_on_host(self: _St) -> _St:

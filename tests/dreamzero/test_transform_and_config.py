@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import MappingProxyType
 
 import attrs
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from dz_support import random_observation, tiny
 from torch.nn import functional
 
-from sessionstate import ENV_ENABLE, MissingKeyError, OmniDiffusionConfig
+from sessionstate import ENV_ENABLE, MissingKeyError, OmniDiffusionConfig, tree_leaves, tree_map
 from sessionstate.models.dreamzero import (
     CAMERAS,
     FRAMES_PER_CHUNK,
@@ -354,3 +355,15 @@ def test_yaml_with_an_unknown_top_level_key(tmp_path: Path) -> None:
     msg = f"Deploy config {str(path)!r}: Unknown deploy config key 'enable_session_state_manger'"
     with pytest.raises(MissingKeyError, match=re.escape(msg)):
         OmniDiffusionConfig.from_yaml(path)
+
+
+def test_an_observation_is_a_pytree_whatever_mapping_holds_its_images() -> None:
+    img = torch.zeros(4, 6, 3, dtype=torch.uint8)
+    obs = Observation(
+        images=MappingProxyType({k: img for k in CAMERAS}), prompt="pick", state=torch.zeros(8)
+    )
+    assert type(obs.images) is dict
+    assert len(tree_leaves(obs)) == len(CAMERAS) + 1  # every image and the joint state
+    moved = tree_map(lambda t: t + 1, obs)
+    assert moved.prompt == "pick"
+    assert all(torch.equal(moved.images[k], img + 1) for k in CAMERAS)

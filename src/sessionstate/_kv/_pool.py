@@ -51,7 +51,7 @@ import torch
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
 from sessionstate._checks import check_count, is_int
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
-from sessionstate._storage import record_device, register_snapshot_leaf
+from sessionstate._storage import record_device, recording, register_snapshot_leaf
 from sessionstate._tree import tree_equal
 
 __all__ = ["KVHandle", "KVPool", "offload_payload", "reload_handles"]
@@ -316,9 +316,10 @@ class KVPool:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._block_entries: dict[int, StorageEntry] = {}  # see `_entries`
-        # A standalone pool read from a parked record stands in for a pool on this device: a
-        # snapshot records its blocks there (see `standalone_handles`).
-        self._home: str | None = None
+        # A standalone pool read from a parked record stands in for a pool on this device,
+        # within the `recorded_devices` block that read it: a snapshot taken there records
+        # its blocks on that device (see `standalone_handles`).
+        self._home: tuple[str, object] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -709,8 +710,9 @@ def snapshot_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     saved = []
     for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
         data = _read_blocks(pool, slot_of, filled)
-        if pool._home is not None:
-            record_device(data.untyped_storage(), pool._home)
+        home = pool._home
+        if home is not None and home[1] is recording():
+            record_device(data.untyped_storage(), home[0])
         saved.append(
             {
                 "name": pool.name,
@@ -819,8 +821,10 @@ def standalone_handles(payload: Any) -> list[KVHandle]:
         for group in groups
     ]
     handles = restore_handles({"pools": saved, "handles": payload["handles"]})
-    for handle, fact in zip(handles, payload["handles"], strict=True):
-        handle.pool._home = str(groups[fact["pool"]]["pool"].storage.device)
+    block = recording()
+    if block is not None:  # outside a recording block, the pools are plain CPU pools
+        for handle, fact in zip(handles, payload["handles"], strict=True):
+            handle.pool._home = (str(groups[fact["pool"]]["pool"].storage.device), block)
     return handles
 
 

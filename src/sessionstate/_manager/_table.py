@@ -27,6 +27,7 @@ from sessionstate._errors import (
     ParkingError,
     SessionAdmissionError,
     SessionStateLostError,
+    reason,
 )
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
@@ -40,6 +41,7 @@ from sessionstate._manager._policy import (
 )
 from sessionstate._protocols import StorageEntry
 from sessionstate._session import SessionState
+from sessionstate._stateobject import ParkedObject
 from sessionstate._storage import (
     HostBufferPool,
     HostPoolFullError,
@@ -326,8 +328,8 @@ class SessionStateManager(Generic[SessionT]):
             state = self._table.get(session_id)
             if state is not None:
                 self._verify(session_id, state)
-                if on_host:
-                    state = state.unpark_on_host()
+                if on_host and state.parked:
+                    state = self._read_parked(session_id, state)
             return state
 
     def require(self, session_id: Hashable, /) -> SessionT:
@@ -867,6 +869,19 @@ class SessionStateManager(Generic[SessionT]):
         self._record_versions(session_id, new)
         return new
 
+    def _read_parked(self, session_id: Hashable, state: SessionT) -> SessionT:
+        try:
+            return state.unpark_on_host()
+        except Exception as exc:
+            held = [o for o in state.objects.values() if isinstance(o, ParkedObject)]
+            tiers = " and ".join(sorted({o.handle.tier for o in held}))
+            msg = (
+                f"Cannot read parked session {session_id!r} (objects {list(state.parked)}) "
+                f"from the {tiers} tier: {reason(exc)}. The session stays parked and intact; "
+                "retry once the cause is fixed, or `drop` it."
+            )
+            raise ParkingError(msg) from exc
+
     def _unpark(self, session_id: Hashable, state: SessionT) -> SessionT:
         # Unpark; a `KVPool` short of the blocks to take the session's KV back gets them from
         # the least recently used other sessions' parkable KV (then from their prefetches),
@@ -881,7 +896,13 @@ class SessionStateManager(Generic[SessionT]):
                     raise
                 tried.add(id(pool))
                 done = functools.partial(_has_free_blocks, pool, needed)
-                if not self.park_until(done, frees=pool.owns_entry, keep=(session_id,)):
+                try:
+                    made = self.park_until(done, frees=pool.owns_entry, keep=(session_id,))
+                except ParkingError as failed:
+                    # Another session could not be parked for the room: the shortage is
+                    # still this session's, and the failed park its cause.
+                    raise exc from failed
+                if not made:
                     raise
 
     def _forget(self, session_id: Hashable) -> bool:

@@ -51,6 +51,7 @@ from sessionstate._storage._encode import (
     dumps_state,
     record_device,
     recorded_devices,
+    recording,
     save_state,
 )
 from sessionstate._storage._format import (
@@ -111,6 +112,7 @@ __all__ = [
     "record_device",
     "record_name",
     "recorded_devices",
+    "recording",
     "register_snapshot_leaf",
     "resolve_leaf_class",
     "resolve_record",

@@ -155,7 +155,10 @@ class _Encoder:
         return {"type": "record", "class": record_name(cls), "fields": fields, "static": statics}
 
 
-_RECORDED: ContextVar[dict[int, str] | None] = ContextVar("sessionstate_recorded", default=None)
+# Per storage key: the device to record, and the storage (held, so the key is not reused).
+_RECORDED: ContextVar[dict[int, tuple[str, torch.UntypedStorage]] | None] = ContextVar(
+    "sessionstate_recorded", default=None
+)
 
 
 @contextlib.contextmanager
@@ -174,10 +177,18 @@ def recorded_devices() -> Iterator[None]:
 
 
 def record_device(storage: torch.UntypedStorage, device: str, /) -> None:
-    """Within `recorded_devices`, save ``storage`` as a storage of ``device``; else nothing."""
+    """Within `recorded_devices`, save ``storage`` as a storage of ``device``; else nothing.
+
+    The storage is held until the block ends, so its key is not reused by another.
+    """
     table = _RECORDED.get()
     if table is not None and device != str(storage.device):
-        table[storage._cdata] = device
+        table[storage._cdata] = (device, storage)
+
+
+def recording() -> object | None:
+    """The current `recorded_devices` block (an opaque token), or None outside one."""
+    return _RECORDED.get()
 
 
 def _encode(state: PyTree, metadata: Mapping[str, str] | None) -> tuple[bytes, list[memoryview]]:
@@ -199,7 +210,8 @@ def _encode(state: PyTree, metadata: Mapping[str, str] | None) -> tuple[bytes, l
     recorded = _RECORDED.get() or {}
     for storage in storages:
         tensor = storage_bytes(storage)
-        device = recorded.get(storage._cdata, str(tensor.device))
+        marked = recorded.get(storage._cdata)
+        device = marked[0] if marked is not None else str(tensor.device)
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         raw = tensor.numpy().data  # the storage's own memory: a CPU storage is not copied

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch.nn import functional
 
-from sessionstate import record, static_field
+from sessionstate import field, record, static_field
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 
 __all__ = ["CAMERAS", "Observation", "check_observation", "stitch_views"]
@@ -29,7 +29,7 @@ class Observation:
     'pick'
     """
 
-    images: Mapping[str, torch.Tensor]
+    images: Mapping[str, torch.Tensor] = field(converter=dict)  # a dict: a pytree node
     prompt: str = static_field()
     state: torch.Tensor
 
