@@ -251,8 +251,8 @@ def test_host_pool_bytes_field_env_override_and_messages(
     refuse = OmniDiffusionConfig(session_state_host_pool_full="refuse")
     assert resolve_session_state_config(refuse, {}).host_pool_full == "refuse"
     msg = (
-        "`session_state_host_pool_full` must be one of ['disk', 'refuse'], got 'ram' (str): "
-        "'disk' spills a park the host pool cannot hold to the disk tier, 'refuse' refuses it."
+        "`session_state_host_pool_full` must be 'disk' or 'refuse', got 'ram' (str): 'disk' "
+        "spills a park the host pool cannot hold to the disk tier, 'refuse' refuses it."
     )
     with pytest.raises(ValueError, match=re.escape(msg)):
         OmniDiffusionConfig(session_state_host_pool_full="ram")  # type: ignore[arg-type]

@@ -295,7 +295,12 @@ def test_bad_max_sessions() -> None:
 
 
 def test_bad_on_full() -> None:
-    msg = "`on_full` must be 'evict' or 'refuse', got 'drop' (str)."
+    # The one pin of the check every entry point shares (`check_choice`): the manager, the
+    # deploy config (`session_state_on_full`), the testing machines.
+    msg = (
+        "`on_full` must be 'evict' or 'refuse', got 'drop' (str): 'evict' drops the least "
+        "recently used session at the cap, 'refuse' refuses the new one."
+    )
     with pytest.raises(ValueError, match=_exact(msg)) as info:
         SessionStateManager(on_full="drop")  # type: ignore[arg-type]
     assert str(info.value) == msg
@@ -488,8 +493,8 @@ def test_a_name_in_both_buckets() -> None:
 
 def test_the_host_pool_and_prefetch_arguments() -> None:
     msg = (
-        "`host_pool_full` must be 'disk' (spill what the host pool cannot hold to the disk "
-        "tier) or 'refuse', got 'spill' (str)."
+        "`host_pool_full` must be 'disk' or 'refuse', got 'spill' (str): 'disk' spills a park "
+        "the host pool cannot hold to the disk tier, 'refuse' refuses it."
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         SessionStateManager(host_pool_full="spill")  # type: ignore[arg-type]
@@ -517,11 +522,13 @@ CORE_MESSAGES = {
     # The KV pool's bytes, and per-device budget text: test_config_budget.py; so is the
     # host pool's `session_state_host_pool_full`.
     # (its bool fields' message is `_checks.a_bool`'s now.)
-    "_config.py": 5 + 3 + 3 + 4 + 2 + 2 + 1 + 1,
+    # (`session_state_on_full` and `session_state_host_pool_full` are `check_choice`'s now.)
+    "_config.py": 5 + 3 + 3 + 4 + 2 + 1,
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
-    # (`check_immutable` and `max_sessions` are checked by `_checks` now.)
-    "_manager/_table.py": 11 + 2,
+    # (`check_immutable`, `max_sessions`, `on_full` and `host_pool_full` are checked by
+    # `_checks` now.)
+    "_manager/_table.py": 9 + 2,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -529,8 +536,8 @@ CORE_MESSAGES = {
     # and NaN ids: pinned in test_session_ids.py), then the validators: `check_bool` (through
     # the manager's `check_immutable`, test_reliability_contracts.py), `a_bool` (through the
     # deploy config, above), `an_int` and `one_of` (the model configs'; `positive_int` raises
-    # `check_count`'s).
-    "_checks.py": 1 + 1 + 2 + 4,
+    # `check_count`'s), and `check_choice` (`on_full` and `host_pool_full`, pinned above).
+    "_checks.py": 1 + 1 + 2 + 4 + 1,
     "_objects.py": 4 + 3 + 3 + 7,  # with the chunk checks
     "_stateobject.py": 1,  # a parked object's refusal, pinned in test_park_reliability.py
     "_session.py": 6 + 2 + 1,  # `object(name, cls)` of another type: test_session.py

@@ -354,7 +354,7 @@ def test_session_states_alias_between_buckets_and_vary_lifecycles() -> None:
         (
             lambda: manager_contract_machine(on_full="drop"),  # type: ignore[arg-type]
             ValueError,
-            "`on_full` must be 'evict' or 'refuse', got 'drop' (str).",
+            "`on_full` must be 'evict' or 'refuse', got 'drop' (str): ",
         ),
     ],
 )

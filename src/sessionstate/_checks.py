@@ -9,7 +9,7 @@ renders it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -139,6 +139,43 @@ def one_of(choices: Collection[str], /) -> Callable[[object, Any, object], None]
             raise ValueError(msg)
 
     return validate
+
+
+ON_FULL_CHOICES: Mapping[str, str] = {
+    "evict": "drops the least recently used session at the cap",
+    "refuse": "refuses the new one",
+}
+"""What a new session does when the session table is at its cap (``on_full``)."""
+
+HOST_POOL_FULL_CHOICES: Mapping[str, str] = {
+    "disk": "spills a park the host pool cannot hold to the disk tier",
+    "refuse": "refuses it",
+}
+"""What a park the host buffer pool cannot hold does (``host_pool_full``)."""
+
+
+def check_choice(value: object, name: str, choices: Mapping[str, str], /) -> str:
+    """``value`` if it is one of ``choices`` (each mapped to what it does).
+
+    The one check of a setting with named choices (``on_full``, ``host_pool_full``), for every
+    entry point: the manager, the deploy config, the testing machines.
+
+    Raises:
+        TypeError: for a value that is not a str.
+        ValueError: for another str; both name the value and what each choice does.
+
+    >>> check_choice("lru", "on_full", ON_FULL_CHOICES)
+    Traceback (most recent call last):
+    ...
+    ValueError: `on_full` must be 'evict' or 'refuse', got 'lru' (str): 'evict' drops the least recently used session at the cap, 'refuse' refuses the new one.
+    """  # noqa: E501 - a doctest line
+    if isinstance(value, str) and value in choices:
+        return value
+    names = [repr(c) for c in choices]
+    listed = ", ".join(names[:-1]) + f" or {names[-1]}"
+    what = ", ".join(f"{c!r} {does}" for c, does in choices.items())
+    msg = f"`{name}` must be {listed}, got {describe(value)}: {what}."
+    raise (ValueError if isinstance(value, str) else TypeError)(msg)
 
 
 def check_session_id(session_id: object) -> Hashable:

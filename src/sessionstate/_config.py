@@ -13,7 +13,7 @@ import attrs
 import torch
 import yaml
 
-from sessionstate._checks import a_bool
+from sessionstate._checks import HOST_POOL_FULL_CHOICES, ON_FULL_CHOICES, a_bool, check_choice
 from sessionstate._env import (
     ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
@@ -44,7 +44,6 @@ __all__ = [
 _ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
 
 HostPoolFull = Literal["disk", "refuse"]
-_HOST_POOL_FULL: tuple[HostPoolFull, ...] = ("disk", "refuse")
 
 _UNINDEXED = ("cpu", "meta")
 """Device types tensors report without an index; every other type has one (``cuda:0``)."""
@@ -157,13 +156,7 @@ def _to_host_pool_bytes(value: Any) -> int | None:
 
 
 def _check_host_pool_full(instance: Any, attribute: Any, value: Any) -> None:
-    if value not in _HOST_POOL_FULL:
-        msg = (
-            f"`session_state_host_pool_full` must be one of {list(_HOST_POOL_FULL)}, got "
-            f"{value!r} ({type(value).__name__}): 'disk' spills a park the host pool cannot "
-            "hold to the disk tier, 'refuse' refuses it."
-        )
-        raise ValueError(msg)
+    check_choice(value, attribute.name, HOST_POOL_FULL_CHOICES)
 
 
 def _to_tier(value: Any) -> Tier:
@@ -225,18 +218,7 @@ def _parse_budget_text(text: str) -> MaxBytes | str:
 
 
 def _check_on_full(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str):
-        msg = (
-            f"`{attribute.name}` must be 'evict' or 'refuse', got {value!r} "
-            f"({type(value).__name__})."
-        )
-        raise TypeError(msg)
-    if value not in _ON_FULL:
-        msg = (
-            f"`{attribute.name}` must be 'evict' or 'refuse', got {value!r} (str): 'evict' "
-            "drops the least recently used session at the cap, 'refuse' refuses the new one."
-        )
-        raise ValueError(msg)
+    check_choice(value, attribute.name, ON_FULL_CHOICES)
 
 
 def _read_only(value: Any) -> Any:

@@ -20,7 +20,14 @@ from typing import Any, Generic, cast
 import torch
 from typing_extensions import TypeVar
 
-from sessionstate._checks import check_bool, check_count, is_int
+from sessionstate._checks import (
+    HOST_POOL_FULL_CHOICES,
+    ON_FULL_CHOICES,
+    check_bool,
+    check_choice,
+    check_count,
+    is_int,
+)
 from sessionstate._checks import check_session_id as check_session_id
 from sessionstate._errors import (
     KVPoolExhaustedError,
@@ -140,12 +147,7 @@ class SessionStateManager(Generic[SessionT]):
     ) -> None:
         check_bool(check_immutable, "check_immutable")
         check_count(max_sessions, "max_sessions", fix=f"; the default is {DEFAULT_MAX_SESSIONS}")
-        if on_full not in ("evict", "refuse"):
-            msg = (
-                f"`on_full` must be 'evict' or 'refuse', got {on_full!r} "
-                f"({type(on_full).__name__})."
-            )
-            raise ValueError(msg)
+        check_choice(on_full, "on_full", ON_FULL_CHOICES)
         self._max_sessions = max_sessions
         self._on_full: OnFull = on_full
         budget = check_max_bytes(max_bytes)
@@ -939,12 +941,7 @@ def _host_pool(
     nbytes: object, full: object, tier: Tier, budget: Mapping[str, int] | None
 ) -> HostBufferPool | None:
     # The host tier's pool, from the manager's arguments (checked; None: no pool).
-    if full not in ("disk", "refuse"):
-        msg = (
-            f"`host_pool_full` must be 'disk' (spill what the host pool cannot hold to the "
-            f"disk tier) or 'refuse', got {full!r} ({type(full).__name__})."
-        )
-        raise ValueError(msg)
+    check_choice(full, "host_pool_full", HOST_POOL_FULL_CHOICES)
     if nbytes is None:
         return None
     count = parse_nbytes(nbytes, name="host_pool_bytes")

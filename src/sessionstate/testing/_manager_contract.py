@@ -10,7 +10,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sessionstate._checks import describe
+from sessionstate._checks import ON_FULL_CHOICES, check_choice
 from sessionstate._errors import SessionAdmissionError, SessionStateLostError
 from sessionstate._manager import OnFull, SessionStateManager
 from sessionstate._objects import LatentBuffer
@@ -358,9 +358,7 @@ def manager_contract_machine(
     """
     if not isinstance(max_sessions, st.SearchStrategy):
         _check_positive("max_sessions", max_sessions)
-    if on_full not in ("evict", "refuse"):
-        msg = f"`on_full` must be 'evict' or 'refuse', got {describe(on_full)}."
-        raise ValueError(msg)
+    check_choice(on_full, "on_full", ON_FULL_CHOICES)
 
     class Configured(ManagerContractMachine):
         pass
