@@ -117,7 +117,7 @@ def parts(chunks: int, rounds: int) -> dict[str, float]:
         (LatentBuffer, "commit"),
         (KVPool, "append"),
         (KVPool, "read"),
-        (managed.ManagedPath, "_make_kv_room"),
+        (SessionStateManager, "_make_step_room"),
         (managed.ManagedPath, "step"),
     ]
     undo = [_wrap(owner, name, spent) for owner, name in targets]

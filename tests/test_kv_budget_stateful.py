@@ -95,6 +95,7 @@ def _new_session() -> SessionState:
 
 class KVBudgetMachine(RuleBasedStateMachine):
     tier: ClassVar[str] = "host"
+    via_step: ClassVar[bool] = False  # steps through `manager.step` with `pools=`
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,11 +107,13 @@ class KVBudgetMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def create(self, data: st.DataObject) -> None:
+        declared = {"step_tokens": _MAX_NEW, "window_tokens": _WINDOW} if self.via_step else {}
         self.pool = KVPool(
             data.draw(st.sampled_from([3, 5, 6, 8, 10, 14]), label="pool blocks"),
             block_tokens=_BT,
             token_shape=(_WIDTH,),
             name="kv",
+            **declared,  # type: ignore[arg-type]
         )
         self.start_free = self.pool.free_blocks
         # A session holds at most 3 blocks (48 bytes), a 16-byte feature and two 8-byte chunks.
@@ -127,6 +130,7 @@ class KVBudgetMachine(RuleBasedStateMachine):
             max_bytes=None if budget is None else {"cpu": budget},
             park_tier=self.tier,  # type: ignore[arg-type]
             spool_dir=self.spool,
+            pools=(self.pool,) if self.via_step else (),
         )
 
     # -- helpers ----------------------------------------------------------------------------
@@ -252,7 +256,63 @@ class KVBudgetMachine(RuleBasedStateMachine):
         self._check_reads(sid, state)
         return state
 
+    def _step_through_the_manager(self, sid: str, n: int, fault: str | None) -> None:
+        # The manager makes the room (bytes and the pool's blocks), reads, runs the step in
+        # the pool's transaction and publishes: a failure leaves the stored record's content
+        # (the invariants read it against the model) and the pool's blocks as they were.
+        kv = self._values(n * _WIDTH).reshape(n, _WIDTH)
+        feat = self._values(4)
+        chunk = self._values(2)
+
+        def fn(state: SessionState) -> tuple[SessionState, None]:
+            new = state.update_object("kv", lambda c: c.append(self.pool, kv, window=_WINDOW))
+            if fault == "after the KV append":
+                raise _FaultError(fault)
+            new = new.update_object("feat", lambda c: c.commit((feat,)))
+            new = new.update_object("ring", lambda r: r.commit(chunk))
+            new = new.with_attrs(step=state.attrs["step"] + 1, pos=chunk + 0.5)
+            if fault == "after every commit":
+                raise _FaultError(fault)
+            return new, None
+
+        try:
+            self.manager.step(sid, fn, new=_new_session)
+        except _FaultError:
+            event("step through the manager failed: a fault")
+            self._sync()
+            return
+        except KVPoolExhaustedError as exc:
+            # Only once the room-making left no other session's KV resident; the error names
+            # the session.
+            assert f"Session {sid!r}: a step can need" in str(exc)  # noqa: PT017 - a rule
+            assert self._kv_left_to_park({sid}) == []
+            event("step through the manager failed: the pool")
+            self._sync()
+            return
+        except SessionAdmissionError:
+            event("step through the manager refused")
+            self._sync()
+            return
+        self._stepped(sid, kv, feat, chunk)
+
+    def _stepped(self, sid: str, kv: torch.Tensor, feat: torch.Tensor, chunk: torch.Tensor) -> None:
+        before = self.model.get(sid)
+        tokens = kv if before is None else torch.cat([before["kv"], kv])
+        ring = [] if before is None else before["ring"]
+        self.model[sid] = {
+            "kv": _windowed(tokens),
+            "feat": feat,
+            "ring": [*ring, chunk][-2:],
+            "step": 1 if before is None else before["step"] + 1,
+            "pos": chunk + 0.5,
+        }
+        event("stepped a session")
+        self._sync()
+
     def _step(self, sid: str, n: int, fault: str | None) -> None:
+        if self.via_step:
+            self._step_through_the_manager(sid, n, fault)
+            return
         self._make_kv_room(sid)
         held = sid in self.model
         state = self._read(sid) if held else None
@@ -310,18 +370,7 @@ class KVBudgetMachine(RuleBasedStateMachine):
             self._sync()
             return
         del new, state, stored
-        before = self.model.get(sid)
-        tokens = kv if before is None else torch.cat([before["kv"], kv])
-        ring = [] if before is None else before["ring"]
-        self.model[sid] = {
-            "kv": _windowed(tokens),
-            "feat": feat,
-            "ring": [*ring, chunk][-2:],
-            "step": 1 if before is None else before["step"] + 1,
-            "pos": chunk + 0.5,
-        }
-        event("stepped a session")
-        self._sync()
+        self._stepped(sid, kv, feat, chunk)
 
     # -- rules ------------------------------------------------------------------------------
 
@@ -482,9 +531,17 @@ class DiskKVBudgetMachine(KVBudgetMachine):
     tier = "disk"
 
 
+class StepKVBudgetMachine(KVBudgetMachine):
+    """The same rules and invariants, each step through `SessionStateManager.step` of a plain
+    manager given the pool (``pools=``): the manager makes the room, not the test."""
+
+    via_step = True
+
+
 TestKVBudgetHost = KVBudgetMachine.TestCase
 TestKVBudgetDisk = DiskKVBudgetMachine.TestCase
 TestKVBudgetDisk.settings = settings(max_examples=10, stateful_step_count=20, deadline=None)
+TestKVBudgetThroughStep = StepKVBudgetMachine.TestCase
 
 
 def test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks() -> None:

@@ -527,8 +527,8 @@ CORE_MESSAGES = {
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
     # (`check_immutable`, `max_sessions`, `on_full` and `host_pool_full` are checked by
-    # `_checks` now.)
-    "_manager/_table.py": 9 + 2,
+    # `_checks` now.) Then `pools` (two, pinned below).
+    "_manager/_table.py": 9 + 2 + 2,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -570,6 +570,43 @@ def test_manager_read_of_a_damaged_parked_session(tmp_path: Path) -> None:
     )
     with pytest.raises(ss.ParkingError, match=msg):
         m.peek("a", on_host=True)
+
+
+def test_bad_pools() -> None:
+    msg = (
+        "`pools` must be a tuple or list of engine pools, got {} (KVPool); pass `pools=(kv_pool,)`."
+    )
+    pool = ss.KVPool(1, block_tokens=1, token_shape=(), name="kv")
+    with pytest.raises(TypeError, match=_exact(msg.format(repr(pool)))):
+        SessionStateManager(pools=pool)  # type: ignore[arg-type]
+    msg = (
+        "`pools` holds 'kv' (str), which is not an engine pool: it needs `name`, "
+        "`block_nbytes`, `num_blocks`, `free_blocks`, `session_blocks`, `owns_entry` and "
+        "`blocks_for_step` (see `sessionstate.EnginePool`; a `KVPool` has them)."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionStateManager(pools=("kv",))  # type: ignore[arg-type]
+
+
+def test_a_step_the_pool_cannot_hold() -> None:
+    pool = ss.KVPool(2, block_tokens=2, token_shape=(), name="kv", step_tokens=2)
+    m = SessionStateManager(pools=(pool,))
+    hog = pool.append(pool.empty(), torch.zeros(4))  # held outside the manager
+
+    def grow(state: SessionState) -> tuple[SessionState, None]:
+        kv = state.object("kv", ss.KVCache).append(pool, torch.ones(2))
+        return state.with_object("kv", kv), None
+
+    msg = (
+        "Session 'a': a step can need 2 KV blocks (16 bytes) of pool 'kv', which has 0 free "
+        "(0 bytes); live handles hold the other 16 bytes, and no other session's KV the "
+        "manager holds is left to park (records kept outside the manager hold their blocks). "
+        "Drop finished sessions, or build the pool with at least 32 bytes."
+    )
+    with pytest.raises(ss.KVPoolExhaustedError, match=_exact(msg)):
+        m.step("a", grow, new=lambda: SessionState(objects={"kv": ss.KVCache().allocate()}))
+    assert "a" not in m
+    del hog
 
 
 def test_every_core_message_is_pinned_here() -> None:

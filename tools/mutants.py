@@ -443,18 +443,17 @@ MUTANTS = (
         ("tests/test_kv_park.py", "tests/test_kv_park_dreamzero.py"),
     ),
     Mutant(
-        "dreamzero-never-makes-kv-room",
-        "DreamZero steps without parking other sessions' KV when its pool runs short",
-        "sessionstate/models/dreamzero/_managed.py",
+        "manager-never-makes-step-room",
+        "the manager steps a session without parking other sessions' blocks when a pool it "
+        "was given runs short",
+        "sessionstate/_manager/_table.py",
         (
             (
-                "        pool = self.kv_pool\n"
-                "        if pool.free_blocks > kv_cache.handle_blocks(self.model.cfg):\n"
-                "            return\n",
-                "        return\n",
+                "            if most == 0 or pool.free_blocks >= most:\n",
+                "            if True:\n",
             ),
         ),
-        ("tests/test_kv_park_dreamzero.py",),
+        ("tests/test_kv_park_dreamzero.py", "tests/dreamzero/test_pool_pressure_record.py"),
     ),
     Mutant(
         "prefetch-ignores-budget",

@@ -136,10 +136,15 @@ class EnginePool(Protocol):
     """An engine's pool of fixed-size blocks (a `KVPool`, or a real engine's own).
 
     A record reaches its blocks through engine leaves (`ReportsStorages`); the manager makes a
-    pool's blocks free by parking the sessions holding entries the pool owns (`owns_entry`),
-    and a `KVPoolExhaustedError` names the pool (its ``pool``) and the blocks it lacked (its
-    ``needed``), so a manager's `get` of a parked session makes room in any pool that says so.
-    ``free_blocks`` is read under the manager's lock and must not call the manager.
+    pool's blocks free by parking the sessions holding entries the pool owns (`owns_entry`).
+    Given the pool (``SessionStateManager(pools=...)``), a manager's `step` first makes the
+    room a step can take, ``blocks_for_step(held)`` for a session holding ``held`` of the
+    pool's blocks (0: the engine makes no such claim), and a prefetch starts only with room
+    for the restored session (``session_blocks``, the most one session holds; None: no
+    claim) beside a step's. A `KVPoolExhaustedError` names the pool
+    (its ``pool``) and the blocks it lacked (its ``needed``), so a manager's `get` of a parked
+    session makes room in any pool that says so. ``free_blocks`` and ``blocks_for_step`` are
+    called under the manager's lock and must not call the manager.
 
     >>> from sessionstate import KVPool
     >>> isinstance(KVPool(2, block_tokens=1, token_shape=()), EnginePool)
@@ -155,7 +160,12 @@ class EnginePool(Protocol):
     @property
     def free_blocks(self) -> int: ...
 
+    @property
+    def session_blocks(self) -> int | None: ...
+
     def owns_entry(self, entry: StorageEntry, /) -> bool: ...
+
+    def blocks_for_step(self, held: int, /) -> int: ...
 
 
 @runtime_checkable

@@ -5,9 +5,10 @@ one spare), with and without prefetching the next session, with a cap of six tha
 and with a cap of four that refuses. Every output of the managed path is `torch.equal` to the
 bespoke path's, and both refuse the same steps. The managed path's park, unpark and prefetch
 counts are pinned as recorded when the pipeline's own code made the pool's room
-(`_make_kv_room` through `park_until`, and the kit's block arithmetic for `prefetch`): the
-room loop is to move into the manager, and these counts must not change where the policy does
-not. The message of a step that cannot get its blocks is pinned whole.
+(`_make_kv_room` through `park_until`, and the kit's block arithmetic for `prefetch`); the
+manager makes that room now (`SessionStateManager.step` and `prefetch` over the pool's
+declared geometry) and gives the same counts. The message of a step that cannot get its
+blocks is pinned whole, as the model words it.
 """
 
 from __future__ import annotations

@@ -271,9 +271,15 @@ class KVPool:
         dtype: The KV dtype.
         device: Where the pool lives; ``meta`` counts bytes without allocating.
         name: A name for messages.
+        step_tokens: The most tokens one step of a session appends, if the engine declares
+            it: a manager given the pool (``pools=``) then makes the room a step can take
+            before it runs (`blocks_for_step`). None: no room is made before a step.
+        window_tokens: The newest tokens a session's handle keeps (its sliding window); None
+            keeps every token.
 
     Raises:
-        ValueError: for a negative ``num_blocks`` or a non-positive ``block_tokens``.
+        ValueError: for a negative ``num_blocks`` or a non-positive ``block_tokens``,
+            ``step_tokens`` or ``window_tokens``.
 
     >>> import torch
     >>> pool = KVPool(8, block_tokens=4, token_shape=(2,), name="kv")
@@ -295,11 +301,19 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         name: str = "kv_pool",
+        step_tokens: int | None = None,
+        window_tokens: int | None = None,
     ) -> None:
         check_count(num_blocks, "num_blocks", minimum=0)
         check_count(block_tokens, "block_tokens")
+        if step_tokens is not None:
+            check_count(step_tokens, "step_tokens")
+        if window_tokens is not None:
+            check_count(window_tokens, "window_tokens")
         self.name = name
         self.block_tokens = block_tokens
+        self.step_tokens = step_tokens
+        self.window_tokens = window_tokens
         self.token_shape = tuple(int(n) for n in token_shape)
         self.storage = torch.zeros(
             (num_blocks, block_tokens, *self.token_shape), dtype=dtype, device=device
@@ -346,6 +360,42 @@ class KVPool:
         """
         with self._lock:
             return len(self._free)
+
+    @property
+    def session_blocks(self) -> int | None:
+        """The most blocks one session's handle holds at once (None: no ``step_tokens``).
+
+        A full window, the partial block before it and a step's tokens; without a window, a
+        step's new blocks and a partial one.
+
+        >>> pool = KVPool(8, block_tokens=16, token_shape=(), step_tokens=8, window_tokens=24)
+        >>> pool.session_blocks
+        3
+        """
+        if self.step_tokens is None:
+            return None
+        bt = self.block_tokens
+        window = 0 if self.window_tokens is None else self.window_tokens
+        return math.ceil((window + bt + self.step_tokens) / bt)
+
+    def blocks_for_step(self, held: int, /) -> int:
+        """Free blocks a step of a session holding ``held`` of this pool's blocks can take.
+
+        Its handle at its largest (`session_blocks`), less what it holds, and one more: a
+        partial last block another branch wrote past is copied before it is written. 0 when
+        the pool declares no ``step_tokens``.
+
+        >>> pool = KVPool(8, block_tokens=16, token_shape=(), step_tokens=8, window_tokens=24)
+        >>> undeclared = KVPool(1, block_tokens=1, token_shape=())
+        >>> pool.blocks_for_step(0), pool.blocks_for_step(3), undeclared.blocks_for_step(0)
+        (4, 1, 0)
+        """
+        most = self.session_blocks
+        if most is None:
+            return 0
+        if self.window_tokens is None:
+            return math.ceil(self.step_tokens / self.block_tokens) + 1  # type: ignore[operator]
+        return max(most + 1 - held, 0)
 
     def owns_entry(self, entry: StorageEntry, /) -> bool:
         """Whether a storage entry (as the byte accounting reports one) is a block of this pool.
@@ -794,6 +844,31 @@ def reload_handles(payload: Any) -> list[KVHandle]:
         for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
     ]
     return [made[g][i] for g, i in order]
+
+
+def kv_shortfall(
+    pool: Any, needed: int, session_id: object, /, *, label: str, fix: str
+) -> KVPoolExhaustedError:
+    """The error of a step of ``session_id`` that cannot get ``needed`` blocks of ``pool``.
+
+    Names the blocks and bytes needed, free and held, and ``fix`` with ``{nbytes}`` replaced
+    by the pool bytes the step needs (what is held now and ``needed`` more).
+
+    >>> pool = KVPool(2, block_tokens=1, token_shape=(), name="kv")
+    >>> print(kv_shortfall(pool, 3, "a", label="Session", fix="build it with {nbytes} bytes"))
+    Session 'a': a step can need 3 KV blocks (12 bytes) of pool 'kv', which has 2 free (8 bytes); live handles hold the other 0 bytes, and no other session's KV the manager holds is left to park (records kept outside the manager hold their blocks). Drop finished sessions, or build it with 12 bytes.
+    """  # noqa: E501 - a doctest line
+    block, free = pool.block_nbytes, pool.free_blocks
+    held = (pool.num_blocks - free) * block
+    nbytes = (pool.num_blocks - free + needed) * block
+    msg = (
+        f"{label} {session_id!r}: a step can need {needed} KV blocks ({needed * block} bytes) "
+        f"of pool {pool.name!r}, which has {free} free ({free * block} bytes); live handles "
+        f"hold the other {held} bytes, and no other session's KV the manager holds is left to "
+        "park (records kept outside the manager hold their blocks). Drop finished sessions, "
+        f"or {fix.format(nbytes=nbytes)}."
+    )
+    return KVPoolExhaustedError(msg, pool=pool, needed=needed)
 
 
 def standalone_handles(payload: Any) -> list[KVHandle]:

@@ -9,12 +9,13 @@ nothing), `Parking` (the tier, the spool directory and the handles it made) and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Generic, cast
 
 import torch
@@ -26,6 +27,7 @@ from sessionstate._checks import (
     check_bool,
     check_choice,
     check_count,
+    describe,
     is_int,
 )
 from sessionstate._checks import check_session_id as check_session_id
@@ -36,6 +38,7 @@ from sessionstate._errors import (
     SessionStateLostError,
     reason,
 )
+from sessionstate._kv._pool import kv_shortfall
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
 from sessionstate._manager._parking import HostPoolFull, Parking
@@ -46,7 +49,7 @@ from sessionstate._manager._policy import (
     objects_to_park,
     parse_nbytes,
 )
-from sessionstate._protocols import StorageEntry
+from sessionstate._protocols import EnginePool, StorageEntry
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject
 from sessionstate._storage import (
@@ -67,6 +70,7 @@ DEFAULT_MAX_SESSIONS = 64
 """The default session cap of a `SessionStateManager`."""
 
 SessionT = TypeVar("SessionT", bound=SessionState, default=SessionState)
+OutT = TypeVar("OutT")
 """The record type a manager holds; `SessionState` when the manager is not parameterised."""
 
 
@@ -121,6 +125,10 @@ class SessionStateManager(Generic[SessionT]):
             spills it to the disk tier (into the spool directory; ``host_pool_spills`` counts
             them), ``"refuse"`` leaves that session resident, as one with nothing parkable
             (the budget parks others, then applies ``on_full``).
+        pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
+            e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
+            other sessions' objects holding a pool's blocks until the step's room is free,
+            and `prefetch` starts only with room for the restored session beside a step's.
 
     >>> import torch
     >>> from sessionstate import SessionState
@@ -144,8 +152,10 @@ class SessionStateManager(Generic[SessionT]):
         spool_dir: str | os.PathLike[str] | None = None,
         host_pool_bytes: int | str | None = None,
         host_pool_full: HostPoolFull = "disk",
+        pools: Sequence[EnginePool] = (),
     ) -> None:
         check_bool(check_immutable, "check_immutable")
+        self._pools: tuple[EnginePool, ...] = _check_pools(pools)
         check_count(max_sessions, "max_sessions", fix=f"; the default is {DEFAULT_MAX_SESSIONS}")
         check_choice(on_full, "on_full", ON_FULL_CHOICES)
         self._max_sessions = max_sessions
@@ -563,6 +573,9 @@ class SessionStateManager(Generic[SessionT]):
             if parking.is_prefetched(session_id):
                 return True
             need = parking.parked_need(session_id)
+            if not self._prefetch_blocks(session_id, make_room):
+                parking.count_dropped_prefetch()
+                return False
             if self._policy is not None:
                 reserved = parking.reserved()
                 extra = {d: need.get(d, 0) + reserved.get(d, 0) for d in {*need, *reserved}}
@@ -574,6 +587,73 @@ class SessionStateManager(Generic[SessionT]):
             parking.start_prefetch(session_id, need)
             return True
 
+    def step(
+        self,
+        session_id: Hashable,
+        fn: Callable[[SessionT], tuple[SessionT, OutT]],
+        /,
+        *,
+        new: Callable[[], SessionT],
+        begin: bool | None = None,
+        lost: Callable[[Hashable], str] | None = None,
+    ) -> OutT:
+        """One step of ``session_id``: make its room, read it, ``fn(state) -> (state, out)``,
+        and publish the new record only if the whole step succeeded; return ``out``.
+
+        The room is made before the record is read: in each of the manager's ``pools`` the
+        blocks a step of the session can take (`EnginePool.blocks_for_step`, less what it
+        holds), parking the least recently used other sessions' objects holding the pool's
+        blocks (then their prefetches); the byte budget makes its room as `get` and `put`
+        do. ``fn`` runs inside every pool's ``transaction()`` (where a pool has one), so a
+        step that fails gives back what it took and leaves the stored record, or its
+        absence, exactly as it was.
+
+        Args:
+            session_id: The session.
+            fn: The pure step.
+            new: Makes a new session's record.
+            begin: None continues a held session or starts a new one; True starts anew (a
+                held session is replaced when the step publishes); False continues only.
+            lost: The message of a continuation (``begin=False``) of a session not held.
+
+        Raises:
+            SessionStateLostError: if ``begin`` is False and the session is not held.
+            KVPoolExhaustedError: if a pool lacks the blocks the step can take with nothing
+                left to park, naming the session, the blocks and bytes needed, free and held.
+
+        >>> import torch
+        >>> from sessionstate import KVCache, KVPool, SessionState
+        >>> pool = KVPool(4, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=2)
+        >>> m = SessionStateManager(pools=(pool,))
+        >>> def grow(s):
+        ...     kv = s.object("kv", KVCache).append(pool, torch.ones(2), window=2)
+        ...     return s.with_object("kv", kv), kv.view().tokens
+        >>> def fresh(): return SessionState(objects={"kv": KVCache().allocate()})
+        >>> [m.step(sid, grow, new=fresh) for sid in "aba"]  # a step can take all 4 blocks
+        [2, 2, 2]
+        >>> m.peek("b").parked, m.stats()["kv_parks"]  # "a", then "b", parked for the room
+        (('kv',), 2)
+        """
+        check_session_id(session_id)
+        try:
+            self._make_step_room(session_id)
+            state = None if begin else self.get(session_id)
+            if state is None:
+                if begin is False:
+                    raise SessionStateLostError(
+                        lost(session_id) if lost is not None else _lost(session_id)
+                    )
+                state = new()
+            with self._transactions():
+                state, out = fn(state)
+                # Published only after the whole step succeeded.
+                self.put(session_id, state)
+        except KVPoolExhaustedError as exc:
+            if not any(exc.pool is pool for pool in self._pools):
+                raise
+            raise self._step_shortfall(session_id, exc.pool) from exc
+        return out
+
     def park_until(
         self,
         done: Callable[[], bool],
@@ -584,10 +664,12 @@ class SessionStateManager(Generic[SessionT]):
     ) -> bool:
         """Park least recently used sessions until ``done()`` holds; return whether it holds.
 
-        For memory outside the byte budget that parking gives back, such as a `KVPool`'s
-        blocks: oldest first and never the sessions in ``keep``, each session's parkable
-        objects holding a storage ``frees`` picks (a `StorageEntry`, as the accounting
-        reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked again. A session
+        For memory outside the byte budget that parking gives back, such as the blocks of a
+        `KVPool` the manager was not given (a pool given as ``pools=`` has its room made by
+        `step`, `get` and `prefetch`): oldest first and never the sessions in ``keep``, each
+        session's parkable objects holding a storage ``frees`` picks (a `StorageEntry`, as
+        the accounting reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked
+        again. A session
         whose objects hold no such storage is left alone; without a byte budget too. Parked
         sessions unpark on their next `get`, as under a budget. If parking is not enough,
         the prefetches of sessions not in ``keep`` are dropped (a running one waited for:
@@ -871,6 +953,71 @@ class SessionStateManager(Generic[SessionT]):
         self._record_versions(session_id, new)
         return new
 
+    def _prefetch_blocks(self, session_id: Hashable, make_room: bool) -> bool:
+        # Whether every pool has room for the restored session beside a step's (a background
+        # restore takes its blocks while another session steps); with `make_room`, the least
+        # recently used other resident sessions' blocks are parked until it has.
+        for pool in self._pools:
+            most = pool.session_blocks
+            if most is None:
+                continue
+            need = most + pool.blocks_for_step(0)
+            if pool.free_blocks >= need:
+                continue
+            if make_room:
+                # Parked sessions have nothing to park; kept, their own prefetches stay.
+                parked = (sid for sid in self._table if self._parking.is_parked(sid))
+                keep = {session_id, *parked}
+                done = functools.partial(_has_free_blocks, pool, need)
+                self.park_until(done, frees=pool.owns_entry, keep=keep)
+            if pool.free_blocks < need:
+                return False
+        return True
+
+    def _transactions(self) -> contextlib.AbstractContextManager[Any]:
+        # Every pool's `transaction()`, where it has one (one pool: its own, the usual case).
+        opened = [t for t in map(_transaction_of, self._pools) if t is not None]
+        if not opened:
+            return contextlib.nullcontext()
+        if len(opened) == 1:
+            only: contextlib.AbstractContextManager[Any] = opened[0]()
+            return only
+        return _entered(opened)
+
+    def _held_blocks(self, session_id: Hashable, pool: EnginePool) -> int:
+        # The pool's blocks the session's stored record holds resident (each once).
+        blocks = set()
+        for item in self._ledger.held(session_id).values():
+            for entry in item.entries:
+                if pool.owns_entry(entry):
+                    blocks.add(entry[1])
+        return len(blocks)
+
+    def _make_step_room(self, session_id: Hashable) -> None:
+        # Before a step (outside its transaction): while a pool lacks the blocks the step can
+        # take, park the least recently used other sessions' objects holding its blocks. A
+        # pool with the room to spare costs two calls; only one under pressure reads the
+        # session's entries.
+        for pool in self._pools:
+            most = pool.blocks_for_step(0)
+            if most == 0 or pool.free_blocks >= most:
+                continue
+            with self._lock:
+                need = pool.blocks_for_step(self._held_blocks(session_id, pool))
+                done = functools.partial(_has_free_blocks, pool, need)
+                self.park_until(done, frees=pool.owns_entry, keep=(session_id,))
+
+    def _step_shortfall(self, session_id: Hashable, pool: EnginePool) -> KVPoolExhaustedError:
+        with self._lock:
+            need = pool.blocks_for_step(self._held_blocks(session_id, pool))
+        return kv_shortfall(
+            pool,
+            max(need, 1),
+            session_id,
+            label="Session",
+            fix="build the pool with at least {nbytes} bytes",
+        )
+
     def _read_parked(self, session_id: Hashable, state: SessionT) -> SessionT:
         try:
             return state.unpark_on_host()
@@ -924,8 +1071,48 @@ class SessionStateManager(Generic[SessionT]):
             self._guard.verify(session_id, state)
 
 
+def _lost(session_id: Hashable) -> str:
+    return (
+        f"Cannot continue session {session_id!r}: the manager does not hold it (never "
+        "started, dropped or evicted), so its state is lost. Start it again with "
+        "`begin=True`, or raise the session cap."
+    )
+
+
+def _transaction_of(pool: EnginePool) -> Callable[[], Any] | None:
+    transaction: Callable[[], Any] | None = getattr(pool, "transaction", None)
+    return transaction
+
+
+@contextlib.contextmanager
+def _entered(opened: list[Callable[[], Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for transaction in opened:
+            stack.enter_context(transaction())
+        yield
+
+
 def _has_free_blocks(pool: Any, needed: int) -> bool:
     return bool(pool.free_blocks >= needed)
+
+
+def _check_pools(pools: object) -> tuple[EnginePool, ...]:
+    if isinstance(pools, EnginePool) or not isinstance(pools, (tuple, list)):
+        msg = (
+            f"`pools` must be a tuple or list of engine pools, got {describe(pools)}; pass "
+            "`pools=(kv_pool,)`."
+        )
+        raise TypeError(msg)
+    for pool in pools:
+        if not isinstance(pool, EnginePool):
+            msg = (
+                f"`pools` holds {describe(pool)}, which is not an engine pool: it needs "
+                "`name`, `block_nbytes`, `num_blocks`, `free_blocks`, `session_blocks`, "
+                "`owns_entry` and `blocks_for_step` (see `sessionstate.EnginePool`; a "
+                "`KVPool` has them)."
+            )
+            raise TypeError(msg)
+    return tuple(pools)
 
 
 def _check_state(state: object, session_id: Hashable) -> None:

@@ -12,17 +12,15 @@ that may be parked (`resident`), its prefetch of the session a scheduler steps n
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from contextlib import AbstractContextManager
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from sessionstate import (
-    KVPool,
+    EnginePool,
     OmniDiffusionConfig,
     SessionAdmissionError,
     SessionState,
@@ -34,6 +32,7 @@ from sessionstate import (
 )
 from sessionstate._checks import an_int, check_session_id, is_int, one_of, positive_int
 from sessionstate._env import ENV_KV_POOL_BYTES
+from sessionstate._kv._pool import kv_shortfall
 
 # Besides its own parts, the kit passes on the library's checks that the models' configs and
 # pipelines use, so a reference model imports only public names and this kit.
@@ -48,6 +47,7 @@ __all__ = [
     "check_session_id",
     "device_key",
     "is_int",
+    "kv_shortfall",
     "managed_forward",
     "one_of",
     "positive_int",
@@ -265,6 +265,8 @@ class ManagedPathBase(Generic[R]):
         settings: The resolved session-state settings.
         record: The model's session record class.
         unknown: The message for a session that is not held.
+        pools: The engine pools the model's records hold blocks of (the manager makes their
+            room).
     """
 
     def __init__(
@@ -273,9 +275,13 @@ class ManagedPathBase(Generic[R]):
         settings: SessionStateSettings,
         record: type[R],
         unknown: Callable[[Hashable], str],
+        *,
+        pools: tuple[EnginePool, ...] = (),
     ) -> None:
         self.model = model
-        self.manager: SessionStateManager[R] = build_manager(record, settings, model.device)
+        self.manager: SessionStateManager[R] = build_manager(
+            record, settings, model.device, pools=pools
+        )
         self._unknown = unknown
 
     def drop_session(self, session_id: Hashable) -> bool:
@@ -404,7 +410,11 @@ def device_key(device: torch.device) -> str:
 
 
 def build_manager(
-    record: type[R], settings: SessionStateSettings, device: torch.device
+    record: type[R],
+    settings: SessionStateSettings,
+    device: torch.device,
+    *,
+    pools: tuple[EnginePool, ...] = (),
 ) -> SessionStateManager[R]:
     """The managed path's manager, honouring every resolved setting.
 
@@ -432,31 +442,18 @@ def build_manager(
         spool_dir=settings.spool_dir,
         host_pool_bytes=settings.host_pool_bytes,
         host_pool_full=settings.host_pool_full,
+        pools=pools,
     )
 
 
 def prefetch(
-    manager: SessionStateManager[R] | None,
-    session_id: Hashable,
-    *,
-    make_room: bool = False,
-    kv_pool: KVPool | None = None,
-    kv_blocks: int = 0,
+    manager: SessionStateManager[R] | None, session_id: Hashable, *, make_room: bool = False
 ) -> bool:
     """Start unparking ``session_id`` in the background (`SessionStateManager.prefetch`).
 
     What both pipelines' ``prefetch`` do; False on the bespoke path (``manager`` None), for a
-    session not held or not parked, and for a prefetch that does not fit.
-
-    Args:
-        manager: The managed path's manager, or None.
-        session_id: The session the scheduler steps next.
-        make_room: Park the least recently used other sessions to fit it, rather than drop it.
-        kv_pool: An engine pool the background restore takes blocks from while the current
-            step runs: the prefetch starts only if it has ``kv_blocks`` free (the prefetched
-            session's window and what one step can need, so the step running meanwhile never
-            runs short); with ``make_room`` other sessions' KV is parked until it has.
-        kv_blocks: The free blocks of ``kv_pool`` a prefetch needs.
+    session not held or not parked, and for a prefetch that does not fit (the manager also
+    keeps room in its engine pools for the restored session beside a step's).
 
     >>> from sessionstate import SessionState
     >>> prefetch(None, "a"), prefetch(SessionStateManager[SessionState](), "a")
@@ -465,21 +462,6 @@ def prefetch(
     check_session_id(session_id)
     if manager is None:
         return False
-    state = manager.peek(session_id)
-    if state is None or not state.parked:
-        return False
-    if kv_pool is not None:
-        pool = kv_pool
-
-        def room() -> bool:
-            return pool.free_blocks >= kv_blocks
-
-        if not room() and make_room:
-            # Parked sessions have nothing to park; kept, their own prefetches stay.
-            parked = [sid for sid in manager.session_ids() if _is_parked(manager, sid)]
-            manager.park_until(room, frees=pool.owns_entry, keep={session_id, *parked})
-        if not room():
-            return False
     return manager.prefetch(session_id, make_room=make_room)
 
 
@@ -491,9 +473,10 @@ def managed_forward(
     new: Callable[[], R],
     step: Callable[[R], tuple[R, O]],
     lost: Callable[[Hashable], str],
-    guard: AbstractContextManager[object] | None = None,
 ) -> O:
-    """One managed step of ``session_id``: read, step, and publish only if the step succeeded.
+    """One managed step of ``session_id`` (`SessionStateManager.step`): the manager makes its
+    room (bytes and engine blocks), reads it, runs ``step`` inside its pools' transactions,
+    and publishes only if the step succeeded.
 
     Args:
         manager: Holds the latest record of every session.
@@ -502,28 +485,11 @@ def managed_forward(
         new: Makes a new session's record.
         step: ``step(state) -> (state, out)``, pure.
         lost: The message of a continuation of a session not held.
-        guard: Entered around the step and the publication (a KV pool's transaction, which
-            gives back what a failed step took).
 
     Raises:
         SessionStateLostError: if ``begin`` is False and the session is not held.
     """
-    state = None if begin else manager.get(session_id)
-    if state is None:
-        if begin is False:
-            raise SessionStateLostError(lost(session_id))
-        state = new()
-    with guard if guard is not None else contextlib.nullcontext():
-        state, out = step(state)
-        # Published only after the whole step succeeded: a failed step leaves the stored
-        # record (or the absence of one) exactly as it was.
-        manager.put(session_id, state)
-    return out
-
-
-def _is_parked(manager: SessionStateManager[R], session_id: Hashable) -> bool:
-    state = manager.peek(session_id)
-    return state is not None and bool(state.parked)
+    return manager.step(session_id, step, new=new, begin=begin, lost=lost)
 
 
 def resident(

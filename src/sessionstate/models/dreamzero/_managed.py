@@ -3,9 +3,10 @@
 ``step(state, obs) -> (state, out)`` never changes ``state``; `forward` reads the latest
 record from a `SessionStateManager`, steps it, and stores the result only when the whole step
 succeeded. The KV cache lives in an engine-owned `KVPool`; records hold handles to its blocks
-in a `KVCache` object. Before a step, when the pool lacks the blocks the step can need, the
-least recently used other sessions' KV is parked (`SessionStateManager.park_until`): their
-blocks move to the park tier and return to the pool.
+in a `KVCache` object. The pool declares a step's tokens and the attention window, and the
+manager it is handed to makes a step's room (`SessionStateManager.step`): when the pool lacks
+the blocks a step can take, the least recently used other sessions' KV is parked, its blocks
+moved to the park tier and back to the pool.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sessionstate import (
     StateObject,
     TensorCache,
 )
-from sessionstate.models._kit import ManagedPathBase, managed_forward
+from sessionstate.models._kit import ManagedPathBase, kv_shortfall, managed_forward
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._model import (
     BODY_FRAMES,
@@ -64,13 +65,14 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
     model: DreamZeroModel
 
     def __init__(self, model: DreamZeroModel, settings: SessionStateSettings) -> None:
-        super().__init__(model, settings, DreamZeroSession, unknown_session)
-        # Engine-owned: the path owns the pool, records hold handles to its blocks. Sized by
-        # bytes: the configured figure, else today's room for twice the cap's windows.
+        # Engine-owned: the path owns the pool, records hold handles to its blocks, and the
+        # manager makes its room. Sized by bytes: the configured figure, else today's room
+        # for twice the cap's windows.
         nbytes = settings.kv_pool_bytes
         if nbytes is None:
             nbytes = kv_cache.default_pool_bytes(model.cfg, settings.max_sessions)
         self.kv_pool: KVPool = kv_cache.build_kv_pool(model.cfg, model.device, nbytes)
+        super().__init__(model, settings, DreamZeroSession, unknown_session, pools=(self.kv_pool,))
 
     def forward(
         self, obs: Observation, session_id: Hashable, begin: bool | None
@@ -82,7 +84,6 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
                 parking every other session's KV the manager can park (naming the bytes
                 needed and held); the stored record and the pool are as they were.
         """
-        self._make_kv_room(session_id)
         try:
             return managed_forward(
                 self.manager,
@@ -91,48 +92,17 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
                 new=self.new_session,
                 step=lambda state: self.step(state, obs),
                 lost=lost_continuation,
-                # A failed step returns the KV blocks it took, so the pool is as it was too.
-                guard=self.kv_pool.transaction(),
             )
         except KVPoolExhaustedError as exc:
-            raise self._kv_shortfall(session_id) from exc
-
-    def _kv_need(self, session_id: Hashable) -> int:
-        # The blocks a step of `session_id` can take: a whole window (unparking it) and a
-        # step's new blocks with a copied partial one, less what it holds resident here.
-        need = kv_cache.handle_blocks(self.model.cfg) + 1
-        state = self.manager.peek(session_id)
-        cache = None if state is None else state.objects.get("kv_cache")
-        handle = cache.handle if isinstance(cache, KVCache) else None
-        if handle is not None and handle.pool is self.kv_pool:
-            need -= len(handle.blocks)
-        return max(need, 0)
-
-    def _make_kv_room(self, session_id: Hashable) -> None:
-        # Before the step (outside its transaction): while the pool lacks the blocks the step
-        # can need, park the least recently used other sessions' KV. Free blocks to spare
-        # cost one lookup; only a pool under pressure reads the session's record.
-        pool = self.kv_pool
-        if pool.free_blocks > kv_cache.handle_blocks(self.model.cfg):
-            return
-        need = self._kv_need(session_id)
-        self.manager.park_until(
-            lambda: pool.free_blocks >= need, frees=pool.owns_entry, keep=(session_id,)
-        )
-
-    def _kv_shortfall(self, session_id: Hashable) -> KVPoolExhaustedError:
-        pool, block = self.kv_pool, self.kv_pool.block_nbytes
-        need, free = self._kv_need(session_id), pool.free_blocks
-        held = (pool.num_blocks - free) * block
-        msg = (
-            f"DreamZero session {session_id!r}: a step can need {need} KV blocks "
-            f"({need * block} bytes) of pool {pool.name!r}, which has {free} free "
-            f"({free * block} bytes); live handles hold the other {held} bytes, and no other "
-            "session's KV the manager holds is left to park (records kept outside the manager "
-            "hold their blocks). Drop finished sessions, or raise `session_state_kv_pool_bytes` "
-            f"to at least {(pool.num_blocks - free + need) * block} bytes."
-        )
-        return KVPoolExhaustedError(msg)
+            if exc.pool is not self.kv_pool:
+                raise
+            raise kv_shortfall(
+                exc.pool,
+                exc.needed,
+                session_id,
+                label="DreamZero session",
+                fix="raise `session_state_kv_pool_bytes` to at least {nbytes} bytes",
+            ) from exc
 
     def new_session(self) -> DreamZeroSession:
         """An empty session for this model's geometry."""

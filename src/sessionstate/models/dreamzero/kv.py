@@ -36,6 +36,7 @@ __all__ = [
     "pool_blocks",
     "read_blocks",
     "resident_sessions",
+    "step_tokens",
     "window_tokens",
 ]
 
@@ -46,8 +47,13 @@ def handle_blocks(cfg: DreamZeroConfig) -> int:
     >>> handle_blocks(DreamZeroConfig.preset("tiny"))
     4
     """
-    step_tokens = cfg.num_frame_per_block * cfg.frame_seqlen
-    return math.ceil((window_tokens(cfg) + cfg.kv_block_tokens + step_tokens) / cfg.kv_block_tokens)
+    window, step, bt = window_tokens(cfg), step_tokens(cfg), cfg.kv_block_tokens
+    return math.ceil((window + bt + step) / bt)
+
+
+def step_tokens(cfg: DreamZeroConfig) -> int:
+    """Tokens one step appends to a session's KV: a block of latent frames."""
+    return cfg.num_frame_per_block * cfg.frame_seqlen
 
 
 def block_nbytes(cfg: DreamZeroConfig) -> int:
@@ -122,6 +128,8 @@ def build_kv_pool(cfg: DreamZeroConfig, device: torch.device | str, nbytes: int)
         dtype=cfg.torch_dtype,
         device=device,
         name="dreamzero_kv",
+        step_tokens=step_tokens(cfg),
+        window_tokens=window_tokens(cfg),
     )
 
 

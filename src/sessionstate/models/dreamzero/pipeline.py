@@ -25,7 +25,6 @@ from sessionstate import (
     OmniDiffusionConfig,
 )
 from sessionstate.models import _kit
-from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._bespoke import BespokePath
 from sessionstate.models.dreamzero._managed import ManagedPath
 from sessionstate.models.dreamzero._model import DreamZeroModel, DreamZeroOutput
@@ -171,13 +170,7 @@ class DreamZeroPipeline(_kit.TwoPathPipeline[DreamZeroSession]):
         if managed is None:
             _kit.check_session_id(session_id)
             return False
-        return _kit.prefetch(
-            managed.manager,
-            session_id,
-            make_room=make_room,
-            kv_pool=managed.kv_pool,
-            kv_blocks=2 * kv_cache.handle_blocks(self.cfg) + 1,
-        )
+        return _kit.prefetch(managed.manager, session_id, make_room=make_room)
 
     def clear_accumulated_video_latents(self, session_id: Hashable) -> None:
         """Empty the session's accumulated video latents, for a caller that exported them.

@@ -16,6 +16,12 @@ CAMERAS = ("exterior_image_1_left", "exterior_image_2_left", "wrist_image_left")
 """Camera keys, DROID naming: left exterior, right exterior, wrist."""
 
 
+def _as_dict(images: object) -> object:
+    # Any mapping of images is held as a dict, a pytree node (a `MappingProxyType` is a
+    # leaf); anything else is kept for `check_observation` to name.
+    return dict(images) if isinstance(images, Mapping) else images
+
+
 @record
 class Observation:
     """One robot observation: three uint8 camera images (H, W, 3), a prompt and joint state.
@@ -29,7 +35,7 @@ class Observation:
     'pick'
     """
 
-    images: Mapping[str, torch.Tensor] = field(converter=dict)  # a dict: a pytree node
+    images: Mapping[str, torch.Tensor] = field(converter=_as_dict)
     prompt: str = static_field()
     state: torch.Tensor
 
