@@ -374,9 +374,7 @@ class KVPool:
         """
         if self.step_tokens is None:
             return None
-        bt = self.block_tokens
-        window = 0 if self.window_tokens is None else self.window_tokens
-        return math.ceil((window + bt + self.step_tokens) / bt)
+        return session_blocks(self.block_tokens, self.step_tokens, self.window_tokens)
 
     def blocks_for_step(self, held: int, /) -> int:
         """Free blocks a step of a session holding ``held`` of this pool's blocks can take.
@@ -844,6 +842,19 @@ def reload_handles(payload: Any) -> list[KVHandle]:
         for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
     ]
     return [made[g][i] for g, i in order]
+
+
+def session_blocks(block_tokens: int, step_tokens: int, window_tokens: int | None) -> int:
+    """The most blocks one session's handle holds at once: a full window (none: no tokens
+    kept), the partial block before it and a step's tokens.
+
+    The one rule for it: `KVPool.session_blocks`, and what a model sizes its pool by.
+
+    >>> session_blocks(16, 8, 24), session_blocks(16, 8, None)
+    (3, 2)
+    """
+    window = 0 if window_tokens is None else window_tokens
+    return math.ceil((window + block_tokens + step_tokens) / block_tokens)
 
 
 def kv_shortfall(

@@ -32,7 +32,7 @@ from sessionstate import (
 )
 from sessionstate._checks import an_int, check_session_id, is_int, one_of, positive_int
 from sessionstate._env import ENV_KV_POOL_BYTES
-from sessionstate._kv._pool import kv_shortfall
+from sessionstate._kv._pool import kv_shortfall, session_blocks
 
 # Besides its own parts, the kit passes on the library's checks that the models' configs and
 # pipelines use, so a reference model imports only public names and this kit.
@@ -53,6 +53,7 @@ __all__ = [
     "positive_int",
     "prefetch",
     "resident",
+    "session_blocks",
 ]
 
 logger = logging.getLogger("sessionstate")

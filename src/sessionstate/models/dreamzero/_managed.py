@@ -132,9 +132,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
             "kv_pool_blocks": pool.num_blocks,
             "kv_pool_free_blocks": pool.free_blocks,
             "kv_pool_block_nbytes": pool.block_nbytes,
-            "kv_pool_resident_sessions": kv_cache.resident_sessions(
-                self.model.cfg, pool.num_blocks
-            ),
+            "kv_pool_resident_sessions": pool.num_blocks // (pool.session_blocks or 1),
         }
 
     def step(

@@ -23,7 +23,7 @@ import torch
 from sessionstate import KVHandle, KVPool
 
 # The variable is not a public name yet; its one home is `_env`.
-from sessionstate.models._kit import ENV_KV_POOL_BYTES
+from sessionstate.models._kit import ENV_KV_POOL_BYTES, session_blocks
 from sessionstate.models.dreamzero.config import DreamZeroConfig
 
 __all__ = [
@@ -47,8 +47,7 @@ def handle_blocks(cfg: DreamZeroConfig) -> int:
     >>> handle_blocks(DreamZeroConfig.preset("tiny"))
     4
     """
-    window, step, bt = window_tokens(cfg), step_tokens(cfg), cfg.kv_block_tokens
-    return math.ceil((window + bt + step) / bt)
+    return session_blocks(cfg.kv_block_tokens, step_tokens(cfg), window_tokens(cfg))
 
 
 def step_tokens(cfg: DreamZeroConfig) -> int:
