@@ -23,7 +23,7 @@ from ray_support import CounterPipeline  # noqa: E402
 from ray_support import get as _get  # noqa: E402
 from ray_support import kill as _kill  # noqa: E402
 from ray_support import other as _other  # noqa: E402
-from sessionstate import SessionStateLostError  # noqa: E402
+from sessionstate import SessionStateLostError, SessionStateManager  # noqa: E402
 from sessionstate._storage import SnapshotParts  # noqa: E402
 from sessionstate.cli import main  # noqa: E402
 from sessionstate.distributed import (  # noqa: E402
@@ -214,6 +214,55 @@ def test_dreamzero_sessions_migrate_both_ways_bit_identically(cluster: None) -> 
         assert router.owner("session-0") == homes["session-0"]
         assert [m.session_id for m in router.migrations] == ["session-0", "session-0"]
         assert router.migrations[0].source == router.migrations[1].destination
+    finally:
+        router.shutdown()
+
+
+class PooledPipeline:
+    """A pool of 4 KV blocks its manager governs (``pools=``); ``"fill"`` holds every free
+    block outside the manager, ``"free"`` reports the free blocks, a number steps a session."""
+
+    def __init__(self) -> None:
+        from sessionstate import KVPool
+
+        self.pool = KVPool(4, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=4)
+        self.manager = SessionStateManager(pools=(self.pool,))
+        self.hog: Any = None
+
+    def forward(self, inputs: Any, session_id: str) -> Any:
+        from sessionstate import KVCache, SessionState
+
+        if inputs == "fill":
+            self.hog = self.pool.append(self.pool.empty(), torch.zeros(2 * self.pool.free_blocks))
+            return self.pool.free_blocks
+        if inputs == "free":
+            return self.pool.free_blocks
+
+        def step(state: SessionState) -> tuple[SessionState, Any]:
+            kv = state.object("kv", KVCache).append(
+                self.pool, torch.full((2,), float(inputs)), window=4
+            )
+            return state.with_object("kv", kv), kv.read()
+
+        return self.manager.step(
+            session_id, step, new=lambda: SessionState(objects={"kv": KVCache().allocate()})
+        )
+
+
+def test_a_parked_kv_session_migrates_from_a_full_pool(cluster: None) -> None:
+    # Exporting a parked session reads its parked bytes where they are: the source's pool,
+    # full, gives no block, and the destination continues the session bit-identically.
+    router = Router(PooledPipeline, workers=2, timeout=60)
+    try:
+        router.step("a", 1.0)
+        source = router.owner("a")
+        _get(router.handle(source).step.remote("b", 2.0, epoch=1, create=True))
+        fill = router.handle(source).step.remote("b", "fill", epoch=1, create=False)
+        assert _get(fill).output == 0  # the source's pool is full; "a" is parked there
+        router.migrate("a", _other(router, "a"))
+        free = router.handle(source).step.remote("b", "free", epoch=1, create=False)
+        assert _get(free).output == 0
+        assert torch.equal(router.step("a", 3.0), torch.tensor([1.0, 1.0, 3.0, 3.0]))
     finally:
         router.shutdown()
 
