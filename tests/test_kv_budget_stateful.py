@@ -34,6 +34,7 @@ import tempfile
 from typing import Any, ClassVar, Literal
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis.stateful import (
@@ -130,7 +131,7 @@ class KVBudgetMachine(RuleBasedStateMachine):
             max_bytes=None if budget is None else {"cpu": budget},
             park_tier=self.tier,  # type: ignore[arg-type]
             spool_dir=self.spool,
-            pools=(self.pool,) if self.via_step else (),
+            **({"pools": (self.pool,)} if self.via_step else {}),  # type: ignore[arg-type]
         )
 
     # -- helpers ----------------------------------------------------------------------------
@@ -558,6 +559,40 @@ def test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks() ->
         except SessionAdmissionError as exc:
             return weakref.ref(exc)
         raise AssertionError("the record over the whole budget was admitted")
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        ref = step()
+        freed = ref() is None and pool.free_blocks == pool.num_blocks
+    finally:
+        if enabled:
+            gc.enable()
+    assert freed
+
+
+@pytest.mark.parametrize("refusal", ["the cap", "the budget after parking"])
+def test_every_refusal_leaves_no_reference_cycle_holding_the_callers_blocks(refusal: str) -> None:
+    # As above, for the refusals that also report an event: the cap with
+    # `on_full="refuse"`, and a budget that parking cannot meet.
+    import gc
+    import weakref
+
+    pool = KVPool(8, block_tokens=2, token_shape=())
+    if refusal == "the cap":
+        manager = SessionStateManager(1, on_full="refuse")
+        manager.put("held", SessionState())
+    else:
+        manager = SessionStateManager(on_full="refuse", max_bytes={"cpu": 24})
+        manager.put("held", SessionState(attrs={"x": torch.zeros(4)}))  # 16 bytes, unparkable
+
+    def step() -> weakref.ref[BaseException]:
+        kv = KVCache().allocate().append(pool, torch.ones(4))  # 16 bytes
+        try:
+            manager.put("new", SessionState(objects={"kv": kv}))
+        except SessionAdmissionError as exc:
+            return weakref.ref(exc)
+        raise AssertionError("the record was admitted")
 
     enabled = gc.isenabled()
     gc.disable()

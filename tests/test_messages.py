@@ -527,8 +527,8 @@ CORE_MESSAGES = {
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
     # (`check_immutable`, `max_sessions`, `on_full` and `host_pool_full` are checked by
-    # `_checks` now.) Then `pools` (two, pinned below).
-    "_manager/_table.py": 9 + 2 + 2,
+    # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below.
+    "_manager/_table.py": 9 + 2 + 2 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -607,6 +607,15 @@ def test_a_step_the_pool_cannot_hold() -> None:
         m.step("a", grow, new=lambda: SessionState(objects={"kv": ss.KVCache().allocate()}))
     assert "a" not in m
     del hog
+
+
+def test_stats_of_a_session_not_held() -> None:
+    msg = (
+        "No stats for session 'z': this manager does not hold it (never created, dropped, or "
+        "evicted). `session_ids()` lists the held ones."
+    )
+    with pytest.raises(ss.SessionStateLostError, match=_exact(msg)):
+        SessionStateManager().session_stats("z")
 
 
 def test_every_core_message_is_pinned_here() -> None:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from sessionstate._errors import SnapshotError as SnapshotError
     from sessionstate._errors import StaleKVHandleError as StaleKVHandleError
     from sessionstate._errors import UnsupportedTensorError as UnsupportedTensorError
+    from sessionstate._events import SessionEvent as SessionEvent
     from sessionstate._kv import EncodeOnceKV as EncodeOnceKV
     from sessionstate._kv import KVCache as KVCache
     from sessionstate._kv import KVHandle as KVHandle
@@ -121,6 +122,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "StaleKVHandleError",
         "UnsupportedTensorError",
     ),
+    "sessionstate._events": ("SessionEvent",),
     "sessionstate._kv": (
         "EncodeOnceKV",
         "KVCache",

@@ -14,10 +14,12 @@ unparked or the prefetch is dropped.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Collection, Hashable, Iterable
 from typing import Literal, TypeVar
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError, reason
+from sessionstate._events import Reporter, SessionEvent, span
 from sessionstate._kv import EncodeOnceKV, KVCache
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject, StateObject
@@ -75,8 +77,10 @@ class Parking:
         *,
         host_pool: HostBufferPool | None = None,
         host_pool_full: HostPoolFull = "disk",
+        reporter: Reporter | None = None,
     ) -> None:
         self.tier: Tier = tier
+        self.reporter = reporter if reporter is not None else Reporter()
         self._spool_root = spool_root
         self._spool_dir: SpoolDir | None = None
         self.host_pool = host_pool if tier == "host" else None
@@ -141,11 +145,13 @@ class Parking:
         # Parks are rare (under pressure only): a walk of the parked objects is affordable.
         moves_kv = any(_holds_kv(state.objects[name]) for name in names)
         spilled = False
+        start = time.perf_counter()
         try:
             try:
-                new = state.park(
-                    self.tier, names=names, spool_dir=self._spool(), pool=self.host_pool
-                )
+                with span("sessionstate::park"):
+                    new = state.park(
+                        self.tier, names=names, spool_dir=self._spool(), pool=self.host_pool
+                    )
             except HostPoolFullError:
                 if self._host_pool_full != "disk":
                     raise
@@ -163,11 +169,17 @@ class Parking:
                 f"{self.tier} tier: {reason(exc)}. The session is left resident and intact; {fix}."
             )
             raise ParkingError(msg) from exc
+        seconds = time.perf_counter() - start
         parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
+        moved = 0
         for handle in _handles_of(parked.values()):
+            if id(handle) not in self._handles:
+                moved += handle.nbytes
             self._handles[id(handle)] = handle
         self._parked[session_id] = parked
         self._parks += 1
+        tier = "disk" if spilled else self.tier
+        self.reporter.emit(SessionEvent("park", session_id, moved, seconds, tier))
         self._spills += spilled
         if moves_kv:
             self._kv_parks += 1
@@ -184,6 +196,26 @@ class Parking:
                 need[device] = need.get(device, 0) + nbytes
         return need
 
+    def parked_sessions_by_tier(self) -> dict[str, int]:
+        """Parked sessions per tier (a session with objects on both tiers counts as disk)."""
+        out: dict[str, int] = {}
+        for objects in self._parked.values():
+            tiers = {obj.handle.tier for obj in objects.values()}
+            tier = "disk" if "disk" in tiers else "host"
+            out[tier] = out.get(tier, 0) + 1
+        return out
+
+    def prefetching_sessions(self) -> int:
+        """Sessions with a prefetch started and not yet taken or dropped."""
+        return len(self._reserved)
+
+    def parked_nbytes(self, session_id: Hashable, /) -> dict[str, int]:
+        """The bytes the tiers hold for ``session_id``, by tier (each handle once)."""
+        out: dict[str, int] = {}
+        for handle in _handles_of(self._parked[session_id].values()):
+            out[handle.tier] = out.get(handle.tier, 0) + handle.nbytes
+        return out
+
     def is_prefetched(self, session_id: Hashable, /) -> bool:
         """Whether a prefetch of ``session_id`` was started and not yet taken or dropped."""
         return session_id in self._reserved
@@ -193,10 +225,14 @@ class Parking:
 
         Nothing here waits for the restore, or lets it take the manager's lock.
         """
-        for handle in _handles_of(self._parked[session_id].values()):
-            handle.start_prefetch()
+        with span("sessionstate::prefetch"):
+            for handle in _handles_of(self._parked[session_id].values()):
+                handle.start_prefetch()
         self._reserved[session_id] = dict(need)
         self._prefetches += 1
+        tiers = {h.tier for h in _handles_of(self._parked[session_id].values())}
+        tier = tiers.pop() if len(tiers) == 1 else None
+        self.reporter.emit(SessionEvent("prefetch", session_id, sum(need.values()), 0.0, tier))
 
     def count_dropped_prefetch(self) -> None:
         """Count a prefetch that was asked for and did not fit."""
@@ -277,13 +313,19 @@ class Parking:
         self.unreserve(session_id)
         handles = _handles_of(parked.values())
         prefetched = any(handle.prefetching for handle in handles)
+        start = time.perf_counter()
         try:
-            new = state.unpark()
+            with span("sessionstate::unpark"):
+                new = state.unpark()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
+        seconds = time.perf_counter() - start
         if prefetched and any(handle.last_restore_prefetched for handle in handles):
             self._prefetch_hits += 1
         del self._parked[session_id]
+        for tier in sorted({handle.tier for handle in handles}):
+            nbytes = sum(h.nbytes for h in handles if h.tier == tier)
+            self.reporter.emit(SessionEvent("unpark", session_id, nbytes, seconds, tier))
         for handle in _handles_of(parked.values()):
             self._release(handle)
         self._unparks += 1

@@ -21,6 +21,7 @@ from typing import Any, Generic, cast
 import torch
 from typing_extensions import TypeVar
 
+from sessionstate._accounting import EngineBlock
 from sessionstate._checks import (
     HOST_POOL_FULL_CHOICES,
     ON_FULL_CHOICES,
@@ -38,6 +39,7 @@ from sessionstate._errors import (
     SessionStateLostError,
     reason,
 )
+from sessionstate._events import EventHook, Reporter, SessionEvent, span
 from sessionstate._kv._pool import kv_shortfall
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger
@@ -125,6 +127,10 @@ class SessionStateManager(Generic[SessionT]):
             spills it to the disk tier (into the spool directory; ``host_pool_spills`` counts
             them), ``"refuse"`` leaves that session resident, as one with nothing parkable
             (the budget parks others, then applies ``on_full``).
+        on_event: Called with each `SessionEvent` (park, unpark, prefetch, evict, refuse),
+            under the manager's lock: it must not call the manager, and what it raises is
+            logged, never raised. Every event is also logged on the ``sessionstate`` logger at
+            DEBUG.
         pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
             e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
             other sessions' objects holding a pool's blocks until the step's room is free,
@@ -153,8 +159,10 @@ class SessionStateManager(Generic[SessionT]):
         host_pool_bytes: int | str | None = None,
         host_pool_full: HostPoolFull = "disk",
         pools: Sequence[EnginePool] = (),
+        on_event: EventHook | None = None,
     ) -> None:
         check_bool(check_immutable, "check_immutable")
+        self._reporter = Reporter(on_event)
         self._pools: tuple[EnginePool, ...] = _check_pools(pools)
         check_count(max_sessions, "max_sessions", fix=f"; the default is {DEFAULT_MAX_SESSIONS}")
         check_choice(on_full, "on_full", ON_FULL_CHOICES)
@@ -172,6 +180,7 @@ class SessionStateManager(Generic[SessionT]):
             None if spool_dir is None else os.fspath(spool_dir),
             host_pool=_host_pool(host_pool_bytes, host_pool_full, tier, budget),
             host_pool_full=host_pool_full,
+            reporter=self._reporter,
         )
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
         self._check_immutable = check_immutable
@@ -509,6 +518,95 @@ class SessionStateManager(Generic[SessionT]):
                 out.update(self._parking.stats())
             return out
 
+    def session_stats(self, session_id: Hashable, /) -> dict[str, Any]:
+        """One session's footprint, from what the manager keeps (no record is walked).
+
+        Keys: ``resident`` (no object parked), ``parked`` (the parked objects' names),
+        ``nbytes_parked`` (bytes its tiers hold, by tier), ``nbytes`` and ``engine_nbytes``
+        (resident bytes by device, each storage the session reaches once; engine blocks also
+        on their own), ``blocks`` (blocks held per pool the manager was given, by the pool's
+        name), ``prefetching`` and ``lru_rank`` (0: the most recently used). It leaves the
+        LRU order and the counters alone, as `peek` does.
+
+        Raises:
+            SessionStateLostError: if the manager does not hold ``session_id``.
+
+        >>> import torch
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(attrs={"x": torch.zeros(4)})); m.put("b", SessionState())
+        >>> s = m.session_stats("a")
+        >>> s["resident"], s["nbytes"], s["lru_rank"]
+        (True, {'cpu': 16}, 1)
+        """
+        check_session_id(session_id)
+        with self._lock:
+            state = self._table.get(session_id)
+            if state is None:
+                msg = (
+                    f"No stats for session {session_id!r}: this manager does not hold it "
+                    "(never created, dropped, or evicted). `session_ids()` lists the held ones."
+                )
+                raise SessionStateLostError(msg)
+            seen: dict[Hashable, StorageEntry] = {}
+            for item in self._ledger.held(session_id).values():
+                for entry in item.entries:
+                    seen.setdefault(entry[1], entry)
+            nbytes: dict[str, int] = {}
+            engine: dict[str, int] = {}
+            for device, identity, _, size, _ in seen.values():
+                nbytes[device] = nbytes.get(device, 0) + size
+                if isinstance(identity, EngineBlock):
+                    engine[device] = engine.get(device, 0) + size
+            parking = self._parking
+            parked_by_tier: dict[str, int] = {}
+            if parking.is_parked(session_id):
+                parked_by_tier = parking.parked_nbytes(session_id)
+            order = list(self._table)
+            return {
+                "resident": not state.parked,
+                "parked": sorted(state.parked),
+                "nbytes_parked": parked_by_tier,
+                "nbytes": {d: n for d, n in nbytes.items() if n},
+                "engine_nbytes": {d: n for d, n in engine.items() if n},
+                "blocks": {
+                    pool.name: sum(1 for e in seen.values() if pool.owns_entry(e))
+                    for pool in self._pools
+                },
+                "prefetching": parking.is_prefetched(session_id),
+                "lru_rank": len(order) - 1 - order.index(session_id),
+            }
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """What a metrics collector reads, under the lock once and walking no record.
+
+        ``stats`` (as `stats`), ``sessions`` by state (``resident``, ``parked:host``,
+        ``parked:disk``, ``prefetching``), ``pools`` (per pool given: name, blocks, free
+        blocks), ``events`` (counts by `SessionEvent` kind) and ``timings`` (park and unpark
+        seconds, as `Timings.snapshot` gives them).
+
+        >>> SessionStateManager().metrics_snapshot()["sessions"]
+        {'resident': 0, 'parked:host': 0, 'parked:disk': 0, 'prefetching': 0}
+        """
+        with self._lock:
+            stats = self.stats()
+            parked = self._parking.parked_sessions_by_tier()
+            sessions = {
+                "resident": len(self._table) - sum(parked.values()),
+                "parked:host": parked.get("host", 0),
+                "parked:disk": parked.get("disk", 0),
+                "prefetching": self._parking.prefetching_sessions(),
+            }
+            pools = [(p.name, p.num_blocks, p.free_blocks) for p in self._pools]
+            events = dict(self._reporter.counts)
+        return {
+            "stats": stats,
+            "sessions": sessions,
+            "pools": pools,
+            "events": events,
+            "timings": self._reporter.timings.snapshot(),
+        }
+
     def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
 
@@ -644,7 +742,7 @@ class SessionStateManager(Generic[SessionT]):
                         lost(session_id) if lost is not None else _lost(session_id)
                     )
                 state = new()
-            with self._transactions():
+            with self._transactions(), span("sessionstate::step"):
                 state, out = fn(state)
                 # Published only after the whole step succeeded.
                 self.put(session_id, state)
@@ -804,6 +902,7 @@ class SessionStateManager(Generic[SessionT]):
             if self._policy is not None:
                 refused = self._policy.refusal(session_id, self._ledger)
                 if refused is not None:
+                    self._refused(session_id, refused)
                     # Not kept in this frame: the traceback holds the frame, and the frame
                     # holding the error would be a cycle keeping the caller's records (their
                     # KV blocks) until the cyclic collector runs.
@@ -834,11 +933,30 @@ class SessionStateManager(Generic[SessionT]):
                 f"{self._max_sessions} sessions (its cap) and `on_full='refuse'`. Drop a "
                 "finished session first, or raise `max_sessions`."
             )
-            raise SessionAdmissionError(msg)
+            error = SessionAdmissionError(msg)
+            self._refused(session_id, error)
+            try:
+                raise error
+            finally:
+                del error  # not kept in this frame: see `_make_room`
         evicted = next(iter(self._table))
-        self._forget(evicted)
+        self._evict(evicted, f"the session cap (max_sessions={self._max_sessions})")
+
+    def _evict(self, session_id: Hashable, by: str) -> None:
+        seen: dict[Hashable, int] = {}  # the storages the session held, each once
+        for item in self._ledger.held(session_id).values():
+            for entry in item.entries:
+                seen[entry[1]] = entry[3]
+        nbytes = sum(seen.values())
+        if self._parking.is_parked(session_id):  # and what its tier held
+            nbytes += sum(self._parking.parked_need(session_id).values())
+        self._forget(session_id)
         self._evictions += 1
-        self._warn_evicted(evicted, f"the session cap (max_sessions={self._max_sessions})")
+        self._warn_evicted(session_id, by)
+        self._reporter.emit(SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}"))
+
+    def _refused(self, session_id: Hashable, error: Exception) -> None:
+        self._reporter.emit(SessionEvent("refuse", session_id, reason=str(error)))
 
     def _warn_evicted(self, evicted: Hashable, by: str) -> None:
         # One warning per manager; `stats()` counts every eviction.
@@ -879,13 +997,19 @@ class SessionStateManager(Generic[SessionT]):
             for other in list(self._table):
                 if other == session_id or not policy.holds_on(self._ledger.held(other), over):
                     continue
-                self._forget(other)
-                self._evictions += 1
-                self._warn_evicted(other, "the byte budget (`max_bytes`)")
+                self._evict(other, "the byte budget (`max_bytes`)")
                 over = policy.over(self._ledger, extra)
                 if not over:
                     return
-        raise policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
+        shortfall = policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
+        self._refused(session_id, shortfall)
+        # Not kept in this frame: the traceback holds the frame, and the frame holding the
+        # error would be a cycle keeping the caller's records (their KV blocks) alive until
+        # the cyclic collector runs.
+        try:
+            raise shortfall
+        finally:
+            del shortfall
 
     def _park_others(self, session_id: Hashable, extra: Mapping[str, int]) -> list[str]:
         # Park the least recently used other sessions' parkable objects until the ledger plus
