@@ -172,3 +172,30 @@ def test_size_table_deploy_on_meta() -> None:
     assert table["sessions_64_nbytes"]["managed"] == 64 * managed
     # The documented 37.7 GiB for 64 sessions is the feature cache alone.
     assert round(64 * feat / 1024**3, 1) == 37.7
+
+
+def test_ab_trace_writes_both_paths_with_the_librarys_ranges(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    run = _cli(
+        "ab", "--preset", "tiny", "--steps", "2", "--sessions", "3", "--max-bytes", "1300000",
+        "--park-tier", "host", "--prefetch", "--trace", str(trace), "--json",
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["identical"] is True
+    events = json.loads(trace.read_text())["traceEvents"]
+    processes = {
+        e["args"]["name"]: e["pid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "path" in e["args"]["name"]
+    }
+    assert set(processes) == {"bespoke path", "managed path"}
+
+    def ranges(path: str) -> set[str]:
+        pid = processes[path]
+        return {e["name"].split(" ")[0] for e in events if e.get("pid") == pid and "name" in e}
+
+    assert "step" in ranges("bespoke path")  # every step of both paths, per session
+    assert not {n for n in ranges("bespoke path") if n.startswith("sessionstate::")}
+    library = {"sessionstate::step", "sessionstate::park", "sessionstate::unpark"}
+    assert library | {"step", "sessionstate::prefetch"} <= ranges("managed path")

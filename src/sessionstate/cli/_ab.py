@@ -47,8 +47,6 @@ def run_episode(args: argparse.Namespace) -> int:
     """Child process: run the episode on whichever path the environment selects."""
     import torch
 
-    from sessionstate import SessionAdmissionError
-
     spec = get_model(args.model)
     deploy, cfg = load_model_config(args.config, args.preset, spec.name)
     deploy = with_budget(deploy, args)
@@ -64,20 +62,13 @@ def run_episode(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     times: list[float] = []
     episode = list(spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed))
-    for i, (sid, obs) in enumerate(episode):
-        start = time.perf_counter()
-        if args.prefetch and i + 1 < len(episode) and episode[i + 1][0] != sid:
-            # The episode's order is known: the next step's session is copied back while
-            # this step runs (others parked to fit it). Outputs must not change.
-            pipe.prefetch(episode[i + 1][0], make_room=True)
-        try:
-            out = pipe.forward(obs, sid)
-        except SessionAdmissionError as exc:  # at the cap or the budget: a result to compare
-            records.append({"session": sid, "refused": True, "reason": str(exc)})
-        else:
-            times.append(time.perf_counter() - start)
-            records.append({"session": sid, **spec.outputs(out)})
-        print(f"{_PROGRESS}{i + 1} {total}", file=sys.stderr, flush=True)
+    profiler: Any = contextlib.nullcontext()
+    if args.trace:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with profiler:
+        _steps(args, pipe, episode, records, times, total)
+    if args.trace:
+        profiler.export_chrome_trace(args.trace)
     print(_DECODE, file=sys.stderr, flush=True)
     torch.save(
         {
@@ -90,6 +81,55 @@ def run_episode(args: argparse.Namespace) -> int:
         args.out,
     )
     return 0
+
+
+def _steps(
+    args: argparse.Namespace,
+    pipe: Any,
+    episode: list[tuple[Any, Any]],
+    records: list[dict[str, Any]],
+    times: list[float],
+    total: int,
+) -> None:
+    import torch
+
+    from sessionstate import SessionAdmissionError
+
+    spec = get_model(args.model)
+    for i, (sid, obs) in enumerate(episode):
+        start = time.perf_counter()
+        if args.prefetch and i + 1 < len(episode) and episode[i + 1][0] != sid:
+            # The episode's order is known: the next step's session is copied back while
+            # this step runs (others parked to fit it). Outputs must not change.
+            pipe.prefetch(episode[i + 1][0], make_room=True)
+        try:
+            with torch.profiler.record_function(f"step {sid}") if args.trace else _NO_RANGE:
+                out = pipe.forward(obs, sid)
+        except SessionAdmissionError as exc:  # at the cap or the budget: a result to compare
+            records.append({"session": sid, "refused": True, "reason": str(exc)})
+        else:
+            times.append(time.perf_counter() - start)
+            records.append({"session": sid, **spec.outputs(out)})
+        print(f"{_PROGRESS}{i + 1} {total}", file=sys.stderr, flush=True)
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def merge_traces(parts: dict[str, Path], out: str) -> None:
+    """Write the two paths' Chrome traces as one: a process per path, named after it.
+
+    Each child's events keep their threads (a prefetch's background restore is its own
+    track); only the process ids are replaced, so the two paths sit one above the other.
+    """
+    events: list[dict[str, Any]] = []
+    for pid, (name, path) in enumerate(parts.items(), start=1):
+        trace = json.loads(path.read_text())
+        for event in trace.get("traceEvents", []):
+            if isinstance(event, dict) and "pid" in event:
+                events.append({**event, "pid": pid})
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+    Path(out).write_text(json.dumps({"traceEvents": events}))
 
 
 def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
@@ -114,6 +154,8 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
         cmd += ["--kv-pool-bytes", str(args.kv_pool_bytes)]
     if getattr(args, "prefetch", False):
         cmd += ["--prefetch"]
+    if getattr(args, "trace", None):
+        cmd += ["--trace", str(out.with_suffix(".trace.json"))]
     return cmd
 
 
@@ -257,6 +299,9 @@ def _cmd_ab(args: argparse.Namespace) -> int:
                 out = Path(tmp) / f"{name}.pt"
                 _spawn(args, flag, out, progress_cm, task)
                 results[name] = torch.load(out, weights_only=False)
+        if args.trace:
+            paths = {f"{name} path": Path(tmp) / f"{name}.trace.json" for name in results}
+            merge_traces(paths, args.trace)
     if results["bespoke"]["managed"] or not results["managed"]["managed"]:
         msg = "the flag did not select the intended paths (check the deploy config)"
         raise RuntimeError(msg)
@@ -444,6 +489,12 @@ def add_parsers(sub: Any) -> None:
         "parked bytes copied back in the background, other sessions parked to fit it); "
         "prefetches and hits are reported per path, and the outputs must not change",
     )
+    ab.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write a Chrome/Perfetto trace of both paths to PATH (a process per path: each "
+        "step, the library's parks, unparks, prefetches and steps as ranges)",
+    )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -464,5 +515,6 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--kv-pool-bytes", type=int)
     episode.add_argument("--model", default=DEFAULT_MODEL)
     episode.add_argument("--prefetch", action="store_true")
+    episode.add_argument("--trace")
     episode.set_defaults(func=run_episode, command="_episode")
     return episode
