@@ -483,7 +483,7 @@ MUTANTS = (
         ),
         (
             "tests/test_kv_budget_stateful.py::"
-            "test_a_refused_put_leaves_no_reference_cycle_holding_the_callers_blocks",
+            "test_every_refusal_leaves_no_reference_cycle_holding_the_callers_blocks",
         ),
     ),
     Mutant(
@@ -738,7 +738,7 @@ MUTANTS = (
         "sessionstate/_session.py",
         (
             (
-                "            restored.clear()\n            objects.clear()\n            raise\n",
+                "            trees.clear()\n            objects.clear()\n            raise\n",
                 "            raise\n",
             ),
         ),

@@ -15,7 +15,7 @@ from sessionstate._checks import describe
 from sessionstate._errors import MissingKeyError, reason
 from sessionstate._frozen import freeze
 from sessionstate._stateobject import ParkedObject, StateObject
-from sessionstate._storage import HostBufferPool, Tier, park_tree
+from sessionstate._storage import HostBufferPool, ParkedBytes, Tier, park_tree
 from sessionstate._tree import (
     field,
     is_record,
@@ -411,25 +411,7 @@ class SessionState:
         >>> s.unpark() is s
         True
         """
-        if not self.parked:
-            return self
-        restored: dict[int, Any] = {}  # one restore per handle keeps shared storages shared
-        objects = dict(self._objects)
-        try:
-            for name, obj in self._objects.items():
-                if isinstance(obj, ParkedObject):
-                    tree = restored.get(id(obj.handle))
-                    if tree is None:
-                        tree = restored[id(obj.handle)] = obj.handle.restore()
-                    objects[name] = obj.unpark_from(tree)
-        except BaseException:
-            # All or nothing: what the handles before the failing one restored (engine
-            # blocks) goes back now, not when the caller lets go of the error (its
-            # traceback holds this frame).
-            restored.clear()
-            objects.clear()
-            raise
-        return self._replace(objects, self._attrs)
+        return self._rebuilt(lambda handle: handle.restore())
 
     def unpark_on_host(self: _St) -> _St:
         """A copy to read or save, every parked object rebuilt in host memory (``self`` if none
@@ -452,16 +434,29 @@ class SessionState:
         >>> tree_equal(parked.unpark_on_host(), s), parked.parked
         (True, ('c',))
         """
+        return self._rebuilt(lambda handle: handle.read())
+
+    def _rebuilt(self: _St, take: Callable[[ParkedBytes], Any], /) -> _St:
+        # Every parked object rebuilt from the tree `take` gives its handle: one per handle,
+        # so storages parked objects shared are shared again (``self`` if none is parked).
         if not self.parked:
             return self
-        read: dict[int, Any] = {}  # one read per handle keeps shared storages shared
+        trees: dict[int, Any] = {}
         objects = dict(self._objects)
-        for name, obj in self._objects.items():
-            if isinstance(obj, ParkedObject):
-                tree = read.get(id(obj.handle))
-                if tree is None:
-                    tree = read[id(obj.handle)] = obj.handle.read()
-                objects[name] = obj.unpark_from(tree)
+        try:
+            for name, obj in self._objects.items():
+                if isinstance(obj, ParkedObject):
+                    tree = trees.get(id(obj.handle))
+                    if tree is None:
+                        tree = trees[id(obj.handle)] = take(obj.handle)
+                    objects[name] = obj.unpark_from(tree)
+        except BaseException:
+            # All or nothing: what the handles before the failing one restored (engine
+            # blocks) goes back now, not when the caller lets go of the error (its
+            # traceback holds this frame).
+            trees.clear()
+            objects.clear()
+            raise
         return self._replace(objects, self._attrs)
 
     def _replace(self: _St, objects: dict[str, StateObject], attributes: dict[str, Any]) -> _St:

@@ -42,7 +42,7 @@ from sessionstate._errors import (
 from sessionstate._events import EventHook, Reporter, SessionEvent, span
 from sessionstate._kv._pool import kv_shortfall
 from sessionstate._manager._guard import ImmutabilityGuard
-from sessionstate._manager._ledger import SessionLedger
+from sessionstate._manager._ledger import SessionLedger, entries_of
 from sessionstate._manager._parking import HostPoolFull, Parking
 from sessionstate._manager._policy import (
     BudgetPolicy,
@@ -548,10 +548,7 @@ class SessionStateManager(Generic[SessionT]):
                     "(never created, dropped, or evicted). `session_ids()` lists the held ones."
                 )
                 raise SessionStateLostError(msg)
-            seen: dict[Hashable, StorageEntry] = {}
-            for item in self._ledger.held(session_id).values():
-                for entry in item.entries:
-                    seen.setdefault(entry[1], entry)
+            seen = self._storages_of(session_id)
             nbytes: dict[str, int] = {}
             engine: dict[str, int] = {}
             for device, identity, _, size, _ in seen.values():
@@ -570,8 +567,7 @@ class SessionStateManager(Generic[SessionT]):
                 "nbytes": {d: n for d, n in nbytes.items() if n},
                 "engine_nbytes": {d: n for d, n in engine.items() if n},
                 "blocks": {
-                    pool.name: sum(1 for e in seen.values() if pool.owns_entry(e))
-                    for pool in self._pools
+                    pool.name: sum(map(pool.owns_entry, seen.values())) for pool in self._pools
                 },
                 "prefetching": parking.is_prefetched(session_id),
                 "lru_rank": len(order) - 1 - order.index(session_id),
@@ -943,11 +939,7 @@ class SessionStateManager(Generic[SessionT]):
         self._evict(evicted, f"the session cap (max_sessions={self._max_sessions})")
 
     def _evict(self, session_id: Hashable, by: str) -> None:
-        seen: dict[Hashable, int] = {}  # the storages the session held, each once
-        for item in self._ledger.held(session_id).values():
-            for entry in item.entries:
-                seen[entry[1]] = entry[3]
-        nbytes = sum(seen.values())
+        nbytes = sum(entry[3] for entry in self._storages_of(session_id).values())
         if self._parking.is_parked(session_id):  # and what its tier held
             nbytes += sum(self._parking.parked_need(session_id).values())
         self._forget(session_id)
@@ -1108,14 +1100,14 @@ class SessionStateManager(Generic[SessionT]):
             return only
         return _entered(opened)
 
+    def _storages_of(self, session_id: Hashable) -> dict[Hashable, StorageEntry]:
+        # The storages the session's stored record holds resident, each once, by identity
+        # (from the ledger: no record is walked).
+        return {entry[1]: entry for entry in entries_of(self._ledger.held(session_id))}
+
     def _held_blocks(self, session_id: Hashable, pool: EnginePool) -> int:
-        # The pool's blocks the session's stored record holds resident (each once).
-        blocks = set()
-        for item in self._ledger.held(session_id).values():
-            for entry in item.entries:
-                if pool.owns_entry(entry):
-                    blocks.add(entry[1])
-        return len(blocks)
+        # The pool's blocks the session's stored record holds resident.
+        return sum(map(pool.owns_entry, self._storages_of(session_id).values()))
 
     def _make_step_room(self, session_id: Hashable) -> None:
         # Before a step (outside its transaction): while a pool lacks the blocks the step can
