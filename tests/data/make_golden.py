@@ -110,6 +110,12 @@ def dreamzero_observations(cfg: Any, n: int) -> list[Any]:
     return out
 
 
+def _config_text(cfg: Any, fields: dict[str, Any] | None) -> str:
+    # The config a file stores: every field of the day it was written. Rebuilt from a file,
+    # the fields it stores (a field added since, at its default, is not one of them).
+    return json.dumps(fields if fields is not None else attrs.asdict(cfg))
+
+
 def dreamzero_config(fields: dict[str, Any] | None = None) -> Any:
     """The config of the DreamZero golden session: the tiny preset, or the stored fields."""
     from sessionstate.models.dreamzero import DreamZeroConfig
@@ -137,10 +143,9 @@ def dreamzero_session(
 ) -> tuple[ss.SessionState, dict[str, str]]:
     """A DreamZero session after `DZ_STEPS` managed steps (its KV cache makes it format 2)."""
     pipe, _ = dreamzero_run(fields)
-    cfg = pipe.cfg
     meta = {
         "builder": "dreamzero_session",
-        "config": json.dumps(attrs.asdict(cfg)),
+        "config": _config_text(pipe.cfg, fields),
         "steps": str(DZ_STEPS),
     }
     return pipe.manager.peek("s"), meta
@@ -187,10 +192,9 @@ def cosmos3_session(
 ) -> tuple[ss.SessionState, dict[str, str]]:
     """A Cosmos3 session after `COSMOS3_STEPS` managed steps."""
     pipe, _ = cosmos3_run(fields)
-    cfg = pipe.cfg
     meta = {
         "builder": "cosmos3_session",
-        "config": json.dumps(attrs.asdict(cfg)),
+        "config": _config_text(pipe.cfg, fields),
         "steps": str(COSMOS3_STEPS),
     }
     return pipe.manager.peek("s"), meta

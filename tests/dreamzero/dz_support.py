@@ -82,12 +82,14 @@ def observations(
 
 
 def assert_same_output(a: DreamZeroOutput, b: DreamZeroOutput, where: str = "") -> None:
-    """Actions, video latents and reset reason bit-identical."""
+    """Actions, video latents, decoded frames and reset reason bit-identical."""
     assert a.reset == b.reset, f"{where}: reset {a.reset!r} vs {b.reset!r}"
     assert torch.equal(a.actions, b.actions), f"{where}: actions differ"
     assert torch.equal(a.video_latents, b.video_latents), f"{where}: video latents differ"
     assert a.actions.dtype == b.actions.dtype
     assert a.video_latents.dtype == b.video_latents.dtype
+    assert (a.frames is None) == (b.frames is None), f"{where}: frames on one path only"
+    assert a.frames is None or torch.equal(a.frames, b.frames), f"{where}: frames differ"
 
 
 def assert_same_session(
@@ -109,9 +111,8 @@ def assert_same_session(
         assert b == m, f"{name}: {b!r} vs {m!r}"
     for name in ATTR_TENSORS:
         assert tree_equal(bespoke[name], managed[name]), f"{name} differs"
-    assert tree_equal(bespoke["vae_enc_feat_map"], managed["vae_enc_feat_map"]), (
-        "vae_enc_feat_map differs"
-    )
+    for cache in ("vae_enc_feat_map", "vae_dec_feat_map"):
+        assert tree_equal(bespoke[cache], managed[cache]), f"{cache} differs"
 
     frames_b, frames_m = bespoke["stitched_buffer"], managed["stitched_buffer"]
     assert isinstance(frames_b, deque)

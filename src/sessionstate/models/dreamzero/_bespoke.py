@@ -131,9 +131,10 @@ class BespokePath:
         video, out = model.generate(
             ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, kv
         )
+        pixels, state.vae_dec_feat_map = model.decode(video, state.vae_dec_feat_map)
         state.current_start_frame += cfg.num_frame_per_block
         state.video_latents_across_time.append(video.detach().to(model.host_device, copy=True))
-        return DreamZeroOutput(out.actions, out.video_latents, reset=reason)
+        return DreamZeroOutput(out.actions, out.video_latents, reset=reason, frames=pixels)
 
     def _stream_append(self, state: DreamZeroState, frame: torch.Tensor) -> None:
         pending = state.vae_pending_body_frames

@@ -191,12 +191,16 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         )
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(model.host_device, copy=True)
-        latents = state.video_latents_across_time.commit(host_latents)
-        state = state.with_values(
-            {"video_latents_across_time": latents},
-            current_start_frame=csf + cfg.num_frame_per_block,
-        )
-        return state, DreamZeroOutput(out.actions, out.video_latents, reset=reason)
+        produced: dict[str, StateObject] = {
+            "video_latents_across_time": state.video_latents_across_time.commit(host_latents)
+        }
+        pixels, dec_map = model.decode(video, state.vae_dec_feat_map)
+        if pixels is not None:
+            produced["vae_dec_feat_map"] = state.object("vae_dec_feat_map", TensorCache).commit(
+                dec_map
+            )
+        state = state.with_values(produced, current_start_frame=csf + cfg.num_frame_per_block)
+        return state, DreamZeroOutput(out.actions, out.video_latents, reset=reason, frames=pixels)
 
     def _stream_seed(
         self,

@@ -11,7 +11,7 @@ import torch
 from sessionstate import record, static_field
 from sessionstate.models._kit import SessionMessages
 from sessionstate.models.dreamzero.config import DreamZeroConfig
-from sessionstate.models.dreamzero.networks import DreamZeroNetworks, build_networks
+from sessionstate.models.dreamzero.networks import DreamZeroNetworks, FeatMap, build_networks
 from sessionstate.models.dreamzero.transform import Observation
 
 __all__ = [
@@ -29,15 +29,18 @@ BODY_FRAMES = 4
 
 @record
 class DreamZeroOutput:
-    """What one forward returns: the action chunk and the newly generated video latents.
+    """What one forward returns: the action chunk, the new video latents, and their frames.
 
-    A record: a pytree of its two tensors, with the reset reason (``"session"``, ``"window"``
-    or None) as static data, so `tree_equal`, `tree_map` and `save_state` take it whole.
+    A record: a pytree of its tensors, with the reset reason (``"session"``, ``"window"`` or
+    None) as static data, so `tree_equal`, `tree_map` and `save_state` take it whole.
+    ``frames`` are the step's latents decoded to pixels (1, 3, F, H, W) in [-1, 1] by the
+    session's streaming decode (with the config's ``decode_frames`` on; None when off).
     """
 
     actions: torch.Tensor
     video_latents: torch.Tensor
     reset: str | None = static_field()
+    frames: torch.Tensor | None = None
 
 
 _MESSAGES = SessionMessages("DreamZero", "obs")
@@ -111,3 +114,15 @@ class DreamZeroModel:
             reset=None,
         )
         return video, out
+
+    def decode(
+        self, video: torch.Tensor, feat_map: FeatMap | None
+    ) -> tuple[torch.Tensor | None, FeatMap | None]:
+        """The step's pixel frames and the session's next decoder cache (both paths, no state).
+
+        With ``decode_frames`` off: no frames, and the cache as it was.
+        """
+        if not self.cfg.decode_frames:
+            return None, feat_map
+        cache = self.nets.init_decode_map() if feat_map is None else feat_map
+        return self.nets.decode_chunk(video, cache)

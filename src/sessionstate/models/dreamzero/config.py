@@ -40,6 +40,12 @@ def _check_window(instance: object, attribute: attrs.Attribute[Any], value: obje
         raise ValueError(msg)
 
 
+def _check_flag(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        msg = f"`{attribute.name}` must be true or false, got {value!r} ({type(value).__name__})."
+        raise TypeError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class DreamZeroConfig:
     """Geometry and sizes of the DreamZero-shaped pipeline.
@@ -85,6 +91,15 @@ class DreamZeroConfig:
     kv_block_tokens: int = attrs.field(default=880, validator=positive_int)
     kv_window_frames: int = attrs.field(default=9, validator=positive_int)
     seed: int = attrs.field(default=0, validator=an_int)
+    decode_frames: bool = attrs.field(default=False, validator=_check_flag)
+    """Decode each step's video latents to pixel frames, streaming, with a per-session cache.
+
+    On, every step's output carries its pixel frames (`DreamZeroOutput.frames`), decoded by
+    the Wan decoder from that step's latents alone: the session holds the decoder's
+    causal-conv cache (``vae_dec_feat_map``, about 1 GiB at deploy) between steps, so the frames
+    of a session's steps, joined, are the frames one decoder call over its whole latent
+    history gives. On in the ``deploy`` preset, off in ``tiny`` (a CPU test geometry).
+    """
 
     def __attrs_post_init__(self) -> None:
         # Relations between fields, so a bad geometry fails here and not at step 0 in torch.
@@ -178,7 +193,7 @@ class DreamZeroConfig:
 
 
 PRESETS: dict[str, DreamZeroConfig] = {
-    "deploy": DreamZeroConfig(name="deploy"),
+    "deploy": DreamZeroConfig(name="deploy", decode_frames=True),
     "tiny": DreamZeroConfig(
         name="tiny",
         camera_height=40,

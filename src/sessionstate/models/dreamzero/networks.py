@@ -12,6 +12,7 @@ import copy
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 FeatMap = tuple[torch.Tensor | None, ...]
-"""The Wan encoder's causal-conv cache: one slot per causal conv (24 of 26 in use)."""
+"""A Wan causal-conv cache: one slot per causal conv (the encoder's: 24 of 26 in use)."""
 
 
 @contextmanager
@@ -176,6 +177,7 @@ class DreamZeroNetworks:
         self.latents_mean = mean.view(1, z, 1, 1, 1).to(self.device)
         self.latents_inv_std = (1.0 / std).view(1, z, 1, 1, 1).to(self.device)
         self.num_enc_convs = int(self.vae._cached_conv_counts["encoder"])
+        self.num_dec_convs = int(self.vae._cached_conv_counts["decoder"])
         self._scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
         self._scheduler.set_timesteps(cfg.num_inference_steps, device="cpu")
 
@@ -321,14 +323,56 @@ class DreamZeroNetworks:
         absolute[:, :7] = a[:, :7] + joint_state[:7].to(a)
         return absolute
 
-    # -- decode --------------------------------------------------------------------------------
+    # -- Wan VAE streaming decode ------------------------------------------------------------
+
+    def init_decode_map(self) -> FeatMap:
+        """An empty decoder causal-conv cache: one None slot per decoder causal conv."""
+        return (None,) * self.num_dec_convs
+
+    @torch.no_grad()
+    def decode_chunk(
+        self, latents: torch.Tensor, feat_map: FeatMap
+    ) -> tuple[torch.Tensor, FeatMap]:
+        """Decode normalised latents (1, z, T, h, w) to pixels, continuing a session's stream.
+
+        Frame by frame, as one call of the Wan decoder runs (`AutoencoderKLWan.decode`), with
+        the cache passed in: the first latent frame of a stream (an empty cache) gives one
+        pixel frame, every later one four. Returns the pixels (1, 3, F, H, W) in [-1, 1] and
+        the updated cache; the input cache is left untouched (a private list, slots replaced,
+        never written into). ``post_quant_conv`` (kernel size 1) runs per latent frame, so
+        how a history is split into chunks never changes a bit.
+
+        The decoder marks an upsampling slot that has seen one frame with the string
+        ``"Rep"``; the returned cache holds an empty tensor there instead, so it stays a
+        tree of tensors (a stream of one latent frame ends that way; any longer one never).
+        """
+        cache: list[Any] = [
+            _REPEAT if slot is not None and slot.numel() == 0 else slot for slot in feat_map
+        ]
+        first = all(slot is None for slot in feat_map)
+        z = latents / self.latents_inv_std + self.latents_mean
+        outs = []
+        for t in range(z.shape[2]):
+            x = self.vae.post_quant_conv(z[:, :, t : t + 1].contiguous())
+            outs.append(
+                self.vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first and t == 0)
+            )
+        frames = torch.cat(outs, dim=2).clamp(-1.0, 1.0)
+        marker = latents.new_empty(0)
+        return frames, tuple(marker if isinstance(slot, str) else slot for slot in cache)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Decode normalised latents (1, z, T, h, w) to pixels in [-1, 1], frame by frame."""
+        """Decode normalised latents (1, z, T, h, w) to pixels in [-1, 1] in one call.
+
+        As `AutoencoderKLWan.decode` runs (``post_quant_conv`` over all frames, then the
+        decoder frame by frame with a cache of its own), without the module's cache
+        attributes, so concurrent calls share nothing. The streaming `decode_chunk` gives the
+        same bits, however a history is split.
+        """
         z = latents / self.latents_inv_std + self.latents_mean
         x = self.vae.post_quant_conv(z)
-        cache: list[torch.Tensor | None] = [None] * int(self.vae._cached_conv_counts["decoder"])
+        cache: list[Any] = [None] * self.num_dec_convs
         outs = [
             self.vae.decoder(
                 x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)
@@ -337,6 +381,9 @@ class DreamZeroNetworks:
         ]
         return torch.cat(outs, dim=2).clamp(-1.0, 1.0)
 
+
+_REPEAT = "Rep"
+"""The Wan decoder's mark for an upsampling slot that has seen one frame (diffusers' value)."""
 
 _NO_CPU_POOL = frozenset({torch.bfloat16, torch.float16})
 """Dtypes `avg_pool3d` has no CPU kernel for."""

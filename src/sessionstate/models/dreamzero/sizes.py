@@ -21,6 +21,7 @@ REPLAYED = (
     "encode_prompt",
     "encode_image",
     "encode_chunk",
+    "decode_chunk",
     "observation_latents",
     "prefill_kv",
     "diffuse",

@@ -4,10 +4,10 @@
 a list of video latents, an encoder output grown by concatenation forever. `DreamZeroSession`
 is the same state as an immutable `SessionState` record: the frames, video latents and
 encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per_block``
-latent frames), the Wan encoder's causal-conv cache is a `TensorCache` (replaced
-wholesale, and parkable under a byte budget), the denoiser's KV is a `KVCache` (a handle to
-blocks of the pipeline's `KVPool`, parked with the session: its blocks move to the tier and
-go back to the pool), everything else is a `SessionAttr`. Which value goes in which bucket
+latent frames), the Wan encoder's and decoder's causal-conv caches are `TensorCache`s
+(replaced wholesale, and parkable under a byte budget), the denoiser's KV is a `KVCache` (a
+handle to blocks of the pipeline's `KVPool`, parked with the session: its blocks move to the
+tier and go back to the pool), everything else is a `SessionAttr`. Which value goes in which bucket
 follows one rule: what the manager can act on is an object, what it can only carry is an
 attribute, whatever its size.
 """
@@ -47,6 +47,7 @@ _O = TypeVar("_O", bound=StateObject)
 
 BUCKETS: dict[str, Literal["attrs", "object", "engine"]] = {
     "vae_enc_feat_map": "object",
+    "vae_dec_feat_map": "object",
     "video_latents_across_time": "object",
     "stitched_buffer": "object",
     "vae_encoder_out": "object",
@@ -139,6 +140,7 @@ class DreamZeroState:
         self.prompt_embeds: torch.Tensor | None = None
         self.vae_stream_initialized = False
         self.vae_enc_feat_map: FeatMap | None = None
+        self.vae_dec_feat_map: FeatMap | None = None  # with `decode_frames` on
         self.vae_encoder_out: torch.Tensor | None = None
         self.vae_pending_body_frames: torch.Tensor | None = None
         self.kv_cache: list[torch.Tensor] = []  # blocks of the window's KV (`_kv_create`)
@@ -212,6 +214,11 @@ class DreamZeroSession(SessionState):
             handle = self._attrs.pop("kv_cache")
             if "kv_cache" not in self._objects:
                 self._objects["kv_cache"] = KVCache(name="kv_cache").allocate().commit(handle)
+        # Records written before the streaming decode (snapshot files up to format 4 of
+        # 0.1.0.dev0) have no decoder cache: they get an empty one, and a session that
+        # decodes starts its decode stream at its next step.
+        if "vae_dec_feat_map" not in self._objects and "vae_enc_feat_map" in self._objects:
+            self._objects["vae_dec_feat_map"] = TensorCache(name="vae_dec_feat_map").allocate()
         super().__attrs_post_init__()
 
     @property
@@ -244,6 +251,16 @@ class DreamZeroSession(SessionState):
         Held in the `TensorCache` object of the same name: replaced wholesale per chunk.
         """
         contents: FeatMap | None = self._typed("vae_enc_feat_map", TensorCache).view()
+        return contents
+
+    @property
+    def vae_dec_feat_map(self) -> FeatMap | None:
+        """Wan decoder causal-conv cache, or None before the first decoded step.
+
+        Held in the `TensorCache` object of the same name, replaced wholesale per step; empty
+        unless the config's ``decode_frames`` is on.
+        """
+        contents: FeatMap | None = self._typed("vae_dec_feat_map", TensorCache).view()
         return contents
 
     def _buffer(self, name: str) -> LatentBuffer:
@@ -285,6 +302,7 @@ def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
                 maxlen=cfg.num_frame_per_block
             ),
             "vae_enc_feat_map": TensorCache(name="vae_enc_feat_map").allocate(),
+            "vae_dec_feat_map": TensorCache(name="vae_dec_feat_map").allocate(),
             "kv_cache": KVCache(name="kv_cache").allocate(),
         }
     )
@@ -293,8 +311,9 @@ def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
 def window_reset(state: DreamZeroSession) -> DreamZeroSession:
     """The window ("inference") reset: a fresh frames ring, counters and window conditioning.
 
-    Keeps the video latents, the prompt and its embeddings, and the whole VAE stream: the Wan
-    feature-cache history does not depend on the denoiser's attention window. Clears the KV
+    Keeps the video latents, the prompt and its embeddings, and the whole VAE stream, encode
+    and decode: the Wan feature-cache history does not depend on the denoiser's attention
+    window. Clears the KV
     cache (its blocks return to the pool once no record holds them).
     """
     state = state.update_object("stitched_buffer", lambda b: b.reset())
