@@ -48,7 +48,7 @@ def run_episode(args: argparse.Namespace) -> int:
     import torch
 
     spec = get_model(args.model)
-    deploy, cfg = load_model_config(args.config, args.preset, spec.name)
+    deploy, cfg = load_model_config(args.config, args.preset, spec.name, _overrides(args))
     deploy = with_budget(deploy, args)
     if args.kv_pool_bytes is not None:  # the managed path's engine pool (the bespoke has none)
         import attrs
@@ -132,6 +132,11 @@ def merge_traces(parts: dict[str, Path], out: str) -> None:
     Path(out).write_text(json.dumps({"traceEvents": events}))
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    # Model fields the command line sets over the config's.
+    return {"decode_frames": True} if getattr(args, "decode_frames", False) else {}
+
+
 def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
     """The command line of one child of ``ab``, writing its results to ``out``."""
     cmd = [
@@ -154,6 +159,8 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
         cmd += ["--kv-pool-bytes", str(args.kv_pool_bytes)]
     if getattr(args, "prefetch", False):
         cmd += ["--prefetch"]
+    if getattr(args, "decode_frames", False):
+        cmd += ["--decode-frames"]
     if getattr(args, "trace", None):
         cmd += ["--trace", str(out.with_suffix(".trace.json"))]
     return cmd
@@ -209,8 +216,11 @@ def _compare(
                 return compared, f"step {i} ({a['session']}): refused on the {path} path only"
             continue
         for key in spec.tensor_outputs:
+            x, y = a.get(key), b.get(key)
+            if x is None and y is None:  # an output the model does not produce in this run
+                continue
             compared += 1
-            if not torch.equal(a[key], b[key]):
+            if x is None or y is None or not torch.equal(x, y):
                 return compared, f"step {i} ({a['session']}): {key}"
         compared += 1
         if a["reset"] != b["reset"]:
@@ -276,7 +286,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     if args.max_sessions is None:
         args.max_sessions = DEFAULT_MAX_SESSIONS
     spec = get_model(args.model)
-    deploy, cfg = load_model_config(args.config, args.preset, spec.name)  # fail here, not in both
+    overrides = _overrides(args)
+    deploy, cfg = load_model_config(args.config, args.preset, spec.name, overrides)  # fail here
     warning = deploy_on_cpu_warning(cfg.name, args.device)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
@@ -377,6 +388,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         report["kv_pool_bytes"] = args.kv_pool_bytes
     if args.prefetch:
         report["prefetch"] = True
+    if getattr(cfg, "decode_frames", False):
+        report["decode_frames"] = True
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -384,8 +397,10 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     return 0 if mismatch is None else 1
 
 
-def _counted(spec: ModelSpec) -> str:
-    per_step = [*spec.tensor_outputs, "reset reason"]
+def _counted(spec: ModelSpec, report: dict[str, Any]) -> str:
+    # Decoded frames are an output only of a run that decodes them.
+    produced = [k for k in spec.tensor_outputs if k != "frames" or report.get("decode_frames")]
+    per_step = [*produced, "reset reason"]
     return (
         f"outputs compared: per served step {', '.join(per_step)}; per session at the end "
         f"{', '.join(spec.final_outputs)}"
@@ -436,7 +451,7 @@ def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
         row += [str(path.get(key, 0)) for key in counters]
         table.add_row(*row)
     console.print(table)
-    console.print(_counted(spec))
+    console.print(_counted(spec, report))
 
 
 def _first(report: dict[str, Any]) -> dict[str, Any]:
@@ -495,6 +510,12 @@ def add_parsers(sub: Any) -> None:
         help="write a Chrome/Perfetto trace of both paths to PATH (a process per path: each "
         "step, the library's parks, unparks, prefetches and steps as ranges)",
     )
+    ab.add_argument(
+        "--decode-frames",
+        action="store_true",
+        help="DreamZero: decode every step's latents to pixel frames with each session's "
+        "streaming decode state (on in the deploy preset); the frames are compared too",
+    )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -515,6 +536,7 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--kv-pool-bytes", type=int)
     episode.add_argument("--model", default=DEFAULT_MODEL)
     episode.add_argument("--prefetch", action="store_true")
+    episode.add_argument("--decode-frames", action="store_true")
     episode.add_argument("--trace")
     episode.set_defaults(func=run_episode, command="_episode")
     return episode

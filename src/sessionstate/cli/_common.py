@@ -136,9 +136,15 @@ def with_budget(deploy: Any, args: argparse.Namespace) -> Any:
 
 
 def load_model_config(
-    config: str | None, preset: str | None, model_name: str = DEFAULT_MODEL
+    config: str | None,
+    preset: str | None,
+    model_name: str = DEFAULT_MODEL,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
-    """The deploy config (its ``model`` section completed) and the model's config."""
+    """The deploy config (its ``model`` section completed) and the model's config.
+
+    ``overrides`` are model fields set over the config's (a flag such as ``--decode-frames``).
+    """
     import attrs
 
     from sessionstate import OmniDiffusionConfig
@@ -147,6 +153,7 @@ def load_model_config(
     model = dict(deploy.model)
     if preset is not None:
         model["preset"] = preset
+    model.update(overrides or {})
     model.setdefault("preset", "tiny")
     return attrs.evolve(deploy, model=model), get_model(model_name).config_from_dict(model)
 

@@ -32,7 +32,8 @@ class ModelSpec:
         episode: The scripted episode: ``episode(cfg, steps=, sessions=, seed=)`` yielding
             ``(session_id, input)``.
         outputs: One step's comparable outputs by name: tensors first, then ``reset``.
-        tensor_outputs: The names in ``outputs`` compared with `torch.equal`, in order.
+        tensor_outputs: The names in ``outputs`` compared with `torch.equal`, in order (one
+            that is None on both paths, an output this run does not produce, is skipped).
         finals: Per-session results at the end of an episode, by name then session id.
         final_outputs: The names in ``finals``, in the order compared.
         size_table: ``size_table(preset, steps)``: the `sessionstate sizes` JSON.
@@ -124,7 +125,7 @@ MODELS: dict[str, ModelSpec] = {
         pipeline=Lazy("sessionstate.models.dreamzero:DreamZeroPipeline"),
         episode=Lazy("sessionstate.models.dreamzero.episode:scripted_episode"),
         outputs=Lazy("sessionstate.models.dreamzero.episode:outputs"),
-        tensor_outputs=("actions", "video"),
+        tensor_outputs=("actions", "video", "frames"),
         finals=Lazy("sessionstate.models.dreamzero.episode:finals"),
         final_outputs=("latents", "decoded"),
         size_table=Lazy("sessionstate.models.dreamzero.sizes:size_table"),

@@ -64,8 +64,16 @@ def scripted_episode(
 
 
 def outputs(out: DreamZeroOutput) -> dict[str, Any]:
-    """One step's outputs `sessionstate ab` compares, by name: tensors first, then ``reset``."""
-    return {"actions": out.actions, "video": out.video_latents, "reset": out.reset}
+    """One step's outputs `sessionstate ab` compares, by name: tensors first, then ``reset``.
+
+    ``frames`` is None unless the config decodes them (``decode_frames``).
+    """
+    return {
+        "actions": out.actions,
+        "video": out.video_latents,
+        "frames": out.frames,
+        "reset": out.reset,
+    }
 
 
 def finals(pipe: DreamZeroPipeline) -> dict[str, dict[Hashable, Any]]:
