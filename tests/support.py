@@ -1,9 +1,10 @@
-"""Helpers shared by the test modules (importable as `support`: pytest puts tests/ on the path)."""
+"""Helpers shared by the test modules, imported as `tests.support` (tests/ is a package)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +12,12 @@ import torch
 from sessionstate import SessionStateManager, tree_map
 from sessionstate.models.dreamzero import DreamZeroOutput
 from sessionstate.testing import recount_nbytes_by_device
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository's root."""
+
+DATA = ROOT / "tests" / "data"
+"""Committed test data: the golden snapshot files and the script that wrote them."""
 
 
 def clone_tree(tree: Any) -> Any:

@@ -8,11 +8,12 @@ Run only to add a new version's files; never regenerate existing ones::
 Each file is named ``<builder>_v<format version>.safetensors``; a file that exists is never
 written again (a new format version of the same library version gets files of its own).
 
-A golden file is a snapshot written by the library at that version. `tests/test_golden_snapshots.py`
-loads every committed one with today's code and compares it with what the builders below build
-today, so a change to the format or to a class's stored name fails a test instead of breaking
-users' saved sessions. The builders are therefore frozen: change one and the files written from it
-no longer match. Add a new builder (and new files) instead.
+A golden file is a snapshot written by the library at that version.
+`tests/storage/test_golden_snapshots.py` loads every committed one with today's code and compares
+it with what the builders below build today, so a change to the format or to a class's stored
+name fails a test instead of breaking users' saved sessions. The builders are therefore frozen:
+change one and the files written from it no longer match. Add a new builder (and new files)
+instead.
 
 Each builder returns ``(record, metadata)``; the two model builders also store in the metadata
 what rebuilds their pipeline (the config fields) and how far the session ran.
