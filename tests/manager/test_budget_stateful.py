@@ -26,21 +26,10 @@ from sessionstate import (
     TensorCache,
     nbytes_by_device,
     tree_equal,
-    tree_leaves,
 )
+from tests.support import alias_graph
 
 _IDS = st.sampled_from(["a", "b", "c", "d"])
-
-
-def alias_graph(record: Any) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
-    """Each tensor leaf as (storage number in order of first use, offset, shape, stride)."""
-    numbers: dict[int, int] = {}
-    out = []
-    for leaf in tree_leaves(record):
-        if isinstance(leaf, torch.Tensor):
-            number = numbers.setdefault(leaf.untyped_storage()._cdata, len(numbers))
-            out.append((number, leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride())))
-    return out
 
 
 def _parked_handles(record: SessionState) -> dict[int, Any]:

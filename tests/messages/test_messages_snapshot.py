@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from collections.abc import Callable
@@ -11,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import xxhash
 from safetensors.torch import save_file
 
 from sessionstate import (
@@ -28,22 +26,7 @@ from sessionstate import (
     save_state,
     static_field,
 )
-
-
-def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged).
-
-    The document's xxh3-64 is written again, so the edit reaches the checks behind it.
-    """
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    document = json.loads(header["__metadata__"]["sessionstate"])
-    edit(document)
-    text = json.dumps(document)
-    header["__metadata__"]["sessionstate"] = text
-    header["__metadata__"]["sessionstate.xxh3"] = f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
-    encoded = json.dumps(header).encode()
-    return struct.pack("<Q", len(encoded)) + encoded + data[8 + n :]
+from tests.support import rewrite
 
 
 def _ring_state() -> SessionState:

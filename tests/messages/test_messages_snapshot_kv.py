@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
-import struct
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import xxhash
 
 from sessionstate import (
     KVHandle,
@@ -22,24 +18,9 @@ from sessionstate import (
     loads_state,
 )
 from sessionstate._storage import register_snapshot_leaf
+from tests.support import rewrite
 
 NAME = "sessionstate._kvpool:KVHandle"
-
-
-def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """``data`` with its snapshot document edited in place by ``edit`` (storages unchanged).
-
-    The document's xxh3-64 is written again, so the edit reaches the checks behind it.
-    """
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    document = json.loads(header["__metadata__"]["sessionstate"])
-    edit(document)
-    text = json.dumps(document)
-    header["__metadata__"]["sessionstate"] = text
-    header["__metadata__"]["sessionstate.xxh3"] = f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
-    encoded = json.dumps(header).encode()
-    return struct.pack("<Q", len(encoded)) + encoded + data[8 + n :]
 
 
 def _snapshot() -> bytes:

@@ -17,6 +17,7 @@ import sessionstate as ss
 from sessionstate import LatentBuffer, TensorCache, nbytes_by_device, tree_equal
 from sessionstate._storage import HostBufferPool, HostPoolFullError, park_tree
 from sessionstate._storage._park import copy_storages_to_devices, copy_storages_to_host
+from tests.support import alias_graph
 
 
 def _pool(nbytes: int = 4096, **kwargs: Any) -> HostBufferPool:
@@ -212,15 +213,6 @@ def _tree() -> dict[str, Any]:
     return {"cache": cache, "ring": ring, "shared": base[10:20]}
 
 
-def _alias_graph(tree: Any) -> list[tuple[int, int]]:
-    numbers: dict[int, int] = {}
-    return [
-        (numbers.setdefault(t.untyped_storage()._cdata, len(numbers)), t.storage_offset())
-        for t in ss.tree_leaves(tree)
-        if isinstance(t, torch.Tensor)
-    ]
-
-
 def test_park_through_a_pool_is_bit_identical_and_gives_back_on_release() -> None:
     pool = _pool(1 << 16)
     tree = _tree()
@@ -232,7 +224,7 @@ def test_park_through_a_pool_is_bit_identical_and_gives_back_on_release() -> Non
     for _ in range(2):  # restore may run again until release
         back = handle.restore()
         assert tree_equal(back, tree)
-        assert _alias_graph(back) == _alias_graph(tree)
+        assert alias_graph(back) == alias_graph(tree)
         assert nbytes_by_device(back) == nbytes_by_device(tree)
         assert back["cache"].contents[2].dtype == torch.bfloat16
         for x in ss.tree_leaves(back):  # fresh memory, not the pool's
@@ -284,7 +276,7 @@ def test_cpu_restores_land_in_the_pool_until_freed() -> None:
     parked = pool.stats()["used"]
     back = handle.restore()
     assert tree_equal(back, tree)
-    assert _alias_graph(back) == _alias_graph(tree)
+    assert alias_graph(back) == alias_graph(tree)
     assert nbytes_by_device(back) == nbytes_by_device(tree)  # each storage its own size
     base = back["cache"].contents[0]
     assert 0 <= base.data_ptr() - pool.buffer.data_ptr() < pool.total

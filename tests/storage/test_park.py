@@ -14,7 +14,6 @@ import torch
 import sessionstate as ss
 import sessionstate._storage._park as park_module
 from sessionstate import (
-    LatentBuffer,
     ParkedError,
     ParkingError,
     SessionAdmissionError,
@@ -25,25 +24,9 @@ from sessionstate import (
     tree_equal,
 )
 from sessionstate._manager import parse_nbytes
+from tests.support import alias_graph, parkable_record
 
 TIERS = ["host", "disk"]
-
-
-def _record(n: int = 16, fill: float = 1.0) -> SessionState:
-    fill = float(fill)  # every record the same size: float32 whatever the fill
-    base = torch.full((n,), fill)
-    cache = TensorCache(name="cache").allocate().commit((base, base[2:], None))
-    ring = LatentBuffer(name="ring", dim=0).allocate(maxlen=2).commit(torch.arange(4.0) + fill)
-    return SessionState(objects={"cache": cache, "ring": ring}, attrs={"step": 1})
-
-
-def _alias_graph(tree: Any) -> list[tuple[int, int]]:
-    numbers: dict[int, int] = {}
-    return [
-        (numbers.setdefault(t.untyped_storage()._cdata, len(numbers)), t.storage_offset())
-        for t in ss.tree_leaves(tree)
-        if isinstance(t, torch.Tensor)
-    ]
 
 
 # -- the transition ------------------------------------------------------------------------------
@@ -51,15 +34,15 @@ def _alias_graph(tree: Any) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_round_trip_keeps_bits_aliases_and_bytes(tier: str, tmp_path: Path) -> None:
-    state = _record()
+    state = parkable_record()
     parked = state.park(tier, spool_dir=tmp_path)  # type: ignore[arg-type]
     assert parked.parked == ("cache", "ring")
     assert nbytes_by_device(parked) == {}
     back = parked.unpark()
     assert tree_equal(back, state)
-    assert _alias_graph(back) == _alias_graph(state)
+    assert alias_graph(back) == alias_graph(state)
     assert nbytes_by_device(back) == nbytes_by_device(state)
-    assert tree_equal(state, _record())  # the original is unchanged
+    assert tree_equal(state, parkable_record())  # the original is unchanged
 
 
 def test_objects_parked_together_keep_a_shared_storage_shared() -> None:
@@ -77,7 +60,7 @@ def test_objects_parked_together_keep_a_shared_storage_shared() -> None:
 
 
 def test_parked_object_refuses_reads_with_a_clear_error() -> None:
-    parked = _record().object("ring").park("host", name="ring")
+    parked = parkable_record().object("ring").park("host", name="ring")
     assert not parked.is_allocated
     msg = (
         "Cannot view LatentBuffer `ring`: it is parked on the host tier and not resident. "
@@ -133,14 +116,14 @@ def test_parse_nbytes() -> None:
 
 
 def _session_bytes() -> int:
-    return nbytes_by_device(_record())["cpu"]
+    return nbytes_by_device(parkable_record())["cpu"]
 
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_budget_parks_lru_and_unparks_on_get(tier: str, tmp_path: Path) -> None:
     size = _session_bytes()
     m = SessionStateManager(max_bytes={"cpu": 2 * size}, park_tier=tier, spool_dir=tmp_path)  # type: ignore[arg-type]
-    records = {sid: _record(fill=float(i)) for i, sid in enumerate("abc")}
+    records = {sid: parkable_record(fill=float(i)) for i, sid in enumerate("abc")}
     for sid, rec in records.items():
         m.put(sid, rec)
     stats = m.stats()
@@ -164,8 +147,8 @@ def test_budget_parks_lru_and_unparks_on_get(tier: str, tmp_path: Path) -> None:
 def test_peek_does_not_unpark_and_require_does() -> None:
     size = _session_bytes()
     m = SessionStateManager(max_bytes={"cpu": size})
-    m.put("a", _record())
-    m.put("b", _record(fill=2))
+    m.put("a", parkable_record())
+    m.put("b", parkable_record(fill=2))
     assert m.peek("a").parked  # type: ignore[union-attr]
     assert m.stats()["unparks"] == 0
     assert m.require("a").parked == ()
@@ -245,7 +228,7 @@ def test_objects_linked_to_an_attribute_through_each_other_are_not_parked(
     assert m.peek("a").parked == ()  # type: ignore[union-attr]
     got = m.get("a")
     assert tree_equal(got, a)
-    assert _alias_graph(got) == _alias_graph(a)
+    assert alias_graph(got) == alias_graph(a)
     assert nbytes_by_device(got) == nbytes_by_device(a)
 
 
@@ -266,13 +249,13 @@ def test_objects_sharing_storages_only_among_themselves_park_together(
     m.drop("b")
     got = m.get("a")
     assert tree_equal(got, a)
-    assert _alias_graph(got) == _alias_graph(a)
+    assert alias_graph(got) == alias_graph(a)
     assert nbytes_by_device(got) == nbytes_by_device(a)
 
 
 def test_stats_keys_unchanged_without_a_budget() -> None:
     m = SessionStateManager()
-    m.put("a", _record())
+    m.put("a", parkable_record())
     assert set(m.stats()) == {
         "sessions",
         "max_sessions",
@@ -305,7 +288,7 @@ def test_park_failing_half_way_leaves_the_session_resident_and_intact(
 ) -> None:
     size = _session_bytes()
     m = SessionStateManager(max_bytes={"cpu": size})
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
     real = park_module.copy_storages_to_host
     calls = {"n": 0}
@@ -316,7 +299,7 @@ def test_park_failing_half_way_leaves_the_session_resident_and_intact(
         raise OSError("injected: no memory for the host copy.")  # a message ends a sentence
 
     monkeypatch.setattr(park_module, "copy_storages_to_host", failing)
-    b = _record(fill=2)
+    b = parkable_record(fill=2)
     with pytest.raises(ParkingError, match=re.escape("Cannot park session 'a' (objects")) as info:
         m.put("b", b)
     assert "host copy. The session is left resident and intact" in str(info.value)
@@ -335,9 +318,9 @@ def test_disk_full_leaves_the_session_resident(tmp_path: Path) -> None:
     blocked.write_text("a file where the spool directory should be")
     size = _session_bytes()
     m = SessionStateManager(max_bytes={"cpu": size}, park_tier="disk", spool_dir=blocked)
-    m.put("a", _record(fill=1))
+    m.put("a", parkable_record(fill=1))
     with pytest.raises(ParkingError, match=re.escape("Cannot park session 'a'")):
-        m.put("b", _record(fill=2))
+        m.put("b", parkable_record(fill=2))
     assert m.session_ids() == ["a"]
     assert m.peek("a").parked == ()  # type: ignore[union-attr]
 
@@ -347,9 +330,9 @@ def test_unpark_failing_leaves_it_parked_and_a_retry_succeeds(
 ) -> None:
     size = _session_bytes()
     m = SessionStateManager(max_bytes={"cpu": size})
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
-    m.put("b", _record(fill=2))
+    m.put("b", parkable_record(fill=2))
     real = park_module.copy_storages_to_devices
 
     def failing(buffers: Any, devices: Any) -> Any:
@@ -372,9 +355,9 @@ def test_unpark_failing_leaves_it_parked_and_a_retry_succeeds(
 
 def test_snapshot_of_a_parked_session_saves_its_values(tmp_path: Path) -> None:
     m = SessionStateManager(max_bytes={"cpu": _session_bytes()})
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
-    m.put("b", _record(fill=2))
+    m.put("b", parkable_record(fill=2))
     assert m.peek("a").parked  # type: ignore[union-attr]
     m.snapshot("a", tmp_path / "a.safetensors")
     assert tree_equal(ss.load_state(tmp_path / "a.safetensors"), a)
@@ -398,7 +381,7 @@ def test_threads_under_a_budget_match_a_serial_run() -> None:
     def run(manager: SessionStateManager, sid: str) -> list[torch.Tensor]:
         outs = []
         for k in range(steps):
-            state = manager.get_or_create(sid, lambda: _record(fill=float(ord(sid[-1]))))
+            state = manager.get_or_create(sid, lambda: parkable_record(fill=float(ord(sid[-1]))))
             state = _advance(state, k)
             manager.put(sid, state)
             outs.append(state.object("cache").view()[0].clone())
@@ -441,8 +424,8 @@ def test_spool_directory_is_removed_with_the_manager(tmp_path: Path) -> None:
     m = SessionStateManager(
         max_bytes={"cpu": _session_bytes()}, park_tier="disk", spool_dir=tmp_path
     )
-    m.put("a", _record(fill=1))
-    m.put("b", _record(fill=2))
+    m.put("a", parkable_record(fill=1))
+    m.put("b", parkable_record(fill=2))
     (spool,) = list(tmp_path.iterdir())
     assert any(spool.iterdir())
     del m
@@ -467,12 +450,12 @@ def test_a_disk_unpark_moves_each_storage_to_its_device_once() -> None:
 def test_a_cause_without_a_message_is_named_by_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
     size = _session_bytes()
     m = SessionStateManager(max_bytes={"cpu": size})
-    m.put("a", _record(fill=1))
+    m.put("a", parkable_record(fill=1))
 
     def failing(storages: Any) -> Any:
         raise MemoryError  # no message
 
     monkeypatch.setattr(park_module, "copy_storages_to_host", failing)
     with pytest.raises(ParkingError) as info:
-        m.put("b", _record(fill=2))
+        m.put("b", parkable_record(fill=2))
     assert "on the host tier: MemoryError. The session is left resident" in str(info.value)

@@ -35,21 +35,14 @@ from sessionstate import (
     tree_equal,
 )
 from sessionstate.testing import recount_nbytes_by_device
-from tests.support import ROOT
+from tests.support import ROOT, parkable_record
 
 TIERS = ["host", "disk"]
 SRC = ROOT / "src"
 
 
-def _record(n: int = 16, fill: float = 1.0) -> SessionState:
-    base = torch.full((n,), float(fill))
-    cache = TensorCache(name="cache").allocate().commit((base, base[2:], None))
-    ring = LatentBuffer(name="ring", dim=0).allocate(maxlen=2).commit(torch.arange(4.0) + fill)
-    return SessionState(objects={"cache": cache, "ring": ring}, attrs={"step": 1})
-
-
 def _size() -> int:
-    return nbytes_by_device(_record())["cpu"]
+    return nbytes_by_device(parkable_record())["cpu"]
 
 
 def _stats_match_recount(m: SessionStateManager) -> None:
@@ -154,7 +147,7 @@ def test_an_object_parked_alone_moves_its_engine_handle(tier: str, tmp_path: Pat
 def test_a_failed_unpark_evicts_nobody_and_a_repaired_file_unparks(tmp_path: Path) -> None:
     size = _size()
     m = SessionStateManager(max_bytes={"cpu": 2 * size}, park_tier="disk", spool_dir=tmp_path)
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
     # b and c hold their bytes in attributes: making room for `a` could only evict them.
     for sid, fill in (("b", 2.0), ("c", 3.0)):
@@ -190,7 +183,7 @@ def test_an_unpark_makes_room_before_its_bytes_come_back(
     size = _size()
     budget = 2 * size
     m = SessionStateManager(max_bytes={"cpu": budget}, park_tier=tier, spool_dir=tmp_path)
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
     for sid, fill in (("b", 2.0), ("c", 3.0)):
         m.put(sid, SessionState(attrs={"x": torch.full((size // 4,), fill)}))
@@ -220,7 +213,7 @@ def test_a_refused_unpark_leaves_the_session_parked_and_restorable(
     m = SessionStateManager(
         max_bytes={"cpu": 2 * size}, park_tier=tier, spool_dir=tmp_path, on_full="refuse"
     )
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
     for sid, fill in (("b", 2.0), ("c", 3.0)):
         m.put(sid, SessionState(attrs={"x": torch.full((size // 4,), fill)}))
@@ -266,9 +259,9 @@ m.put("b", record(2))
 def test_the_next_manager_reclaims_what_a_killed_process_left(tmp_path: Path) -> None:
     root = tmp_path / "spool"
     live = SessionStateManager(max_bytes={"cpu": _size()}, park_tier="disk", spool_dir=root)
-    live_a = _record(fill=1)
+    live_a = parkable_record(fill=1)
     live.put("a", live_a)
-    live.put("b", _record(fill=2))  # parks `a` into the live manager's spool directory
+    live.put("b", parkable_record(fill=2))  # parks `a` into the live manager's spool directory
     code = textwrap.dedent(_CHILD.format(src=str(SRC), root=str(root)))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -315,8 +308,8 @@ def test_the_default_spool_is_one_directory_per_process(
     gc.collect()
     assert list(spool.glob("parked-*")) == []
     m = SessionStateManager(max_bytes={"cpu": _size()}, park_tier="disk")
-    m.put("a", _record(fill=1))
-    m.put("b", _record(fill=2))
+    m.put("a", parkable_record(fill=1))
+    m.put("b", parkable_record(fill=2))
     assert {p.name.split("-")[2] for p in tmp_path.iterdir()} == {str(os.getpid())}
     del m
     gc.collect()
@@ -325,7 +318,7 @@ def test_the_default_spool_is_one_directory_per_process(
 
 def test_a_user_parked_record_put_into_a_manager_leaves_no_file(tmp_path: Path) -> None:
     user = tmp_path / "user"
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m = SessionStateManager()
     m.put("a", a.park("disk", spool_dir=user))
     assert len(list(user.iterdir())) == 1
@@ -354,9 +347,9 @@ def test_snapshot_of_a_parked_session_under_a_concurrent_get(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = SessionStateManager(max_bytes={"cpu": _size()})
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
-    m.put("b", _record(fill=2))
+    m.put("b", parkable_record(fill=2))
     assert m.peek("a").parked  # type: ignore[union-attr]
     real = SessionState.unpark_on_host
     snapshotter = threading.get_ident()
@@ -429,9 +422,9 @@ def test_a_forked_child_that_drops_its_copy_leaves_the_parents_spool_files(
     tmp_path: Path,
 ) -> None:
     m = SessionStateManager(max_bytes={"cpu": _size()}, park_tier="disk", spool_dir=tmp_path)
-    a = _record(fill=1)
+    a = parkable_record(fill=1)
     m.put("a", a)
-    m.put("b", _record(fill=2))
+    m.put("b", parkable_record(fill=2))
     (spool,) = tmp_path.iterdir()
     files = sorted(spool.glob("parked-*.safetensors"))
     assert len(files) == 1

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import xxhash
 
 import sessionstate as ss
 from sessionstate import (
@@ -40,59 +39,15 @@ from sessionstate._storage import _decode as decode
 from sessionstate._storage import inspect_snapshot
 from sessionstate._storage._format import MAX_DEPTH
 from sessionstate.cli import main
-from tests.support import DATA
-
-# -- crafting files --------------------------------------------------------------------------------
-
-
-def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8 : 8 + n]), data[8 + n :]
-
-
-def _join(header_text: str, body: bytes) -> bytes:
-    encoded = header_text.encode()
-    return struct.pack("<Q", len(encoded)) + encoded + body
-
-
-def _xxh3(data: bytes) -> str:
-    return f"{xxhash.xxh3_64_intdigest(data):016x}"
-
-
-def sign(meta: dict[str, str], text: str) -> None:
-    """Write again every checksum of the document ``text`` that ``meta`` holds."""
-    if "sessionstate.xxh3" in meta:
-        meta["sessionstate.xxh3"] = _xxh3(text.encode())
-    if "sessionstate.crc32" in meta:
-        meta["sessionstate.crc32"] = str(zlib.crc32(text.encode()))
-
-
-def rewrite_text(data: bytes, edit: Callable[[str], str], *, sign_it: bool = True) -> bytes:
-    """``data`` with its JSON document's text edited; its checksums written again if asked."""
-    header, body = _split(data)
-    text = edit(header["__metadata__"]["sessionstate"])
-    header["__metadata__"]["sessionstate"] = text
-    if sign_it:
-        sign(header["__metadata__"], text)
-    return _join(json.dumps(header), body)
-
-
-def rewrite(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """``data`` with its JSON document edited by ``edit`` and signed again."""
-
-    def apply(text: str) -> str:
-        document = json.loads(text)
-        edit(document)
-        return json.dumps(document)
-
-    return rewrite_text(data, apply)
-
-
-def rewrite_header(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """``data`` with its safetensors header (the storage entries) edited by ``edit``."""
-    header, body = _split(data)
-    edit(header)
-    return _join(json.dumps(header), body)
+from tests.support import (
+    DATA,
+    join_header,
+    rewrite,
+    rewrite_header,
+    rewrite_text,
+    split_header,
+    xxh3_hex,
+)
 
 
 def _state() -> SessionState:
@@ -113,22 +68,22 @@ V3 = DATA / "snapshots" / "0.1.0.dev0" / "plain_v3.safetensors"
 
 def test_a_changed_value_in_the_header_fails_its_checksum() -> None:
     data = dumps_state(_state())
-    header, _ = _split(data)
+    header, _ = split_header(data)
     stored = header["__metadata__"]["sessionstate.xxh3"]
     forged = rewrite_text(data, lambda t: t.replace('"value":7', '"value":3'), sign_it=False)
-    text = _split(forged)[0]["__metadata__"]["sessionstate"]
+    text = split_header(forged)[0]["__metadata__"]["sessionstate"]
     _refused(
         forged,
         f"Snapshot (bytes) is corrupt: its JSON document fails its xxh3-64 check (stored "
-        f"{stored!r}, computed {_xxh3(text.encode())}); restore it from an intact copy.",
+        f"{stored!r}, computed {xxh3_hex(text.encode())}); restore it from an intact copy.",
     )
 
 
 def test_a_changed_value_in_a_format_3_header_fails_its_crc32() -> None:
     data = V3.read_bytes()
-    stored = _split(data)[0]["__metadata__"]["sessionstate.crc32"]
+    stored = split_header(data)[0]["__metadata__"]["sessionstate.crc32"]
     forged = rewrite_text(data, lambda t: t.replace('"value":7', '"value":3'), sign_it=False)
-    text = _split(forged)[0]["__metadata__"]["sessionstate"]
+    text = split_header(forged)[0]["__metadata__"]["sessionstate"]
     _refused(
         forged,
         f"Snapshot (bytes) is corrupt: its JSON document fails its CRC-32 check (stored "
@@ -246,7 +201,7 @@ def test_a_long_storage_is_checked_across_read_chunks(monkeypatch: pytest.Monkey
 
 
 def _entry_msg(data: bytes, i: int = 0) -> str:
-    header, _ = _split(data)
+    header, _ = split_header(data)
     document = json.loads(header["__metadata__"]["sessionstate"])
     entry, described = header[f"storage.{i}"], document["storages"][i]
     return (
@@ -479,11 +434,11 @@ def test_a_dict_key_given_twice_is_refused() -> None:
 
 
 def test_a_second_metadata_entry_in_the_safetensors_header_is_refused() -> None:
-    header, body = _split(dumps_state(_state()))
+    header, body = split_header(dumps_state(_state()))
     text = json.dumps(header)
     forged = text[:-1] + ', "__metadata__": {"sessionstate": "{}"}}'
     _refused(
-        _join(forged, body),
+        join_header(forged, body),
         "Snapshot (bytes) has the key '__metadata__' twice in one object of its safetensors "
         "header, so it is ambiguous which one holds; write it again.",
     )
