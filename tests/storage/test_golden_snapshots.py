@@ -116,7 +116,7 @@ def test_every_builder_has_golden_files_and_every_file_a_builder() -> None:
     # Formats 1 and 2 (written before format 3 existed), 3 (CRC-32) and 4 (xxh3-64) are pinned.
     assert {int(p.stem.rpartition("_v")[2]) for p in GOLDEN} == {1, 2, 3, 4}
     assert set(DIGESTS) == {f"{p.parent.name}/{p.stem}" for p in GOLDEN}
-    assert set(make_golden.BUILDERS) >= make_golden.MODEL_BUILDERS
+    assert set(make_golden.BUILDERS) >= make_golden.MODEL_BUILDERS == set(make_golden.MODEL_INPUTS)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -171,8 +171,8 @@ _MODELS = [p for p in GOLDEN if _builder(p) in make_golden.MODEL_BUILDERS]
 @pytest.mark.parametrize("path", _MODELS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_path: Path) -> None:
     fields = _fields(_document(path))
-    run = make_golden.dreamzero_run if _builder(path) == "dreamzero" else make_golden.cosmos3_run
-    reference, inputs = run(fields)
+    model = _builder(path)
+    reference, inputs = make_golden.model_run(model, fields)
     assert reference.manager is not None
     steps = int(_document(path)["metadata"]["steps"])
     golden = ss.load_state(path)
@@ -195,7 +195,7 @@ def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_p
     assert ss.tree_equal(golden, reference.manager.peek("s"))
 
     # A fresh pipeline of the same config, its session restored from the golden file.
-    restored, _ = run(fields, steps=0)
+    restored, _ = make_golden.model_run(model, fields, steps=0)
     assert restored.manager is not None
     restored.manager.restore("s", path)
 
