@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +17,9 @@ import torch
 import xxhash
 
 from sessionstate import (
+    ENV_CHECK_IMMUTABLE,
+    ENV_ENABLE,
+    ENV_MAX_SESSIONS,
     LatentBuffer,
     SessionState,
     SessionStateManager,
@@ -67,6 +73,22 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python -m sessionstate.cli ARGS`` in a subprocess, one torch thread, none of the
+    library's environment switches inherited (``timeout``: a hang guard only)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in (ENV_ENABLE, ENV_MAX_SESSIONS, ENV_CHECK_IMMUTABLE):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "sessionstate.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
 
 
 # -- records to park, and how their tensors alias ------------------------------------------

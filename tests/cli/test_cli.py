@@ -8,39 +8,23 @@ preset is thousands of small ops, which two contending threads only slow down.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sessionstate import ENV_CHECK_IMMUTABLE, ENV_ENABLE, ENV_MAX_SESSIONS
 from sessionstate.cli import main, size_table
 from sessionstate.models.dreamzero import BUCKETS, FRAMES_PER_CHUNK, DreamZeroConfig
+from tests.support import run_cli
 
 MIB = 1024 * 1024
 AB_ARGS = ["ab", "--preset", "tiny", "--steps", "6", "--sessions", "2", "--seed", "5", "--json"]
 
 
-def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in (ENV_ENABLE, ENV_MAX_SESSIONS, ENV_CHECK_IMMUTABLE):
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "sessionstate.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def ab_run() -> subprocess.CompletedProcess[str]:
-    return _cli(*AB_ARGS, timeout=600)
+    return run_cli(*AB_ARGS, timeout=600)
 
 
 def test_ab_reports_identical_paths(ab_run: subprocess.CompletedProcess[str]) -> None:
@@ -96,7 +80,7 @@ def test_bad_arguments_give_one_line_and_exit_2(
 
 
 def test_bad_arguments_from_the_shell() -> None:
-    done = _cli("ab", "--steps", "0", timeout=120)
+    done = run_cli("ab", "--steps", "0", timeout=120)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.splitlines() == [_BAD["steps-0"][1]]
@@ -176,7 +160,7 @@ def test_size_table_deploy_on_meta() -> None:
 
 def test_ab_trace_writes_both_paths_with_the_librarys_ranges(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    run = _cli(
+    run = run_cli(
         "ab", "--preset", "tiny", "--steps", "2", "--sessions", "3", "--max-bytes", "1300000",
         "--park-tier", "host", "--prefetch", "--trace", str(trace), "--json",
         timeout=600,

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
-import subprocess
-import sys
 
 import attrs
 import pytest
 import torch
 
 from sessionstate import (
-    ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
-    ENV_MAX_SESSIONS,
     EncodeOnceKV,
     SessionStateLostError,
     tree_equal,
@@ -32,6 +27,7 @@ from sessionstate.models.cosmos3 import (
     Cosmos3Session,
 )
 from sessionstate.models.cosmos3.episode import NEGATIVE_PROMPT, scripted_episode
+from tests.support import run_cli
 
 CFG = Cosmos3Config.preset("tiny")
 ON = {ENV_ENABLE: "1"}
@@ -215,22 +211,8 @@ def test_deploy_preset_geometry() -> None:
     assert 2 * cfg.num_layers * pair == 56 * 1024 * 1024
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in (ENV_ENABLE, ENV_MAX_SESSIONS, ENV_CHECK_IMMUTABLE):
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "sessionstate.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-
-
 def test_ab_model_cosmos3_reports_identical() -> None:
-    run = _cli("ab", "--model", "cosmos3", "--steps", "4", "--sessions", "3", "--json")
+    run = run_cli("ab", "--model", "cosmos3", "--steps", "4", "--sessions", "3", "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["model"] == "cosmos3"
