@@ -1,7 +1,9 @@
-"""The benchmark harness runs end to end at a tiny size, so it cannot rot.
+"""Every benchmark runs end to end at a tiny size, so none of them can rot.
 
-No timing is asserted: the quick run only has to produce every section and the Targets table,
-with the two paths' outputs (actions and video latents) bit-identical at every step.
+No timing is asserted: the harness's quick run only has to produce every section and the
+Targets table, with the two paths' outputs (actions and video latents) bit-identical at every
+step; the budget, snapshot and size-table benchmarks' smoke runs only have to measure every
+method and find what they compare equal. Each runs as a user runs it, in a subprocess.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 from tests.support import ROOT
 
-HARNESS = ROOT / "benchmarks" / "run.py"
+BENCHMARKS = ROOT / "benchmarks"
 SECTIONS = (
     "machine",
     "step_time",
@@ -34,18 +36,23 @@ SECTIONS = (
 )
 
 
-def _quick_run(tmp_path: Path) -> tuple[dict, str]:
-    out = tmp_path / "latest.json"
-    # A hang guard only (the quick run takes seconds); nothing here measures time.
+def _run(script: str, *args: str, timeout: float = 600) -> None:
+    """Run ``benchmarks/<script>`` with ``args`` as a user would; it must exit cleanly."""
+    # The timeout is a hang guard only (a smoke run takes seconds); nothing here measures time.
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), "--quick", "--out", str(out)],
+        [sys.executable, str(BENCHMARKS / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def _quick_run(tmp_path: Path) -> tuple[dict, str]:
+    out = tmp_path / "latest.json"
+    _run("run.py", "--quick", "--out", str(out))
     return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
@@ -134,22 +141,7 @@ def _check_chart(results: dict, tmp_path: Path) -> None:
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
     out = tmp_path / "chart.png"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "chart.py"),
-            "--results",
-            str(path),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
+    _run("chart.py", "--results", str(path), "--out", str(out), timeout=300)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -158,7 +150,7 @@ def test_ab_harness_reports_a_video_latent_mismatch(monkeypatch: pytest.MonkeyPa
     # video latents drift (actions untouched) is reported as not bit-identical.
     import attrs
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     import common
     import step_time
 
@@ -173,3 +165,75 @@ def test_ab_harness_reports_a_video_latent_mismatch(monkeypatch: pytest.MonkeyPa
     assert step_time.bench_step_time(sizes)["bit_identical_outputs"] is True
     monkeypatch.setattr(step_time, "DreamZeroPipeline", Drifting)
     assert step_time.bench_step_time(sizes)["bit_identical_outputs"] is False
+
+
+# -- the budget, snapshot and size-table benchmarks -------------------------------------------
+
+
+def test_budget_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "budget.json"
+    _run("budget.py", "--smoke", "--out", str(out))
+    results = json.loads(out.read_text())
+    assert results["smoke"] is True
+    (trip,) = results["round_trip"]
+    for key in (
+        "host_over_floor",
+        "host_pool_over_floor",
+        "host_pool_cpu_restores_over_floor",
+        "disk_over_torch_save_load",
+        "copy_floor_ms_per_mib",
+    ):
+        assert trip[key] > 0
+    assert trip["spool_files_left"] == 0  # every disk round trip released its handle
+    (check,) = results["put_check"]
+    assert check["leaves"] > 0
+    assert check["check_over_walk"] >= 0
+    robin = results["round_robin"]
+    assert robin["kv_parks"] > 0  # the budget of two parked KV with the sessions
+    assert robin["evictions"] == 0
+    assert robin["prefetches"] > 0
+    assert robin["prefetch_over_unbudgeted"] > 0
+    (kv,) = results["kv_park"]
+    assert kv["kv_over_floor"] > 0
+
+
+SNAPSHOT_METHODS = (
+    "snapshot_save",
+    "snapshot_load",
+    "snapshot_file",
+    "torch_save",
+    "torch_load",
+    "torch_file",
+    "snapshot_bytes",
+    "torch_bytes",
+    "raw_copy",
+)
+
+
+def test_snapshot_benchmark_smoke_measures_every_method(tmp_path: Path) -> None:
+    # At the tiny preset's shapes.
+    out = tmp_path / "snapshot.json"
+    _run("snapshot.py", "--smoke", "--out", str(out))
+    results = json.loads(out.read_text())
+    assert results["smoke"] is True
+    assert results["bit_identical"] is True
+    assert results["record"]["tensors"] == results["record"]["storages"] > 0
+    for method in SNAPSHOT_METHODS:
+        value = results["ms_per_mib"][method]
+        assert math.isfinite(value), method
+        assert value > 0, method
+    assert isinstance(results["target"]["met"], bool)
+    assert "| snapshot_file_over_torch_file |" in out.with_suffix(".md").read_text()
+
+
+def test_sizes_benchmark_smoke_times_both_ways_and_finds_the_tables_equal(tmp_path: Path) -> None:
+    out = tmp_path / "sizes.json"
+    _run("sizes.py", "--smoke", "--out", str(out))
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert results["tables_equal"] is True
+    assert (results["preset"], results["steps"]) == ("tiny", 4)
+    for way in ("full", "replayed"):
+        assert set(results[way]) == {"wall_s", "cpu_s"}
+    assert len(results["commit"]) == 40 or results["commit"] == "unknown"
+    assert "loadavg_start" in results["machine"]
+    assert "loadavg_end" in results["machine"]
