@@ -18,7 +18,7 @@ Two uses:
 
 A page containing ``<!-- plan-table: data/plan-a.json data/plan-b.json -->`` gets one
 session's bytes (from the first plan) and a column of sessions per plan.
-``tests/test_cli_plan.py`` checks that the committed plans are what `sessionstate plan`
+``tests/cli/test_cli_plan.py`` checks that the committed plans are what `sessionstate plan`
 computes from the committed size tables.
 """
 

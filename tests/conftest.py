@@ -46,7 +46,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # the machine's cores (a worker starved of CPU misses the router's timeout). Under xdist they
 # also form one group, for a run that does not split them out.
 
-_RAY_PATHS = ("tests/test_distributed", "src/sessionstate/distributed/", "cli/_cluster.py")
+_RAY_PATHS = ("tests/distributed/", "src/sessionstate/distributed/", "cli/_cluster.py")
 _RAY_IDS = ("[scaling-out.md]",)  # a docs page whose code starts a local cluster
 
 

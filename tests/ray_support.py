@@ -1,7 +1,7 @@
 """What the Ray test modules share: a toy pipeline and the calls that wait on workers.
 
-Importable as `ray_support` (pytest puts tests/ on the path); workers receive this module's
-classes by value, as they do the test modules' own.
+Imported as `tests.ray_support`; workers receive this module's classes by value, as they do
+the test modules' own.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ MUTANTS = (
                 'self._lock = __import__("contextlib").nullcontext()',
             ),
         ),
-        ("tests/test_manager_threads.py",),
+        ("tests/manager/test_manager_threads.py",),
     ),
     Mutant(
         "tree-equal-allclose",
@@ -63,7 +63,7 @@ MUTANTS = (
                 "    return torch.equal(_bits(x), _bits(y))",
             ),
         ),
-        ("tests/test_tree_bitwise.py",),
+        ("tests/core/test_tree_bitwise.py",),
     ),
     Mutant(
         "put-stores-before-validating",
@@ -76,7 +76,7 @@ MUTANTS = (
                 "        _check_state(state, session_id)\n",
             ),
         ),
-        ("tests/test_manager.py",),
+        ("tests/manager/test_manager.py",),
     ),
     Mutant(
         "ring-keeps-one-too-many",
@@ -100,14 +100,14 @@ MUTANTS = (
                 "if self.maxlen is not None and len(self.chunks) > self.maxlen + 1:",
             ),
         ),
-        ("tests/test_objects_stateful.py", "tests/test_objects.py"),
+        ("tests/core/test_objects_stateful.py", "tests/core/test_objects.py"),
     ),
     Mutant(
         "chunk-block-index-off-by-one",
         "a buffer's chunk past its first block is read from the block before",
         "sessionstate/_objects.py",
         (("return self._blocks[block + 1][offset]", "return self._blocks[block][offset]"),),
-        ("tests/test_chunk_blocks.py",),
+        ("tests/core/test_chunk_blocks.py",),
     ),
     Mutant(
         "chunk-blocks-sealed-short",
@@ -123,7 +123,7 @@ MUTANTS = (
                 "        )",
             ),
         ),
-        ("tests/test_chunk_blocks.py",),
+        ("tests/core/test_chunk_blocks.py",),
     ),
     Mutant(
         "commit-keeps-the-built-tuple",
@@ -135,7 +135,7 @@ MUTANTS = (
                 'new.__dict__.update(self.__dict__)\n        object.__setattr__(new, "_seq", seq)',
             ),
         ),
-        ("tests/test_chunk_blocks.py",),
+        ("tests/core/test_chunk_blocks.py",),
     ),
     Mutant(
         "nbytes-by-numel",
@@ -159,7 +159,7 @@ MUTANTS = (
                 "            if nbytes == 0:",
             ),
         ),
-        ("tests/test_manager_stateful.py", "tests/test_manager_threads.py"),
+        ("tests/manager/test_manager_stateful.py", "tests/manager/test_manager_threads.py"),
     ),
     Mutant(
         "dedup-by-data-pointer",
@@ -179,7 +179,7 @@ MUTANTS = (
                 "            identity = storage.data_ptr()\n            if identity in seen:",
             ),
         ),
-        ("tests/test_accounting.py", "tests/test_manager_stateful.py"),
+        ("tests/core/test_accounting.py", "tests/manager/test_manager_stateful.py"),
     ),
     # -- snapshot mutants (issue 21) --
     Mutant(
@@ -198,7 +198,7 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_snapshot_hostile.py::"
+            "tests/storage/test_snapshot_hostile.py::"
             "test_a_save_failing_midway_leaves_the_previous_file_and_nothing_else",
         ),
     ),
@@ -213,7 +213,7 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_snapshot_hostile.py::"
+            "tests/storage/test_snapshot_hostile.py::"
             "test_corrupt_storage_bytes_through_loads_state_give_snapshot_error",
         ),
     ),
@@ -228,8 +228,8 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_snapshot_hostile.py::test_a_changed_value_in_the_header_fails_its_checksum",
-            "tests/test_snapshot_hostile.py::"
+            "tests/storage/test_snapshot_hostile.py::test_a_changed_value_in_the_header_fails_its_checksum",
+            "tests/storage/test_snapshot_hostile.py::"
             "test_random_header_bit_flips_never_load_a_different_record",
         ),
     ),
@@ -245,7 +245,7 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_distributed_faults.py::"
+            "tests/distributed/test_distributed_faults.py::"
             "test_parts_corrupted_in_transit_fail_the_import_with_snapshot_error",
         ),
     ),
@@ -260,8 +260,8 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_snapshot_parts.py::test_a_resized_part_is_refused",
-            "tests/test_snapshot_parts.py::"
+            "tests/storage/test_snapshot_parts.py::test_a_resized_part_is_refused",
+            "tests/storage/test_snapshot_parts.py::"
             "test_a_signed_huge_storage_is_refused_before_anything_is_allocated",
         ),
     ),
@@ -271,7 +271,7 @@ MUTANTS = (
         "sessionstate/distributed/_router.py",
         (("                if ack.digest != expected:", "                if False:"),),
         (
-            "tests/test_distributed_faults.py::"
+            "tests/distributed/test_distributed_faults.py::"
             "test_a_wrong_digest_fails_the_migration_at_the_acknowledge_stage",
         ),
     ),
@@ -286,7 +286,7 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_distributed_faults.py::"
+            "tests/distributed/test_distributed_faults.py::"
             "test_drops_reach_the_owner_and_leave_no_worker_holding_the_sessions",
         ),
     ),
@@ -295,7 +295,7 @@ MUTANTS = (
         "a worker keeps stepping a session it exported to a migration",
         "sessionstate/distributed/_worker.py",
         (("        self._handed_off.add(session_id)\n", ""),),
-        ("tests/test_distributed_fencing.py",),
+        ("tests/distributed/test_distributed_fencing.py",),
     ),
     Mutant(
         "worker-ignores-epochs",
@@ -307,7 +307,7 @@ MUTANTS = (
                 "        held = epoch = self._held(session_id)\n        if held == epoch and",
             ),
         ),
-        ("tests/test_distributed_fencing.py",),
+        ("tests/distributed/test_distributed_fencing.py",),
     ),
     Mutant(
         "placement-ignores-room",
@@ -319,7 +319,7 @@ MUTANTS = (
                 "roomy = live",
             ),
         ),
-        ("tests/test_distributed_placement.py",),
+        ("tests/distributed/test_distributed_placement.py",),
     ),
     # -- manager, budget and guard mutants (issue 21) --
     Mutant(
@@ -333,7 +333,7 @@ MUTANTS = (
                 "lo = bisect.bisect_left(spans, (start, start), 0, at)",
             ),
         ),
-        ("tests/test_ledger_overlaps.py",),
+        ("tests/manager/test_ledger_overlaps.py",),
     ),
     Mutant(
         "budget-refuses-by-table-total",
@@ -345,7 +345,7 @@ MUTANTS = (
                 "            alone = ledger.total(device)",
             ),
         ),
-        ("tests/test_budget_incremental.py",),
+        ("tests/manager/test_budget_incremental.py",),
     ),
     Mutant(
         "budget-checks-first-device-only",
@@ -359,7 +359,7 @@ MUTANTS = (
                 "            if ledger.total(device) + extra.get(device, 0) > budget",
             ),
         ),
-        ("tests/test_budget_devices.py",),
+        ("tests/manager/test_budget_devices.py",),
     ),
     Mutant(
         "park-splits-alias-through-objects",
@@ -372,7 +372,7 @@ MUTANTS = (
                 "                    reached.add(key)\n",
             ),
         ),
-        ("tests/test_park.py",),
+        ("tests/storage/test_park.py",),
     ),
     Mutant(
         "guard-floating-point-only",
@@ -386,7 +386,7 @@ MUTANTS = (
                 "                versions.append((index, leaf, version))",
             ),
         ),
-        ("tests/test_guard_dtypes.py",),
+        ("tests/manager/test_guard_dtypes.py",),
     ),
     # -- model mutants (issue 21) --
     Mutant(
@@ -400,7 +400,7 @@ MUTANTS = (
                 "Cosmos3Session, unknown_session)",
             ),
         ),
-        ("tests/test_two_model_contract.py",),
+        ("tests/models/test_two_model_contract.py",),
     ),
     Mutant(
         "cosmos3-bespoke-table-always-evicts",
@@ -412,7 +412,7 @@ MUTANTS = (
                 '            max_sessions,\n            "evict",\n',
             ),
         ),
-        ("tests/test_two_model_contract.py",),
+        ("tests/models/test_two_model_contract.py",),
     ),
     Mutant(
         "kv-reload-skips-copy",
@@ -425,7 +425,7 @@ MUTANTS = (
                 "                pass\n",
             ),
         ),
-        ("tests/test_kv_park.py",),
+        ("tests/kv/test_kv_park.py",),
     ),
     Mutant(
         "kv-blocks-not-freeable",
@@ -440,7 +440,7 @@ MUTANTS = (
                 'for entry in values[("o", name)].entries)\n',
             ),
         ),
-        ("tests/test_kv_park.py", "tests/test_kv_park_dreamzero.py"),
+        ("tests/kv/test_kv_park.py", "tests/models/dreamzero/test_kv_park_dreamzero.py"),
     ),
     Mutant(
         "manager-never-makes-step-room",
@@ -453,7 +453,10 @@ MUTANTS = (
                 "            if True:\n",
             ),
         ),
-        ("tests/test_kv_park_dreamzero.py", "tests/dreamzero/test_pool_pressure_record.py"),
+        (
+            "tests/models/dreamzero/test_kv_park_dreamzero.py",
+            "tests/models/dreamzero/test_pool_pressure_record.py",
+        ),
     ),
     Mutant(
         "prefetch-ignores-budget",
@@ -466,7 +469,7 @@ MUTANTS = (
                 "                if False:\n                    parking.count_dropped_prefetch()\n",
             ),
         ),
-        ("tests/test_prefetch.py",),
+        ("tests/manager/test_prefetch.py",),
     ),
     Mutant(
         "refused-put-keeps-a-cycle",
@@ -482,7 +485,7 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/test_kv_budget_stateful.py::"
+            "tests/manager/test_kv_budget_stateful.py::"
             "test_every_refusal_leaves_no_reference_cycle_holding_the_callers_blocks",
         ),
     ),
@@ -491,7 +494,7 @@ MUTANTS = (
         "a KVCache commit claims its old handle stays a leaf, so the ledger never counts the new",
         "sessionstate/_kv/_cache.py",
         (("new, self, 0 if self.handle is None else 1,", "new, self, 0,"),),
-        ("tests/test_ledger_fast_paths.py",),
+        ("tests/manager/test_ledger_fast_paths.py",),
     ),
     Mutant(
         "kv-handle-never-gives-blocks-back",
@@ -503,7 +506,7 @@ MUTANTS = (
                 "            pass\n        except",
             ),
         ),
-        ("tests/test_ledger_fast_paths.py", "tests/test_kvpool.py"),
+        ("tests/manager/test_ledger_fast_paths.py", "tests/kv/test_kvpool.py"),
     ),
     Mutant(
         "ledger-skips-tensor-attributes",
@@ -515,7 +518,7 @@ MUTANTS = (
                 "    if kind in _SCALAR_LEAVES or kind is torch.Tensor:  # a leaf",
             ),
         ),
-        ("tests/test_ledger_fast_paths.py",),
+        ("tests/manager/test_ledger_fast_paths.py",),
     ),
     Mutant(
         "ledger-cache-short-cut-skips-a-leaf",
@@ -527,7 +530,7 @@ MUTANTS = (
                 "return [leaf for leaf in contents[1:] if leaf is not None]",
             ),
         ),
-        ("tests/test_ledger_fast_paths.py",),
+        ("tests/manager/test_ledger_fast_paths.py",),
     ),
     Mutant(
         "lazy-ledger-never-remeasures",
@@ -539,14 +542,14 @@ MUTANTS = (
                 "            if False:\n                pending.append((1, *span))",
             ),
         ),
-        ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
+        ("tests/manager/test_ledger_fast_paths.py", "tests/manager/test_ledger_overlaps.py"),
     ),
     Mutant(
         "lazy-ledger-misses-an-overlap",
         "the manager's (lazy) ledger adds an overlapping range's whole length to its union",
         "sessionstate/_manager/_ledger.py",
         (("                        disjoint = False\n", "                        pass\n"),),
-        ("tests/test_ledger_fast_paths.py", "tests/test_ledger_overlaps.py"),
+        ("tests/manager/test_ledger_fast_paths.py", "tests/manager/test_ledger_overlaps.py"),
     ),
     Mutant(
         "lazy-ledger-grows-unread",
@@ -558,14 +561,14 @@ MUTANTS = (
                 "        return False\n",
             ),
         ),
-        ("tests/test_ledger_fast_paths.py",),
+        ("tests/manager/test_ledger_fast_paths.py",),
     ),
     Mutant(
         "lazy-ledger-trusts-every-storage",
         "the manager's (lazy) ledger counts a storage over memory it does not own by its size",
         "sessionstate/_manager/_ledger.py",
         (("                    and keepalive.resizable()\n", "                    and True\n"),),
-        ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
+        ("tests/manager/test_ledger_overlaps.py", "tests/manager/test_ledger_fast_paths.py"),
     ),
     Mutant(
         "lazy-ledger-skips-owned-placement",
@@ -578,7 +581,7 @@ MUTANTS = (
                 "                if False:\n                    self._shared[device].place(1,",
             ),
         ),
-        ("tests/test_ledger_overlaps.py", "tests/test_ledger_fast_paths.py"),
+        ("tests/manager/test_ledger_overlaps.py", "tests/manager/test_ledger_fast_paths.py"),
     ),
     Mutant(
         "lazy-ledger-stays-sorted",
@@ -590,7 +593,7 @@ MUTANTS = (
                 "none to place until a shared one\n            pass\n",
             ),
         ),
-        ("tests/test_ledger_overlaps.py",),
+        ("tests/manager/test_ledger_overlaps.py",),
     ),
     Mutant(
         "lazy-ledger-blocks-beside-their-pool",
@@ -602,7 +605,7 @@ MUTANTS = (
                 "    if not entry[2] or not isinstance(keepalive, torch.Tensor):",
             ),
         ),
-        ("tests/test_ledger_overlaps.py",),
+        ("tests/manager/test_ledger_overlaps.py",),
     ),
     Mutant(
         "lazy-ledger-pool-beside-its-blocks",
@@ -614,7 +617,7 @@ MUTANTS = (
                 "                    and True  # not a pool",
             ),
         ),
-        ("tests/test_ledger_overlaps.py",),
+        ("tests/manager/test_ledger_overlaps.py",),
     ),
     Mutant(
         "reload-gives-blocks-back-twice",
@@ -645,7 +648,7 @@ MUTANTS = (
                 "                if self._refs[block] == 0:",
             ),
         ),
-        ("tests/test_kv_park.py",),
+        ("tests/kv/test_kv_park.py",),
     ),
     Mutant(
         "reload-marks-blocks-empty",
@@ -658,7 +661,7 @@ MUTANTS = (
                 "                self._filled[block] = 0\n",
             ),
         ),
-        ("tests/test_kv_park.py",),
+        ("tests/kv/test_kv_park.py",),
     ),
     Mutant(
         "offload-keeps-the-last-listed-fill",
@@ -671,7 +674,7 @@ MUTANTS = (
                 "            fills[g][slot] = fill\n",
             ),
         ),
-        ("tests/test_kv_park.py",),
+        ("tests/kv/test_kv_park.py",),
     ),
     Mutant(
         "dropped-prefetch-not-waited-for",
@@ -684,7 +687,7 @@ MUTANTS = (
                 "    handle.discard_prefetch()\n",
             ),
         ),
-        ("tests/test_prefetch.py",),
+        ("tests/manager/test_prefetch.py",),
     ),
     Mutant(
         "failed-prefetch-keeps-its-charge",
@@ -696,7 +699,7 @@ MUTANTS = (
                 "            pass\n",
             ),
         ),
-        ("tests/test_prefetch.py",),
+        ("tests/manager/test_prefetch.py",),
     ),
     Mutant(
         "reading-parked-state-takes-device-room",
@@ -709,7 +712,7 @@ MUTANTS = (
                 "            return state.unpark()\n",
             ),
         ),
-        ("tests/test_park_reading.py",),
+        ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
         "get-makes-no-kv-room",
@@ -721,7 +724,7 @@ MUTANTS = (
                 "                if True:\n",
             ),
         ),
-        ("tests/test_park_reading.py",),
+        ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
         "reduced-precision-cpu-convolutions",
@@ -729,7 +732,7 @@ MUTANTS = (
         "kernel instead of in float32",
         "sessionstate/models/dreamzero/networks.py",
         (("            if self.dtype in _NO_FAST_CPU_CONV:\n", "            if False:\n"),),
-        ("tests/dreamzero/test_dtypes.py",),
+        ("tests/models/dreamzero/test_dtypes.py",),
     ),
     Mutant(
         "failed-unpark-keeps-restored-trees",
@@ -742,7 +745,7 @@ MUTANTS = (
                 "            raise\n",
             ),
         ),
-        ("tests/test_park_reading.py",),
+        ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
         "with-values-skips-the-bucket-check",
@@ -754,7 +757,7 @@ MUTANTS = (
                 "            pass\n",
             ),
         ),
-        ("tests/test_ledger_fast_paths.py",),
+        ("tests/manager/test_ledger_fast_paths.py",),
     ),
 )
 

@@ -17,7 +17,7 @@ import importlib.metadata
 # The names below load on first use (PEP 562), so that `import sessionstate` stays light and
 # `sessionstate --help` answers without importing torch. `_PUBLIC` is the one table of them:
 # `__all__` and the lazy lookup come from it, and the imports under TYPE_CHECKING (what type
-# checkers and the docs read) are held to it by `tests/test_public_api.py`.
+# checkers and the docs read) are held to it by `tests/meta/test_public_api.py`.
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:

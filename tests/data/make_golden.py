@@ -8,14 +8,16 @@ Run only to add a new version's files; never regenerate existing ones::
 Each file is named ``<builder>_v<format version>.safetensors``; a file that exists is never
 written again (a new format version of the same library version gets files of its own).
 
-A golden file is a snapshot written by the library at that version. `tests/test_golden_snapshots.py`
-loads every committed one with today's code and compares it with what the builders below build
-today, so a change to the format or to a class's stored name fails a test instead of breaking
-users' saved sessions. The builders are therefore frozen: change one and the files written from it
-no longer match. Add a new builder (and new files) instead.
+A golden file is a snapshot written by the library at that version.
+`tests/storage/test_golden_snapshots.py` loads every committed one with today's code and compares
+it with what the builders below build today, so a change to the format or to a class's stored
+name fails a test instead of breaking users' saved sessions. The builders are therefore frozen:
+change one and the files written from it no longer match. Add a new builder (and new files)
+instead.
 
-Each builder returns ``(record, metadata)``; the two model builders also store in the metadata
-what rebuilds their pipeline (the config fields) and how far the session ran.
+Each builder returns ``(record, metadata)``; the two model builders (one `model_session` over
+the model registry) also store in the metadata what rebuilds their pipeline (the config fields)
+and how far the session ran.
 
 The model builders run seeded networks, whose float results depend on the CPU's kernels (an
 AMX machine rounds some matmuls and convolutions differently from an AVX2 one, whatever the
@@ -29,10 +31,12 @@ builder's record on the machines that wrote them (CI, through the golden tests).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,7 @@ import torch
 
 import sessionstate as ss
 from sessionstate._storage import FORMAT_VERSION
+from sessionstate.models._registry import get_model
 
 DZ_STEPS = 2
 """DreamZero steps run before the snapshot: the second leaves a half-filled VAE body chunk."""
@@ -110,47 +115,6 @@ def dreamzero_observations(cfg: Any, n: int) -> list[Any]:
     return out
 
 
-def _config_text(cfg: Any, fields: dict[str, Any] | None) -> str:
-    # The config a file stores: every field of the day it was written. Rebuilt from a file,
-    # the fields it stores (a field added since, at its default, is not one of them).
-    return json.dumps(fields if fields is not None else attrs.asdict(cfg))
-
-
-def dreamzero_config(fields: dict[str, Any] | None = None) -> Any:
-    """The config of the DreamZero golden session: the tiny preset, or the stored fields."""
-    from sessionstate.models.dreamzero import DreamZeroConfig
-
-    return DreamZeroConfig(**fields) if fields is not None else DreamZeroConfig.preset("tiny")
-
-
-def dreamzero_run(
-    fields: dict[str, Any] | None = None, steps: int = DZ_STEPS
-) -> tuple[Any, list[Any]]:
-    """A managed DreamZero pipeline after ``steps`` steps of session ``"s"``, and the
-    observations of those steps and one more."""
-    from sessionstate.models.dreamzero import DreamZeroPipeline
-
-    cfg = dreamzero_config(fields)
-    pipe = DreamZeroPipeline(cfg, environ={ss.ENV_ENABLE: "1"})
-    observations = dreamzero_observations(cfg, DZ_STEPS + 1)
-    for obs in observations[:steps]:
-        pipe.forward(obs, "s")
-    return pipe, observations
-
-
-def dreamzero_session(
-    fields: dict[str, Any] | None = None,
-) -> tuple[ss.SessionState, dict[str, str]]:
-    """A DreamZero session after `DZ_STEPS` managed steps (its KV cache makes it format 2)."""
-    pipe, _ = dreamzero_run(fields)
-    meta = {
-        "builder": "dreamzero_session",
-        "config": _config_text(pipe.cfg, fields),
-        "steps": str(DZ_STEPS),
-    }
-    return pipe.manager.peek("s"), meta
-
-
 def cosmos3_requests(cfg: Any, n: int) -> list[Any]:
     """``n`` seeded Cosmos3 requests: a drifting control, a prompt change at step 3."""
     from sessionstate.models.cosmos3 import Cosmos3Request
@@ -165,37 +129,49 @@ def cosmos3_requests(cfg: Any, n: int) -> list[Any]:
     return out
 
 
-def cosmos3_config(fields: dict[str, Any] | None = None) -> Any:
-    """The config of the Cosmos3 golden session: the tiny preset, or the stored fields."""
-    from sessionstate.models.cosmos3 import Cosmos3Config
+MODEL_INPUTS: dict[str, tuple[Callable[[Any, int], list[Any]], int]] = {
+    "dreamzero": (dreamzero_observations, DZ_STEPS),
+    "cosmos3": (cosmos3_requests, COSMOS3_STEPS),
+}
+"""Model name (in `sessionstate.models.MODELS`) -> its seeded inputs and the steps run before
+the snapshot. The two model builders are one builder over this table and the model registry."""
 
-    return Cosmos3Config(**fields) if fields is not None else Cosmos3Config.preset("tiny")
+
+def _config_text(cfg: Any, fields: dict[str, Any] | None) -> str:
+    # The config a file stores: every field of the day it was written. Rebuilt from a file,
+    # the fields it stores (a field added since, at its default, is not one of them).
+    return json.dumps(fields if fields is not None else attrs.asdict(cfg))
 
 
-def cosmos3_run(
-    fields: dict[str, Any] | None = None, steps: int = COSMOS3_STEPS
+def model_config(model: str, fields: dict[str, Any] | None = None) -> Any:
+    """The config of a model's golden session: the tiny preset, or the stored fields."""
+    tiny = get_model(model).config_from_dict({"preset": "tiny"})
+    return type(tiny)(**fields) if fields is not None else tiny
+
+
+def model_run(
+    model: str, fields: dict[str, Any] | None = None, steps: int | None = None
 ) -> tuple[Any, list[Any]]:
-    """A managed Cosmos3 pipeline after ``steps`` steps of session ``"s"``, and the
-    requests of those steps and one more."""
-    from sessionstate.models.cosmos3 import Cosmos3Pipeline
+    """A managed pipeline of ``model`` after ``steps`` steps (all of the golden session's by
+    default) of session ``"s"``, and the inputs of the golden session's steps and one more."""
+    make_inputs, golden_steps = MODEL_INPUTS[model]
+    cfg = model_config(model, fields)
+    pipe = get_model(model).pipeline(cfg, environ={ss.ENV_ENABLE: "1"})
+    inputs = make_inputs(cfg, golden_steps + 1)
+    for x in inputs[: golden_steps if steps is None else steps]:
+        pipe.forward(x, "s")
+    return pipe, inputs
 
-    cfg = cosmos3_config(fields)
-    pipe = Cosmos3Pipeline(cfg, environ={ss.ENV_ENABLE: "1"})
-    requests = cosmos3_requests(cfg, COSMOS3_STEPS + 1)
-    for request in requests[:steps]:
-        pipe.forward(request, "s")
-    return pipe, requests
 
-
-def cosmos3_session(
-    fields: dict[str, Any] | None = None,
+def model_session(
+    model: str, fields: dict[str, Any] | None = None
 ) -> tuple[ss.SessionState, dict[str, str]]:
-    """A Cosmos3 session after `COSMOS3_STEPS` managed steps."""
-    pipe, _ = cosmos3_run(fields)
+    """A session of ``model`` after its golden steps, managed."""
+    pipe, _ = model_run(model, fields)
     meta = {
-        "builder": "cosmos3_session",
+        "builder": f"{model}_session",
         "config": _config_text(pipe.cfg, fields),
-        "steps": str(COSMOS3_STEPS),
+        "steps": str(MODEL_INPUTS[model][1]),
     }
     return pipe.manager.peek("s"), meta
 
@@ -249,8 +225,8 @@ def write_digests(root: Path) -> None:
 BUILDERS = {
     "plain": plain_session,
     "kv": kv_session,
-    "dreamzero": dreamzero_session,
-    "cosmos3": cosmos3_session,
+    "dreamzero": functools.partial(model_session, "dreamzero"),
+    "cosmos3": functools.partial(model_session, "cosmos3"),
 }
 """Builder name (the stem of its files, before ``_v<format version>``) -> builder."""
 

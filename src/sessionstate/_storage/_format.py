@@ -399,7 +399,7 @@ SNAPSHOT_NAMES: Mapping[str, str] = {
     # Seeded with the classes' locations when the table was introduced, so files stay
     # byte-identical. A moved class keeps its stable name: update only its location here.
     # Never change or remove a stable name: files written with it must keep loading
-    # (tests/test_golden_snapshots.py loads committed ones).
+    # (tests/storage/test_golden_snapshots.py loads committed ones).
     "sessionstate._session:SessionState": "sessionstate._session:SessionState",
     "sessionstate._objects:LatentBuffer": "sessionstate._objects:LatentBuffer",
     "sessionstate._objects:TensorCache": "sessionstate._objects:TensorCache",

@@ -51,7 +51,7 @@ HOST_VALUES: dict[str, tuple[str, ...]] = {
 }
 """Per model, the values its pipeline keeps on ``host_device`` (not the model's device).
 
-A size table runs both on ``meta``, so it cannot tell them apart; ``tests/test_cli_plan.py``
+A size table runs both on ``meta``, so it cannot tell them apart; ``tests/cli/test_cli_plan.py``
 checks this list against a pipeline whose host device differs from its device.
 """
 

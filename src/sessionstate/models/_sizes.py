@@ -11,7 +11,7 @@ Two calls are alike when their tensor arguments have the same dtypes, shapes, st
 storage sharing (and host tensors and other arguments the same values). Where a view starts
 in its storage, and that storage's size, count too unless the result views no argument: no
 meta kernel reads either. The tables count bytes by storage, so they cannot tell a replayed
-result from a computed one; ``tests/test_sizes_replay.py`` checks every value's layout
+result from a computed one; ``tests/models/test_sizes_replay.py`` checks every value's layout
 against the full run, step by step, on both paths of both models.
 """
 

@@ -1,0 +1,271 @@
+"""The ledger's short cuts stay exact: values walked without a tree flatten, KV commits, caches.
+
+A put walks only the values that changed, and some of those without flattening them: an
+attribute that is a tensor or a scalar is its own leaf; a `KVCache` commit says its leaves
+are the new handle alone (the old one goes); a `TensorCache` committed the contents it holds
+is the same object, so nothing is walked. These tests drive such puts, branches from earlier
+versions included, and compare `stats()` after every call with an independent recount, and
+the pool's free blocks with the blocks live handles hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import operator
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sessionstate import KVCache, KVHandle, KVPool, SessionState, SessionStateManager, TensorCache
+from sessionstate._accounting import derivation, storage_entries
+from sessionstate._manager import Ledger
+from tests.support import assert_stats_equal_a_recount
+
+ATTR_VALUES = [None, 3, 2.5, True, "text", b"raw"]
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["append", "empty", "same-kv", "cache", "alias-cache", "same-cache", "attr", "put"]
+        ),
+        st.integers(0, 20),  # which earlier version to build on
+        st.integers(0, len(ATTR_VALUES)),  # an attribute value (the last: a tensor)
+    ),
+    max_size=30,
+)
+
+
+def _run(ops: list[tuple[str, int, int]], manager: SessionStateManager, pool: KVPool) -> None:
+    first = SessionState(
+        objects={"kv": KVCache().allocate(), "cache": TensorCache().allocate()},
+        attrs={"a": torch.zeros(2)},
+    )
+    versions = [first]
+    manager.put("s", first)
+    for op, which, value in ops:
+        base = versions[which % len(versions)]
+        kv = base.object("kv", KVCache)
+        cache = base.object("cache", TensorCache)
+        if op == "append":
+            state = base.with_object("kv", kv.append(pool, torch.ones(value + 1, 2)))
+        elif op == "empty":
+            state = base.with_object("kv", kv.commit(None))
+        elif op == "same-kv":
+            state = base.with_object("kv", kv.commit(kv.view()))
+        elif op == "cache":
+            state = base.with_object("cache", cache.commit((torch.zeros(value + 1),)))
+        elif op == "alias-cache":
+            # A flat tuple (the ledger's short cut) of None, tensors of the record's own
+            # attribute (the same one twice, a view of it when it is a tensor) and a new one.
+            a = base.attrs["a"]
+            held = (a, a[:1]) if isinstance(a, torch.Tensor) else ()
+            state = base.with_object("cache", cache.commit((None, *held, torch.ones(value + 1))))
+        elif op == "same-cache":
+            state = base.with_object("cache", cache.commit(cache.view()))
+        elif op == "attr":
+            chosen = ATTR_VALUES[value] if value < len(ATTR_VALUES) else torch.ones(value)
+            state = base.with_values(a=chosen)
+        else:
+            state = base
+        manager.put("s", state)
+        versions.append(state)
+        assert_stats_equal_a_recount(manager)
+
+
+@given(ops=OPS, budget=st.booleans())
+def test_stats_equal_a_recount_after_kv_cache_and_attribute_puts(
+    ops: list[tuple[str, int, int]], budget: bool
+) -> None:
+    pool = KVPool(64, block_tokens=2, token_shape=(2,))
+    manager = SessionStateManager(max_bytes={"cpu": 1 << 20} if budget else None)
+    _run(ops, manager, pool)
+    manager.drop("s")
+    gc.collect()
+    assert manager.stats()["total_nbytes"] == 0
+    assert pool.free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        None,
+        (),
+        (None, None),
+        (torch.zeros(2), None, torch.ones(3)),
+        (torch.zeros(2), (torch.ones(1), None)),  # nested: flattened as a tree
+        [torch.zeros(2), None],  # a list: flattened as a tree
+        (torch.nn.Parameter(torch.zeros(2)), torch.ones(1)),  # a subclass: flattened
+        (torch.zeros(2), 3),
+    ],
+)
+def test_a_caches_leaves_without_a_flatten_are_its_tree_leaves(contents: object) -> None:
+    from sessionstate._manager._ledger import _flat_cache_leaves
+    from sessionstate._tree import tree_leaves
+
+    cache = TensorCache().allocate().commit(contents)
+    flat = _flat_cache_leaves(cache)
+    leaves = tree_leaves(cache)
+    if flat is not None:
+        assert len(flat) == len(leaves)
+        assert all(map(operator.is_, flat, leaves))
+    # The short cut is taken exactly for a flat tuple of plain tensors and None.
+    is_flat = type(contents) is tuple and all(
+        type(x) is torch.Tensor or x is None for x in contents
+    )
+    assert (flat is not None) == is_flat
+
+
+def test_a_kv_cache_commit_derives_its_successor_from_the_handle_alone() -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=())
+    empty = KVCache().allocate()
+    one = empty.commit(pool.append(pool.empty(), torch.ones(1)))
+    two = one.commit(pool.append(one.view(), torch.ones(1)))
+    cleared = two.commit(None)
+    first, second, last = derivation(one), derivation(two), derivation(cleared)
+    assert first is not None
+    assert second is not None
+    assert last is not None
+    assert (first.base(), first.dropped, list(first.leaves)) == (empty, 0, [one.view()])
+    assert (second.base(), second.dropped, list(second.leaves)) == (one, 1, [two.view()])
+    assert (last.base(), last.dropped, list(last.leaves)) == (two, 1, [])
+
+
+def test_committing_a_caches_own_contents_returns_the_cache() -> None:
+    cache = TensorCache().allocate().commit((torch.zeros(2),))
+    assert cache.commit(cache.view()) is cache
+    other = cache.commit((torch.zeros(2),))
+    assert other is not cache
+    assert other.view() is not cache.view()
+
+
+def test_a_handle_gives_its_blocks_back_when_collected() -> None:
+    pool = KVPool(3, block_tokens=1, token_shape=())
+    handle = pool.append(pool.empty(), torch.ones(2))
+    longer = pool.append(handle, torch.ones(1))
+    assert pool.free_blocks == 0
+    del handle
+    gc.collect()
+    assert pool.free_blocks == 0  # `longer` still holds both of its first blocks
+    del longer
+    gc.collect()
+    assert pool.free_blocks == 3
+
+
+def test_a_copy_of_a_handle_is_the_handle_so_its_blocks_stay_held() -> None:
+    pool = KVPool(2, block_tokens=1, token_shape=())
+    handle = pool.append(pool.empty(), torch.ones(1))
+    assert copy.copy(handle) is handle
+    assert copy.deepcopy({"kv": handle})["kv"] is handle
+    gc.collect()
+    assert (handle.alive, pool.free_blocks) == (True, 1)
+
+
+def test_a_rolled_back_step_kills_its_handles_and_frees_their_blocks_once() -> None:
+    pool = KVPool(2, block_tokens=1, token_shape=())
+    kept = pool.append(pool.empty(), torch.ones(1))
+    made: list[KVHandle] = []
+
+    def failing_step() -> None:
+        with pool.transaction():
+            made.append(pool.append(kept, torch.ones(1)))
+            raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        failing_step()
+    assert (made[0].alive, kept.alive, pool.free_blocks) == (False, True, 1)
+    made.clear()  # collected after the rollback released it: nothing is given back twice
+    gc.collect()
+    assert pool.free_blocks == 1
+    assert kept.read().tolist() == [1.0]
+
+
+class TestWithValues:
+    def test_equals_with_object_then_with_attrs(self) -> None:
+        base = SessionState(objects={"c": TensorCache().allocate()}, attrs={"n": 1})
+        cache = base.object("c", TensorCache).commit((torch.ones(1),))
+        batched = base.with_values({"c": cache}, n=2, m=torch.zeros(1))
+        chained = base.with_object("c", cache).with_attrs(n=2, m=torch.zeros(1))
+        assert batched.objects == chained.objects
+        assert list(batched.attrs) == list(chained.attrs) == ["n", "m"]
+        assert (batched.attrs["n"], base.attrs["n"]) == (2, 1)
+
+    def test_freezes_attributes_as_with_attrs(self) -> None:
+        state = SessionState().with_values(ids=[1, [2, 3]])
+        assert state.attrs["ids"] == (1, (2, 3))
+
+    def test_a_name_in_both_buckets_is_refused(self) -> None:
+        base = SessionState(objects={"c": TensorCache()}, attrs={"n": 1})
+        with pytest.raises(ValueError, match=r"\['c'\] are both state objects and attributes"):
+            base.with_values(c=1)
+        with pytest.raises(ValueError, match=r"\['n'\] are both state objects and attributes"):
+            base.with_values({"n": TensorCache()})
+
+    def test_an_object_that_is_not_a_state_object_is_refused(self) -> None:
+        with pytest.raises(TypeError, match="must be a StateObject"):
+            SessionState().with_values({"c": torch.zeros(1)})  # type: ignore[dict-item]
+
+
+SPANS = st.lists(
+    st.tuples(st.booleans(), st.integers(0, 40), st.integers(1, 12), st.integers(0, 3)),
+    max_size=60,
+)
+
+
+@given(ops=SPANS)
+def test_a_lazy_ledger_reads_the_same_totals_as_an_eager_one(
+    ops: list[tuple[bool, int, int, int]],
+) -> None:
+    # Entries over overlapping address ranges (several identities per range too), added and
+    # removed in any order; totals read after every change and only at the end.
+    eager, lazy, rare = Ledger(), Ledger(lazy=True), Ledger(lazy=True)
+    # Thirty disjoint ranges held throughout, so a read after one change places it among
+    # them (the incremental path) rather than sorting afresh.
+    held: list[tuple[str, object, int, int, None]] = [
+        ("cpu", ("base", i), 10_000 + 100 * i, 10, None) for i in range(30)
+    ]
+    for ledger in (eager, lazy, rare):
+        ledger.add(held)
+        ledger.totals()
+    base = len(held)
+    for add, start, size, alias in ops:
+        if add or len(held) == base:
+            entry = ("cpu", (start, size, alias), 1000 + start, size, None)
+            if entry in held:
+                continue
+            held.append(entry)
+            for ledger in (eager, lazy, rare):
+                ledger.add([entry])
+        else:
+            entry = held.pop(base + start % (len(held) - base))
+            for ledger in (eager, lazy, rare):
+                ledger.remove([entry])
+        covered = {b for _, _, pointer, n, _ in held for b in range(pointer, pointer + n)}
+        assert eager.totals() == lazy.totals() == ({"cpu": len(covered)} if covered else {})
+    assert rare.totals() == eager.totals()
+
+
+@pytest.mark.parametrize("churn", ["shared", "owned"])
+def test_a_lazy_ledger_nobody_reads_stays_bounded(churn: str) -> None:
+    # A manager without a budget whose `stats()` is read once, then never: the pending range
+    # changes (of shared ranges, or of owned storages placed among them) are folded in as
+    # they outgrow the held ranges, and the total is still exact.
+    ledger = Ledger(lazy=True)
+    kept = ("cpu", "kept", 8, 8, None)  # a shared range: the device's ranges are sorted
+    ledger.add([kept])
+    assert ledger.totals() == {"cpu": 8}
+    pending = []
+    for i in range(5000):
+        if churn == "shared":
+            entries = [("cpu", ("temp", i), 100 + 16 * i, 8, None)]
+        else:
+            entries = storage_entries(torch.zeros(2))
+        ledger.add(entries)
+        ledger.remove(entries)
+        pending.append(len(ledger._shared["cpu"]._pending))
+    # A fold can fall between a range's add and its remove: two ranges held then.
+    assert max(pending) <= 8 * 2 + 256 + 1
+    assert max(pending) > 8  # the changes were placed, not skipped
+    assert ledger.totals() == {"cpu": 8}

@@ -1,0 +1,257 @@
+"""Observability: Prometheus metrics equal `stats()`, a footprint per session, events, ranges.
+
+A budgeted DreamZero episode is scraped over HTTP (`prometheus_client`'s own server and
+parser); each metric equals what `stats()` says at that moment. Scrapes racing steps never
+show a torn state. `session_stats` of every session sums to the manager's totals. Parks,
+unparks, prefetches, evictions and refusals reach the `on_event` callback and the log, and
+show as profiler ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from sessionstate import (
+    KVCache,
+    KVPool,
+    SessionAdmissionError,
+    SessionState,
+    SessionStateLostError,
+    SessionStateManager,
+    TensorCache,
+)
+from sessionstate._events import SessionEvent
+from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+from sessionstate.models.dreamzero.episode import scripted_episode
+from tests.support import torch_threads
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from sessionstate.metrics import SessionStateCollector  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def _budgeted_pipeline() -> DreamZeroPipeline:
+    cfg = DreamZeroConfig.preset("tiny")
+    env = {
+        "OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1",
+        "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES": "1300000",
+    }
+    return DreamZeroPipeline(cfg, environ=env)
+
+
+def test_a_scrape_over_http_equals_stats_during_a_budgeted_episode() -> None:
+    pipe = _budgeted_pipeline()
+    manager = pipe.manager
+    assert manager is not None
+    registry = CollectorRegistry()
+    registry.register(SessionStateCollector(manager, labels={"model_name": "dreamzero"}))
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        episode = list(scripted_episode(pipe.cfg, steps=3, sessions=4, seed=2))
+        for i, (sid, obs) in enumerate(episode):
+            pipe.forward(obs, sid)
+            if i % 4 != 3:
+                continue
+            with urllib.request.urlopen(url, timeout=30) as reply:
+                got = _samples(reply.read().decode())
+            stats = manager.stats()
+            snap = manager.metrics_snapshot()
+            assert got[("sessionstate_max_sessions", ())] == stats["max_sessions"]
+            assert got[("sessionstate_hits_total", ())] == stats["hits"]
+            assert got[("sessionstate_lookups_total", ())] == stats["hits"] + stats["misses"]
+            assert got[("sessionstate_evictions_total", ())] == stats["evictions"]
+            assert got[("sessionstate_kv_parks_total", ())] == stats["kv_parks"]
+            for key, value in stats.items():
+                if key.startswith("nbytes:"):
+                    name = ("sessionstate_resident_bytes", (("device", key[7:]),))
+                    assert got[name] == value
+                if key.startswith("nbytes_parked:"):
+                    assert got[("sessionstate_parked_bytes", (("tier", key[14:]),))] == value
+                if key.startswith("max_bytes:"):
+                    device = key[10:]
+                    assert got[("sessionstate_budget_bytes", (("device", device),))] == value
+                    ratio = got[("sessionstate_budget_usage_ratio", (("device", device),))]
+                    assert ratio == pytest.approx(stats.get(f"nbytes:{device}", 0) / value)
+            for state, n in snap["sessions"].items():
+                key = ("sessionstate_sessions", (("state", state.replace(":", "_")),))
+                assert got[key] == n
+            assert (
+                sum(snap["sessions"][s] for s in ("resident", "parked:host", "parked:disk"))
+                == (stats["sessions"])
+            )
+            parks = sum(got[("sessionstate_parks_total", (("tier", t),))] for t in ("host", "disk"))
+            assert parks == stats["parks"]
+            unparks = sum(
+                got[("sessionstate_unparks_total", (("tier", t),))] for t in ("host", "disk")
+            )
+            assert unparks == stats["unparks"]
+            assert (
+                got[("sessionstate_prefetches_total", (("outcome", "hit"),))]
+                == (stats["prefetch_hits"])
+            )
+        assert manager.stats()["parks"] > 0  # the budget parked: the park metrics moved
+    finally:
+        server.shutdown()
+        thread.join(timeout=30)
+
+
+def test_scrapes_racing_steps_see_whole_states() -> None:
+    # The collector reads under the manager's lock once: resident and parked sessions always
+    # add up to the sessions held, and the byte keys to the total, whatever step is running.
+    pipe = _budgeted_pipeline()
+    manager = pipe.manager
+    assert manager is not None
+    collector = SessionStateCollector(manager)
+    episode = list(scripted_episode(pipe.cfg, steps=3, sessions=4, seed=3))
+    stop = threading.Event()
+    seen: list[dict[str, Any]] = []
+
+    def scrape() -> None:
+        while not stop.wait(0.002):  # a scrape every 2 ms, racing the steps
+            families = {f.name: f for f in collector.collect()}
+            sessions = {
+                s.labels["state"]: s.value for s in families["sessionstate_sessions"].samples
+            }
+            resident = sum(s.value for s in families["sessionstate_resident_bytes"].samples)
+            seen.append({"sessions": sessions, "resident": resident})
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        for sid, obs in episode:
+            pipe.forward(obs, sid)
+    finally:
+        stop.set()
+        scraper.join(timeout=60)
+    assert seen
+    for scrape_ in seen:
+        held = scrape_["sessions"]
+        assert held["resident"] + held["parked_host"] + held["parked_disk"] <= 4
+        assert held["resident"] >= 0
+
+
+def test_session_stats_sum_to_the_managers_totals() -> None:
+    pool = KVPool(16, block_tokens=2, token_shape=(2,), name="kv", step_tokens=2)
+    m = SessionStateManager(max_bytes={"cpu": 200}, pools=(pool,))  # two sessions of 96
+    for i, sid in enumerate("abc"):
+        kv = KVCache().allocate().append(pool, torch.full((3, 2), float(i)))
+        feat = TensorCache().allocate().commit(torch.full((16,), float(i)))
+        m.put(sid, SessionState(objects={"kv": kv, "feat": feat}))
+    del kv, feat
+    stats = m.stats()
+    per = {sid: m.session_stats(sid) for sid in m.session_ids()}
+    assert sum(s["nbytes"].get("cpu", 0) for s in per.values()) == stats["nbytes:cpu"]
+    assert (
+        sum(s["engine_nbytes"].get("cpu", 0) for s in per.values()) == (stats["engine_nbytes:cpu"])
+    )
+    parked = [sid for sid, s in per.items() if not s["resident"]]
+    assert parked  # the budget parked the oldest
+    for sid in parked:
+        assert per[sid]["nbytes_parked"]["host"] > 0
+        assert per[sid]["blocks"] == {"kv": 0}
+    resident = [sid for sid, s in per.items() if s["resident"]]
+    assert all(per[sid]["blocks"] == {"kv": 2} for sid in resident)
+    assert sorted(s["lru_rank"] for s in per.values()) == [0, 1, 2]
+    assert (
+        sum(s["nbytes_parked"].get("host", 0) for s in per.values())
+        == (stats["nbytes_parked:host"])
+    )
+    with pytest.raises(SessionStateLostError, match="No stats for session 'z'"):
+        m.session_stats("z")
+
+
+def test_events_reach_the_callback_and_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    events: list[SessionEvent] = []
+
+    def record() -> SessionState:
+        return SessionState(objects={"c": TensorCache().allocate().commit(torch.zeros(16))})
+
+    m = SessionStateManager(2, max_bytes={"cpu": 64}, on_event=events.append)
+    with caplog.at_level(logging.DEBUG, logger="sessionstate"):
+        m.put("a", record())
+        m.put("b", record())  # parks "a"
+        m.get("a")  # parks "b" for the room, unparks "a"
+        assert m.prefetch("b", make_room=True)  # parks "a" again
+        m.put("c", record())  # the cap: evicts the least recently used
+    kinds = [e.kind for e in events]
+    assert [(e.kind, e.session_id) for e in events[:4]] == [
+        ("park", "a"),
+        ("park", "b"),
+        ("unpark", "a"),
+        ("park", "a"),
+    ]
+    assert "prefetch" in kinds
+    assert "evict" in kinds
+    park = events[0]
+    assert (park.session_id, park.nbytes, park.tier) == ("a", 64, "host")
+    assert park.seconds > 0
+    assert "park session 'a': 64 bytes (host tier)" in caplog.text
+    refusing = SessionStateManager(1, on_full="refuse", on_event=events.append)
+    refusing.put("x", SessionState())
+    with pytest.raises(SessionAdmissionError):
+        refusing.put("y", SessionState())
+    assert events[-1].kind == "refuse"
+    assert events[-1].session_id == "y"
+
+
+def test_a_failing_callback_never_fails_the_manager(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(event: SessionEvent) -> None:
+        raise RuntimeError("the tracer is down")
+
+    m = SessionStateManager(max_bytes={"cpu": 64}, on_event=broken)
+    for sid in "ab":
+        m.put(sid, SessionState(objects={"c": TensorCache().allocate().commit(torch.zeros(16))}))
+    assert m.peek("a").parked == ("c",)  # type: ignore[union-attr]
+    assert "the tracer is down" in caplog.text
+    with pytest.raises(TypeError, match="`on_event` must be a callable"):
+        SessionStateManager(on_event=1)  # type: ignore[arg-type]
+
+
+def test_parks_unparks_and_steps_are_profiler_ranges() -> None:
+    pool = KVPool(4, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=2)
+    m = SessionStateManager(pools=(pool,))
+
+    def grow(state: SessionState) -> tuple[SessionState, None]:
+        kv = state.object("kv", KVCache).append(pool, torch.ones(2), window=2)
+        return state.with_object("kv", kv), None
+
+    def fresh() -> SessionState:
+        return SessionState(objects={"kv": KVCache().allocate()})
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for sid in "aba":
+            m.step(sid, grow, new=fresh)
+    names = {event.key for event in prof.key_averages()}
+    assert {"sessionstate::step", "sessionstate::park", "sessionstate::unpark"} <= names
+
+
+def test_the_collector_refuses_bad_names_and_managers() -> None:
+    with pytest.raises(ValueError, match="is not a Prometheus metric or label name"):
+        SessionStateCollector(SessionStateManager(), prefix="9lives")
+    with pytest.raises(TypeError, match="must be a SessionStateManager"):
+        SessionStateCollector(object())  # type: ignore[arg-type]

@@ -1,0 +1,34 @@
+"""The "Your own model" page's code runs as written, in order, and its machine passes."""
+
+from __future__ import annotations
+
+import re
+import unittest
+from typing import Any
+
+from tests.support import ROOT
+
+PAGE = ROOT / "docs" / "your-own-model.md"
+
+
+def _run_page() -> dict[str, Any]:
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), flags=re.S)
+    assert len(blocks) >= 5
+    namespace: dict[str, Any] = {"__name__": "your_own_model"}
+    for block in blocks:  # one script: each block sees what the ones above it defined
+        exec(compile(block, str(PAGE), "exec"), namespace)
+    return namespace
+
+
+def test_the_page_runs_and_its_contract_machine_passes() -> None:
+    ns = _run_page()
+    # The page's own asserts ran; its machine, against the page's records, passes too.
+    suite = unittest.defaultTestLoader.loadTestsFromTestCase(ns["TestRunningMeanSessions"])
+    result = unittest.TextTestRunner(verbosity=0).run(suite)
+    assert result.wasSuccessful(), result.failures + result.errors
+    assert result.testsRun == 1
+
+
+def test_the_page_is_in_the_docs_nav() -> None:
+    nav = (PAGE.parents[1] / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "your-own-model.md" in nav
