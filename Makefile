@@ -25,7 +25,7 @@ test: lint typecheck pytest
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks docs notebooks tools
-	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/gen_bench.py docs/griffe_doctest.py notebooks tools
+	$(PY) -m ruff format --check src tests benchmarks docs/gen_sizes.py docs/gen_tables.py docs/griffe_doctest.py notebooks tools
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

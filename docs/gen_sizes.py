@@ -2,10 +2,13 @@
 
 Two uses:
 
-- As a mkdocs hook (``hooks:`` in ``mkdocs.yml``): a page containing the marker
-  ``<!-- sizes-table: data/sizes-deploy-400.json -->`` gets the marker replaced by a table
-  rendered from that JSON file (path relative to ``docs/``). The numbers are never typed by
-  hand; a missing or malformed file fails the build.
+- As a library of renderers for ``docs/gen_tables.py``, which writes the tables into the
+  pages: ``render`` turns a `sessionstate sizes --json` result (a page's
+  ``<!-- sizes-table: data/sizes-deploy-400.json -->`` region) into a table, and
+  ``render_plans`` turns `sessionstate plan --json` results of one model (a page's
+  ``<!-- plan-table: data/plan-a.json data/plan-b.json -->`` region) into one session's
+  bytes (from the first plan) and a column of sessions per plan. The numbers are never typed
+  by hand; a missing or malformed file fails the rendering.
 - As a script: ``python docs/gen_sizes.py`` re-runs
   ``sessionstate sizes --preset deploy --steps 400 --json`` (about 20 s of CPU on the meta
   device, the networks' calls replayed from their layouts; nothing is allocated) and
@@ -14,10 +17,9 @@ Two uses:
   when a model's state changes, and commit the result. It then writes the capacity plans the
   docs show (``docs/data/plan-*.json``): ``sessionstate plan --sizes-json FILE
   --device-bytes 80GiB`` (and ``141GiB``) ``--host-bytes 1TiB --bandwidth 50GB/s --json`` for
-  each model, from the size tables just written.
+  each model, from the size tables just written, and last rewrites the pages' tables
+  (``docs/gen_tables.py``).
 
-A page containing ``<!-- plan-table: data/plan-a.json data/plan-b.json -->`` gets one
-session's bytes (from the first plan) and a column of sessions per plan.
 ``tests/cli/test_cli_plan.py`` checks that the committed plans are what `sessionstate plan`
 computes from the committed size tables.
 """
@@ -245,15 +247,6 @@ def load_plan(path: Path) -> dict[str, Any]:
     return plan
 
 
-def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    """mkdocs hook: replace every size-table and plan-table marker with the rendered table."""
-    markdown = MARKER.sub(lambda m: render(load(DOCS / m.group("path"))), markdown)
-    return PLAN_MARKER.sub(
-        lambda m: render_plans([load_plan(DOCS / p) for p in m.group("paths").split()]),
-        markdown,
-    )
-
-
 def write_plans() -> None:
     """Run `sessionstate plan` on the committed size tables and rewrite the committed plans."""
     for model in PLAN_SIZES:
@@ -286,7 +279,9 @@ def main() -> int:
     COSMOS3_DATA.write_text(result.stdout, encoding="utf-8")
     print(f"wrote {COSMOS3_DATA.relative_to(DOCS.parent)}")
     write_plans()
-    return 0
+    import gen_tables  # beside this module; imports this one, so not at the top
+
+    return gen_tables.main([])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Each notebook starts with ``from nbsetup import GiB, KiB, MiB, plt, show``. Figures are
 drawn at the docs' width (7 inches at 100 dpi: 700 pixels) with legible legend text.
 ``SESSIONSTATE_FIGURES``, when set (``make notebooks`` sets it), names a folder where `show`
-also saves a figure it is given a name for; a plain run (CI, Jupyter) writes no file.
+also saves a figure it is given a name for; a plain run (CI, Jupyter) writes no file. Run
+as a plain script (``python notebooks/NN_name.py``, no IPython kernel), `show` prints one line
+saying where the figure went instead of ``<IPython.core.display.Image object>``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 # IPython's display functions are not annotated; these are their types as used here.
 _display: Callable[[object], object] = IPython.display.display
 _png: Callable[[bytes], object] = IPython.display.Image
+_kernel: Callable[[], object | None] = IPython.get_ipython
 plt.rcParams.update({"font.size": 10, "legend.fontsize": 9, "figure.dpi": DPI})
 
 
@@ -46,4 +49,12 @@ def show(fig: Figure, name: str | None = None) -> None:
         path = os.path.join(figures, name)
         fig.savefig(path, dpi=DPI, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
+    if _kernel() is None:  # a plain `python notebooks/NN_name.py`: nothing can display it
+        title = name or next((ax.get_title() for ax in fig.axes if ax.get_title()), "untitled")
+        where = f"saved as {os.path.join(figures, name)}" if name and figures else "not shown"
+        print(
+            f"[figure ({title}): {where}; to see it, open the .ipynb in Jupyter: "
+            "pip install -e '.[notebooks]', then jupyter lab notebooks/]"
+        )
+        return
     _display(_png(buf.getvalue()))
