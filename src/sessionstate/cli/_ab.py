@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -169,10 +170,10 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     if args.on_full is not None:
         env[ENV_ON_FULL] = args.on_full
     name = "managed" if flag == "1" else "bespoke"
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
     tail: list[str] = []
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
+        assert proc.stderr is not None
         for line in proc.stderr:
             if line.startswith(_PROGRESS):
                 if progress is not None:
@@ -186,7 +187,10 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
         proc.kill()
         proc.wait()
         raise
-    if proc.wait() != 0:
+    status = proc.wait()
+    if status in (130, -signal.SIGINT):  # Ctrl-C reached the child's process group first
+        raise KeyboardInterrupt
+    if status != 0:
         msg = f"the {name} run failed:\n{''.join(tail[-20:])}"
         raise RuntimeError(msg)
 
