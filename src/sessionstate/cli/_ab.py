@@ -21,11 +21,11 @@ from typing import Any
 
 from sessionstate._env import ENV_ENABLE, ENV_MAX_SESSIONS, ENV_ON_FULL
 from sessionstate.cli._common import (
-    MIB,
     ArgumentParser,
     HelpFormatter,
     add_budget_arguments,
     check_device,
+    fmt_bytes,
     load_model_config,
     nbytes,
     positive_int,
@@ -435,7 +435,7 @@ def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
     }
     table = Table("path", "bytes held at end", "sessions", *(headers.get(k, k) for k in counters))
     for name, path in report["paths"].items():
-        held = ", ".join(f"{d}: {n / MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
+        held = ", ".join(f"{d}: {fmt_bytes(n)}" for d, n in path["nbytes_by_device"].items())
         row = [name, held, str(path["sessions_held"])]
         row += [str(path.get(key, 0)) for key in counters]
         table.add_row(*row)

@@ -6,6 +6,7 @@ Nothing here imports torch: ``sessionstate --help`` builds every parser and must
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from sessionstate.models._registry import DEFAULT_MODEL, get_model
@@ -151,14 +152,35 @@ def load_model_config(
     return attrs.evolve(deploy, model=model), get_model(model_name).config_from_dict(model)
 
 
-def fmt_bytes(n: int) -> str:
-    """A byte count for a table cell.
+_BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
-    >>> fmt_bytes(0), fmt_bytes(512), fmt_bytes(3 * MIB)
-    ('-', '512 B', '3.0000 MiB')
+
+def fmt_bytes(n: float, *, zero: str = "0 B") -> str:
+    """A byte count as every table and message of the command prints it.
+
+    Two decimals in the largest binary unit the count fills; ``zero`` stands for 0 (a
+    table shows ``"-"`` for a value a path does not hold).
+
+    >>> fmt_bytes(0), fmt_bytes(0, zero="-"), fmt_bytes(512), fmt_bytes(18432)
+    ('0 B', '-', '512 B', '18.00 KiB')
+    >>> fmt_bytes(6 * 2**30), fmt_bytes(6_487_998_464)
+    ('6.00 GiB', '6.04 GiB')
     """
     if n == 0:
-        return "-"
-    if n < 10 * 1024:
-        return f"{n} B"
-    return f"{n / MIB:.4f} MiB"
+        return zero
+    for unit, size in _BINARY_UNITS:
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_at_least(n: int) -> str:
+    """A byte count rounded up to `fmt_bytes`' precision, as an argument to pass: no smaller.
+
+    >>> fmt_at_least(6_487_998_464), fmt_at_least(512)
+    ('6.05GiB', '512B')
+    """
+    for unit, size in _BINARY_UNITS:
+        if n >= size:
+            return f"{math.ceil(n * 100 / size) / 100:.2f}{unit}"
+    return f"{n}B"

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sessionstate.cli._common import positive_int
+from sessionstate.cli._common import fmt_bytes, positive_int
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 __all__ = [
@@ -364,16 +364,8 @@ def _load_sizes(path: str, model: str, preset: str) -> dict[str, Any]:
 # -- output ----------------------------------------------------------------------------------
 
 
-def fmt_plan_bytes(n: float) -> str:
-    """Bytes for the plan's table.
-
-    >>> fmt_plan_bytes(0), fmt_plan_bytes(512), fmt_plan_bytes(10 * 2**20), fmt_plan_bytes(2**40)
-    ('0 B', '512 B', '10.00 MiB', '1.00 TiB')
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+fmt_plan_bytes = fmt_bytes
+"""The plan's byte format: the command's one (``docs/gen_sizes.py`` renders the plans with it)."""
 
 
 def fmt_seconds(seconds: float) -> str:
@@ -402,31 +394,31 @@ def plan_rows(plan: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """The plan as ``(quantity, device, host)`` rows: what the table and the docs show."""
     s = plan["session"]
     rows = [
-        ("KV window (engine) per session", fmt_plan_bytes(s["kv_nbytes"]), ""),
-        ("parkable state objects per session", fmt_plan_bytes(s["parkable_nbytes"]), ""),
-        ("attributes per session (stay when parked)", fmt_plan_bytes(s["attrs_nbytes"]), ""),
-        ("kept on the host per session", "", fmt_plan_bytes(s["host_kept_nbytes"])),
+        ("KV window (engine) per session", fmt_bytes(s["kv_nbytes"]), ""),
+        ("parkable state objects per session", fmt_bytes(s["parkable_nbytes"]), ""),
+        ("attributes per session (stay when parked)", fmt_bytes(s["attrs_nbytes"]), ""),
+        ("kept on the host per session", "", fmt_bytes(s["host_kept_nbytes"])),
         (
             "one resident session",
-            fmt_plan_bytes(s["device_nbytes"]),
-            fmt_plan_bytes(s["host_kept_nbytes"]),
+            fmt_bytes(s["device_nbytes"]),
+            fmt_bytes(s["host_kept_nbytes"]),
         ),
         (
             "one parked session",
-            fmt_plan_bytes(s["parked_device_nbytes"]),
-            fmt_plan_bytes(s["parked_host_nbytes"]),
+            fmt_bytes(s["parked_device_nbytes"]),
+            fmt_bytes(s["parked_host_nbytes"]),
         ),
     ]
     if plan["step_headroom_nbytes"]:
         rows.append(
-            ("one step's new KV blocks (once)", fmt_plan_bytes(plan["step_headroom_nbytes"]), "")
+            ("one step's new KV blocks (once)", fmt_bytes(plan["step_headroom_nbytes"]), "")
         )
     rows += [
-        ("reserved for the model (--reserved-bytes)", fmt_plan_bytes(plan["reserved_nbytes"]), ""),
+        ("reserved for the model (--reserved-bytes)", fmt_bytes(plan["reserved_nbytes"]), ""),
         (
             "available for sessions",
-            fmt_plan_bytes(plan["available_nbytes"]),
-            fmt_plan_bytes(plan["host_nbytes"]),
+            fmt_bytes(plan["available_nbytes"]),
+            fmt_bytes(plan["host_nbytes"]),
         ),
         ("sessions resident, nothing parked", str(plan["sessions_resident_without_parking"]), ""),
         ("sessions resident", str(plan["sessions_resident"]), ""),
@@ -434,13 +426,13 @@ def plan_rows(plan: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("sessions in all", str(plan["sessions_total"]), ""),
         (
             "used",
-            fmt_plan_bytes(plan["device_used_nbytes"]),
-            fmt_plan_bytes(plan["host_used_nbytes"]),
+            fmt_bytes(plan["device_used_nbytes"]),
+            fmt_bytes(plan["host_used_nbytes"]),
         ),
         (
             f"swap one session in / out at {_fmt_bandwidth(plan['bandwidth_bytes_per_s'])}",
             f"{fmt_seconds(plan['swap_in_s'])} / {fmt_seconds(plan['swap_out_s'])}",
-            fmt_plan_bytes(s["swap_nbytes"]),
+            fmt_bytes(s["swap_nbytes"]),
         ),
     ]
     return rows
@@ -451,9 +443,9 @@ def plan_notes(plan: Mapping[str, Any]) -> list[str]:
     s = plan["session"]
     notes = [
         f"Assumption: {plan['assumption']}",
-        f"Each parked session keeps {fmt_plan_bytes(s['parked_device_nbytes'])} of attributes "
+        f"Each parked session keeps {fmt_bytes(s['parked_device_nbytes'])} of attributes "
         f"on the device: {plan['sessions_parked']} parked sessions take "
-        f"{fmt_plan_bytes(plan['sessions_parked'] * s['parked_device_nbytes'])} there, "
+        f"{fmt_bytes(plan['sessions_parked'] * s['parked_device_nbytes'])} there, "
         + (
             f"which leaves room for all {plan['sessions_resident']} resident sessions"
             if plan["sessions_resident"] == plan["sessions_resident_without_parking"]
@@ -478,16 +470,16 @@ def plan_notes(plan: Mapping[str, Any]) -> list[str]:
         pool = plan["kv_pool"]
         notes.append(
             f"KV: a session holds {pool['blocks_held']} blocks of "
-            f"{fmt_plan_bytes(pool['block_nbytes'])} between steps and up to "
+            f"{fmt_bytes(pool['block_nbytes'])} between steps and up to "
             f"{pool['handle_blocks']} during one; the step's extra blocks are counted once, "
             f"for the session stepping. A pool of {pool['blocks']} blocks "
-            f"({fmt_plan_bytes(pool['pool_nbytes'])}) holds these "
+            f"({fmt_bytes(pool['pool_nbytes'])}) holds these "
             f"sessions; its stats() count {pool['handle_blocks']} blocks for every session "
             f"({pool['resident_sessions_by_handle_blocks']} at that size)."
         )
     if s["shared_nbytes"] > 0:
         notes.append(
-            f"Values share {fmt_plan_bytes(s['shared_nbytes'])} of storage; each value counts "
+            f"Values share {fmt_bytes(s['shared_nbytes'])} of storage; each value counts "
             "it here, so the figures are conservative."
         )
     return notes
@@ -522,8 +514,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out = Table(
         "", "device", "host",
         title=f"Capacity plan: {spec.title}, preset {args.preset}, after {plan['steps']} steps "
-        f"(meta); {fmt_plan_bytes(args.device_bytes)} device, "
-        f"{fmt_plan_bytes(args.host_bytes)} host",
+        f"(meta); {fmt_bytes(args.device_bytes)} device, "
+        f"{fmt_bytes(args.host_bytes)} host",
     )  # fmt: skip
     for row in plan_rows(plan):
         bold = row[0].startswith("sessions")

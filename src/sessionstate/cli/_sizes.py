@@ -110,17 +110,17 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
         out.add_row(
             name,
             row["bucket"],
-            fmt_bytes(row["managed_nbytes"]),
-            fmt_bytes(row["bespoke_nbytes"]),
+            fmt_bytes(row["managed_nbytes"], zero="-"),
+            fmt_bytes(row["bespoke_nbytes"], zero="-"),
         )
     totals = table["session_nbytes"]
     out.add_row("[bold]session", "", fmt_bytes(totals["managed"]), fmt_bytes(totals["bespoke"]))
     many = table["sessions_64_nbytes"]
     out.add_row(
         f"[bold]{DEFAULT_MAX_SESSIONS} sessions", "",
-        f"{many['managed'] / 1024**3:.2f} GiB", f"{many['bespoke'] / 1024**3:.2f} GiB",
+        fmt_bytes(many["managed"]), fmt_bytes(many["bespoke"]),
     )  # fmt: skip
-    rows, lines = spec.size_footer(table)
+    rows, lines = spec.size_footer(table, fmt_bytes)
     for row in rows:
         out.add_row(*row)
     console.print(out)
