@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from sessionstate.models._registry import DEFAULT_MODEL, get_model
 
@@ -18,11 +21,90 @@ EXTRAS = {"diffusers": "models", "rich": "models", "ray": "ray", "hypothesis": "
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, without the usage dump."""
+    """An argument parser whose errors are one line and name the help to read.
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    An unrecognised option is reported by the subcommand it was given to, with the closest
+    option it has; a negative value after an option that takes one (``--device-bytes
+    -5GiB``) is that option's value, for its type to refuse, not an unknown flag. Options
+    are recorded as `add_argument` adds them (argument groups are not used here).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: list[str] = []
+        self.valued_options: set[str] = set()  # the options followed by one value
+        self.commands: dict[str, ArgumentParser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.options += action.option_strings
+        if action.option_strings and action.nargs is None:
+            self.valued_options.update(action.option_strings)
+        return action
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.commands = action.choices
+        return action
+
+    def parse_known_args(  # type: ignore[override]  # typeshed's overloads: one form is used
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        return super().parse_known_args(self._negative_values_joined(args), namespace)
+
+    def parse_args(  # type: ignore[override]  # typeshed's overloads: one form is used
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = self.commands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(owner.unrecognized(extras))
+        return parsed
+
+    def unrecognized(self, extras: Sequence[str]) -> str:
+        """The message for arguments this parser does not know, with the closest option."""
+        import difflib
+
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        for arg in extras:
+            if arg.startswith("--"):
+                close = difflib.get_close_matches(arg.partition("=")[0], self.options, n=1)
+                if close:
+                    return f"{message}; did you mean `{close[0]}`?"
+        return message
+
+    def error(self, message: str) -> NoReturn:
         # One line, no usage dump: `sessionstate ab: error: ...`.
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def _negative_values_joined(self, args: Sequence[str] | None) -> list[str]:
+        """``--opt -5GiB`` as ``--opt=-5GiB``: argparse would take ``-5GiB`` for a flag."""
+        given = list(sys.argv[1:] if args is None else args)
+        out: list[str] = []
+        i = 0
+        while i < len(given):
+            arg = given[i]
+            if arg == "--":
+                return out + given[i:]
+            following = given[i + 1] if i + 1 < len(given) else ""
+            if arg in self.valued_options and re.match(r"-\.?\d", following):
+                out.append(f"{arg}={following}")
+                i += 2
+            else:
+                out.append(arg)
+                i += 1
+        return out
+
+
+def negative_size(text: str, *, example: str) -> str | None:
+    """The message for a negative byte count, or None if ``text`` is not one.
+
+    >>> negative_size("-5GiB", example="80GiB")
+    "a size cannot be negative, got '-5GiB'; pass one such as 80GiB"
+    """
+    if not text.strip().startswith("-"):
+        return None
+    return f"a size cannot be negative, got {text!r}; pass one such as {example}"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,6 +140,9 @@ def nbytes(text: str) -> int:
     """
     from sessionstate._manager import parse_nbytes
 
+    negative = negative_size(text, example="24GiB")
+    if negative is not None:
+        raise argparse.ArgumentTypeError(negative)
     try:
         value = parse_nbytes(text, name="--max-bytes")
     except ValueError:
