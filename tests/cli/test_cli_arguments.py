@@ -92,3 +92,14 @@ def test_an_argument_error_names_the_subcommands_help_and_the_fix(
 def test_a_negative_number_is_still_a_value() -> None:
     args = build_parser().parse_args(["ab", "--seed", "-3", "--steps", "2"])
     assert (args.seed, args.steps) == (-3, 2)
+
+
+def test_the_help_of_ab_and_sizes_names_every_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from sessionstate.models._registry import MODELS
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for command, following in (("ab", "sizes"), ("sizes", "plan")):
+        entry = text.split(f" {command} ", 1)[1].split(f" {following} ", 1)[0]
+        for spec in MODELS.values():
+            assert spec.title in entry, (command, entry)

@@ -452,7 +452,8 @@ def add_parsers(sub: Any) -> None:
     """Adds ``ab`` to the subcommands ``sub``."""
     ab = sub.add_parser(
         "ab",
-        help="A/B-validate the manager-backed DreamZero path against the bespoke one",
+        help="A/B-validate a model's manager-backed path against its bespoke one "
+        "(DreamZero or Cosmos3)",
         description=f"Run one scripted episode twice, in two processes that differ only in "
         f"{ENV_ENABLE}=0/1, and compare every output with torch.equal. Exits 0 iff identical.",
     )

@@ -133,7 +133,8 @@ def add_parsers(sub: Any) -> None:
     """Adds ``sizes`` to the subcommands ``sub``."""
     sizes = sub.add_parser(
         "sizes",
-        help="bytes each DreamZero session value holds, per path (meta device)",
+        help="bytes each session value of a model (DreamZero or Cosmos3) holds, per path "
+        "(meta device)",
         description="Run one session on the meta device (nothing is allocated) and print the "
         "bytes each value holds on the managed and the bespoke path. Each network call runs "
         "once per distinct argument layout and is replayed after, which changes no byte "
