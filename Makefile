@@ -11,10 +11,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# The demo installs what it runs (the `models` extra), not the whole dev toolchain.
+# The demo installs what it runs (the `models` extra), not the whole dev toolchain. On a
+# first run that is torch and diffusers, minutes of download: say so, and show pip's progress.
 $(VENV)/.installed-models: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[models]'
+	@echo "make demo: installing torch (the CPU build pinned in constraints.txt) and the models extra (diffusers, rich) into $(VENV); a few minutes on the first run"
+	$(PY) -m pip install --progress-bar on --disable-pip-version-check -c constraints.txt -e '.[models]'
 	touch $@
 
 demo: $(VENV)/.installed-models

@@ -17,6 +17,7 @@ import pytest
 
 from sessionstate import ENV_ENABLE, nbytes_by_device
 from sessionstate.cli import main
+from sessionstate.cli._common import fmt_at_least, fmt_bytes
 from sessionstate.cli._plan import HOST_VALUES, capacity_plan
 from tests.support import ROOT
 
@@ -309,11 +310,11 @@ def test_a_device_too_small_says_the_bytes_one_session_needs(
     argv = ["plan", "--sizes-json", str(gen_sizes.DEFAULT_DATA), "--host-bytes", "1TiB"]
     assert main([*argv, "--device-bytes", "8GiB"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("sessionstate plan: error: `--device-bytes 8589934592`")
-    assert f"needs {need} bytes on the device" in err
-    assert f"pass --device-bytes of at least {need}." in err
+    assert err.startswith("sessionstate plan: error: `--device-bytes 8.00 GiB`")
+    assert f"needs {fmt_bytes(need)} on the device" in err
+    assert f"pass --device-bytes of at least {fmt_at_least(need)}." in err
     assert main([*argv, "--device-bytes", "141GiB", "--reserved-bytes", "140GiB"]) == 2
-    assert f"pass --device-bytes of at least {need + 140 * GIB}." in capsys.readouterr().err
+    assert f"at least {fmt_at_least(need + 140 * GIB)}." in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -321,11 +322,11 @@ def test_a_device_too_small_says_the_bytes_one_session_needs(
     [
         (["--device-bytes", "lots"], "argument --device-bytes: expected a byte count"),
         (["--device-bytes", "0"], "argument --device-bytes: expected a positive byte count"),
-        (["--host-bytes=-1GiB"], "argument --host-bytes: expected a byte count"),
+        (["--host-bytes=-1GiB"], "argument --host-bytes: a size cannot be negative"),
         (["--bandwidth", "50GB"], "argument --bandwidth: `--bandwidth` must be a positive"),
         (["--bandwidth", "0GB/s"], "per second such as 50GB/s or 25GiB/s, got '0GB/s'"),
         (["--bandwidth", "fast/s"], "got 'fast/s'"),
-        (["--host-bytes", "1MiB"], "`--host-bytes 1048576` is less than the"),
+        (["--host-bytes", "1MiB"], "`--host-bytes 1.00 MiB` is less than the"),
         (["--steps", "3"], "`--steps` and `--sizes-json` exclude each other"),
         (["--model", "cosmos3"], "pass `--model dreamzero --preset deploy`"),
         (["--preset", "tiny"], "pass `--model dreamzero --preset deploy`"),

@@ -527,8 +527,10 @@ CORE_MESSAGES = {
     # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
     # (`check_immutable`, `max_sessions`, `on_full` and `host_pool_full` are checked by
-    # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below.
-    "_manager/_table.py": 9 + 2 + 2 + 1,
+    # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
+    # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
+    # (messages/test_messages_park_tier.py).
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,

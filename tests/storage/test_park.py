@@ -276,7 +276,7 @@ def test_max_bytes_validation_messages() -> None:
         SessionStateManager(max_bytes={"cuda": 1})
     with pytest.raises(TypeError, match=re.escape("`max_bytes` must map device strings")):
         SessionStateManager(max_bytes=2.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=re.escape("`tier` must be 'host' or 'disk', got 'ssd'")):
+    with pytest.raises(ValueError, match=re.escape("`park_tier` must be 'host' or 'disk', got")):
         SessionStateManager(park_tier="ssd")  # type: ignore[arg-type]
 
 

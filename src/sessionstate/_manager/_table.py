@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Generic, cast
@@ -111,7 +112,9 @@ class SessionStateManager(Generic[SessionT]):
             sessions' parkable objects are parked first, then ``on_full`` applies. A bare count
             (``"24GiB"``, an int) raises `ValueError` asking for its device: a config applies it
             to its model's device, which a manager does not know.
-        park_tier: Where the budget parks objects: ``"host"`` (default) or ``"disk"``.
+        park_tier: Where the budget parks objects: ``"host"`` (None, the default, means it)
+            or ``"disk"``. ``"host"`` asked for with a budget on ``cpu`` alone warns: host
+            memory is the cpu's, so parking there frees nothing.
         spool_dir: The root the disk tier spools into (the system temporary directory when
             None). The manager writes into a locked subdirectory of its own, removed with the
             manager; a disk-tier manager removes, when it is built, the subdirectories that
@@ -154,7 +157,7 @@ class SessionStateManager(Generic[SessionT]):
         on_full: OnFull = "evict",
         check_immutable: bool = False,
         max_bytes: Mapping[str, int | str] | str | None = None,
-        park_tier: Tier = "host",
+        park_tier: Tier | None = None,
         spool_dir: str | os.PathLike[str] | None = None,
         host_pool_bytes: int | str | None = None,
         host_pool_full: HostPoolFull = "disk",
@@ -174,7 +177,15 @@ class SessionStateManager(Generic[SessionT]):
         # are the manager's own.
         self._ledger = SessionLedger(per_session=budget is not None)
         self._policy = None if budget is None else BudgetPolicy(budget)
-        tier = check_tier(park_tier)
+        tier = "host" if park_tier is None else check_tier(park_tier, "park_tier")
+        if park_tier == "host" and budget and all(_on_cpu(device) for device in budget):
+            msg = (
+                f"`park_tier='host'` with a budget on cpu alone ({_budget_text(budget)}) frees "
+                "nothing: the host tier parks into host memory, which is the cpu's. Pass "
+                "`park_tier='disk'` to free cpu memory, or budget the accelerator "
+                "(`max_bytes={'cuda:0': '24GiB'}`)."
+            )
+            warnings.warn(msg, stacklevel=2)
         self._parking = Parking(
             tier,
             None if spool_dir is None else os.fspath(spool_dir),
@@ -1258,3 +1269,12 @@ def _host_pool(
         return None  # the disk tier holds no host bytes
     cuda = budget is None or any(device.startswith("cuda") for device in budget)
     return HostBufferPool(count, pin_memory=cuda and torch.cuda.is_available())
+
+
+def _on_cpu(device: str) -> bool:
+    return torch.device(device).type == "cpu"
+
+
+def _budget_text(budget: Mapping[str, int]) -> str:
+    """A budget as the text form ``max_bytes`` takes: ``"cpu=1048576"``."""
+    return ",".join(f"{device}={nbytes}" for device, nbytes in budget.items())

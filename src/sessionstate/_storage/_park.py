@@ -119,15 +119,15 @@ def is_offloadable(leaf: object, /) -> bool:
     return is_engine_leaf(leaf) and all(hasattr(cls, hook) for hook in OFFLOAD_HOOKS)
 
 
-def check_tier(tier: object) -> Tier:
-    """``tier`` if it names a parking tier; otherwise a `ValueError` naming the choices.
+def check_tier(tier: object, /, name: str = "tier") -> Tier:
+    """``tier`` if it names a parking tier; otherwise a `ValueError` naming ``name``.
 
     >>> check_tier("disk")
     'disk'
     """
     if tier == "host" or tier == "disk":
         return tier
-    msg = f"`tier` must be 'host' or 'disk', got {describe(tier)}."
+    msg = f"`{name}` must be 'host' or 'disk', got {describe(tier)}."
     raise ValueError(msg)
 
 

@@ -9,8 +9,11 @@ Subcommands: ``ab``, ``sizes``, ``plan``, ``demo``, ``inspect``, ``cluster`` (ea
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from sessionstate.cli import _ab, _cluster, _demo, _inspect, _plan, _sizes
 from sessionstate.cli._ab import _print_ab as _print_ab  # tests render a report with it
@@ -82,6 +85,47 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
     )
 
 
+@contextlib.contextmanager
+def _ctrl_c_interrupts() -> Iterator[None]:
+    """Within the block, SIGINT raises `KeyboardInterrupt` even if the process started ignoring it.
+
+    A shell script's background job inherits SIGINT ignored (so does a command that
+    `timeout -s INT` runs from one), and Python keeps an inherited ignore: the first Ctrl-C
+    or `kill -INT` would do nothing. A handler the caller installed is left alone.
+    """
+    ignored = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    )
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _import_torch_whole()
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _import_torch_whole() -> None:
+    """Imports torch with SIGINT held until the import is done, then acts on it.
+
+    A `KeyboardInterrupt` raised inside torch's C++ initialisation aborts the process
+    (``terminate called after throwing an instance of 'pybind11::error_already_set'``)
+    instead of unwinding; every subcommand imports torch, so it is imported here, whole.
+    """
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:  # delivered again, now to the handler the import held it from
+        signal.raise_signal(signal.SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``sessionstate`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -92,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits on --help and on bad arguments
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        status: int = args.func(args)
+        with _ctrl_c_interrupts():
+            status: int = args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
         print(f"sessionstate {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -20,11 +21,11 @@ from typing import Any
 
 from sessionstate._env import ENV_ENABLE, ENV_MAX_SESSIONS, ENV_ON_FULL
 from sessionstate.cli._common import (
-    MIB,
     ArgumentParser,
     HelpFormatter,
     add_budget_arguments,
     check_device,
+    fmt_bytes,
     load_model_config,
     nbytes,
     positive_int,
@@ -176,10 +177,10 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
     if args.on_full is not None:
         env[ENV_ON_FULL] = args.on_full
     name = "managed" if flag == "1" else "bespoke"
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
     tail: list[str] = []
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
+        assert proc.stderr is not None
         for line in proc.stderr:
             if line.startswith(_PROGRESS):
                 if progress is not None:
@@ -193,7 +194,10 @@ def _spawn(args: argparse.Namespace, flag: str, out: Path, progress: Any, task: 
         proc.kill()
         proc.wait()
         raise
-    if proc.wait() != 0:
+    status = proc.wait()
+    if status in (130, -signal.SIGINT):  # Ctrl-C reached the child's process group first
+        raise KeyboardInterrupt
+    if status != 0:
         msg = f"the {name} run failed:\n{''.join(tail[-20:])}"
         raise RuntimeError(msg)
 
@@ -446,7 +450,7 @@ def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
     }
     table = Table("path", "bytes held at end", "sessions", *(headers.get(k, k) for k in counters))
     for name, path in report["paths"].items():
-        held = ", ".join(f"{d}: {n / MIB:.2f} MiB" for d, n in path["nbytes_by_device"].items())
+        held = ", ".join(f"{d}: {fmt_bytes(n)}" for d, n in path["nbytes_by_device"].items())
         row = [name, held, str(path["sessions_held"])]
         row += [str(path.get(key, 0)) for key in counters]
         table.add_row(*row)
@@ -463,7 +467,8 @@ def add_parsers(sub: Any) -> None:
     """Adds ``ab`` to the subcommands ``sub``."""
     ab = sub.add_parser(
         "ab",
-        help="A/B-validate the manager-backed DreamZero path against the bespoke one",
+        help="A/B-validate a model's manager-backed path against its bespoke one "
+        "(DreamZero or Cosmos3)",
         description=f"Run one scripted episode twice, in two processes that differ only in "
         f"{ENV_ENABLE}=0/1, and compare every output with torch.equal. Exits 0 iff identical.",
     )

@@ -6,7 +6,11 @@ Nothing here imports torch: ``sessionstate --help`` builds every parser and must
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import math
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from sessionstate.models._registry import DEFAULT_MODEL, get_model
 
@@ -17,11 +21,90 @@ EXTRAS = {"diffusers": "models", "rich": "models", "ray": "ray", "hypothesis": "
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, without the usage dump."""
+    """An argument parser whose errors are one line and name the help to read.
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    An unrecognised option is reported by the subcommand it was given to, with the closest
+    option it has; a negative value after an option that takes one (``--device-bytes
+    -5GiB``) is that option's value, for its type to refuse, not an unknown flag. Options
+    are recorded as `add_argument` adds them (argument groups are not used here).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: list[str] = []
+        self.valued_options: set[str] = set()  # the options followed by one value
+        self.commands: dict[str, ArgumentParser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.options += action.option_strings
+        if action.option_strings and action.nargs is None:
+            self.valued_options.update(action.option_strings)
+        return action
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.commands = action.choices
+        return action
+
+    def parse_known_args(  # type: ignore[override]  # typeshed's overloads: one form is used
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        return super().parse_known_args(self._negative_values_joined(args), namespace)
+
+    def parse_args(  # type: ignore[override]  # typeshed's overloads: one form is used
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = self.commands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(owner.unrecognized(extras))
+        return parsed
+
+    def unrecognized(self, extras: Sequence[str]) -> str:
+        """The message for arguments this parser does not know, with the closest option."""
+        import difflib
+
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        for arg in extras:
+            if arg.startswith("--"):
+                close = difflib.get_close_matches(arg.partition("=")[0], self.options, n=1)
+                if close:
+                    return f"{message}; did you mean `{close[0]}`?"
+        return message
+
+    def error(self, message: str) -> NoReturn:
         # One line, no usage dump: `sessionstate ab: error: ...`.
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def _negative_values_joined(self, args: Sequence[str] | None) -> list[str]:
+        """``--opt -5GiB`` as ``--opt=-5GiB``: argparse would take ``-5GiB`` for a flag."""
+        given = list(sys.argv[1:] if args is None else args)
+        out: list[str] = []
+        i = 0
+        while i < len(given):
+            arg = given[i]
+            if arg == "--":
+                return out + given[i:]
+            following = given[i + 1] if i + 1 < len(given) else ""
+            if arg in self.valued_options and re.match(r"-\.?\d", following):
+                out.append(f"{arg}={following}")
+                i += 2
+            else:
+                out.append(arg)
+                i += 1
+        return out
+
+
+def negative_size(text: str, *, example: str) -> str | None:
+    """The message for a negative byte count, or None if ``text`` is not one.
+
+    >>> negative_size("-5GiB", example="80GiB")
+    "a size cannot be negative, got '-5GiB'; pass one such as 80GiB"
+    """
+    if not text.strip().startswith("-"):
+        return None
+    return f"a size cannot be negative, got {text!r}; pass one such as {example}"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -57,6 +140,9 @@ def nbytes(text: str) -> int:
     """
     from sessionstate._manager import parse_nbytes
 
+    negative = negative_size(text, example="24GiB")
+    if negative is not None:
+        raise argparse.ArgumentTypeError(negative)
     try:
         value = parse_nbytes(text, name="--max-bytes")
     except ValueError:
@@ -158,14 +244,35 @@ def load_model_config(
     return attrs.evolve(deploy, model=model), get_model(model_name).config_from_dict(model)
 
 
-def fmt_bytes(n: int) -> str:
-    """A byte count for a table cell.
+_BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
-    >>> fmt_bytes(0), fmt_bytes(512), fmt_bytes(3 * MIB)
-    ('-', '512 B', '3.0000 MiB')
+
+def fmt_bytes(n: float, *, zero: str = "0 B") -> str:
+    """A byte count as every table and message of the command prints it.
+
+    Two decimals in the largest binary unit the count fills; ``zero`` stands for 0 (a
+    table shows ``"-"`` for a value a path does not hold).
+
+    >>> fmt_bytes(0), fmt_bytes(0, zero="-"), fmt_bytes(512), fmt_bytes(18432)
+    ('0 B', '-', '512 B', '18.00 KiB')
+    >>> fmt_bytes(6 * 2**30), fmt_bytes(6_487_998_464)
+    ('6.00 GiB', '6.04 GiB')
     """
     if n == 0:
-        return "-"
-    if n < 10 * 1024:
-        return f"{n} B"
-    return f"{n / MIB:.4f} MiB"
+        return zero
+    for unit, size in _BINARY_UNITS:
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_at_least(n: int) -> str:
+    """A byte count rounded up to `fmt_bytes`' precision, as an argument to pass: no smaller.
+
+    >>> fmt_at_least(6_487_998_464), fmt_at_least(512)
+    ('6.05GiB', '512B')
+    """
+    for unit, size in _BINARY_UNITS:
+        if n >= size:
+            return f"{math.ceil(n * 100 / size) / 100:.2f}{unit}"
+    return f"{n}B"

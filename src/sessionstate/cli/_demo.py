@@ -9,7 +9,6 @@ from typing import Any
 
 from sessionstate._env import ENV_ENABLE, ENV_MAX_SESSIONS
 from sessionstate.cli._common import (
-    MIB,
     add_budget_arguments,
     check_device,
     fmt_bytes,
@@ -62,12 +61,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0
     table = Table("stat", "value", title="SessionStateManager.stats()")
     for key, value in stats.items():
-        byte_key = key.startswith(("nbytes", "total_nbytes", "max_bytes"))
-        table.add_row(key, f"{value / MIB:.3f} MiB" if byte_key else str(value))
+        byte_key = "nbytes" in key or key.startswith("max_bytes")
+        table.add_row(key, fmt_bytes(value) if byte_key else str(value))
     console.print(table)
     breakdown = Table("value", "bucket", "bytes", title=f"Largest session: {largest}")
     for name, row in values.items():
-        breakdown.add_row(name, str(row["bucket"]), fmt_bytes(int(row["nbytes"])))
+        breakdown.add_row(name, str(row["bucket"]), fmt_bytes(int(row["nbytes"]), zero="-"))
     console.print(breakdown)
     if args.save is not None:
         console.print(

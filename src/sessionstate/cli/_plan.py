@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sessionstate.cli._common import positive_int
+from sessionstate.cli._common import fmt_at_least, fmt_bytes, negative_size, positive_int
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "HOST_VALUES",
     "add_parsers",
     "capacity_plan",
+    "check_kv_floor",
+    "check_reserved",
     "fmt_plan_bytes",
     "fmt_seconds",
     "kv_geometry",
@@ -74,6 +76,9 @@ def _byte_count(option: str, *, allow_zero: bool) -> Any:
     def parse(text: str) -> int:
         from sessionstate._manager import parse_nbytes
 
+        negative = negative_size(text, example="141GiB")
+        if negative is not None:
+            raise argparse.ArgumentTypeError(negative)
         try:
             value = parse_nbytes(text, name=option)
         except ValueError:
@@ -225,20 +230,20 @@ def capacity_plan(
     avail = device_nbytes - reserved_nbytes - headroom
     if avail < d:
         msg = (
-            f"`--device-bytes {device_nbytes}` less `--reserved-bytes {reserved_nbytes}` "
-            f"leaves {device_nbytes - reserved_nbytes} bytes, but {who} needs {need} bytes on "
-            f"the device ({kv_b} of KV, {parkable + attrs_b} of model state"
-            + (f", {headroom} for one step's new KV blocks" if headroom else "")
-            + f"); pass --device-bytes of at least {need + reserved_nbytes}."
+            f"{_device_less_reserved(device_nbytes, reserved_nbytes)}, but {who} needs "
+            f"{fmt_bytes(need)} on the device ({fmt_bytes(kv_b)} of KV, "
+            f"{fmt_bytes(parkable + attrs_b)} of model state"
+            + (f", {fmt_bytes(headroom)} for one step's new KV blocks" if headroom else "")
+            + f"); pass --device-bytes of at least {fmt_at_least(need + reserved_nbytes)}."
         )
         raise ValueError(msg)
     r0 = avail // d
     if h:
         if host_nbytes < h:
             msg = (
-                f"`--host-bytes {host_nbytes}` is less than the {h} bytes {who} keeps on the "
-                f"host ({', '.join(sorted(host_names & set(table['values'])))}); pass "
-                f"--host-bytes of at least {h}."
+                f"`--host-bytes {fmt_bytes(host_nbytes)}` is less than the {fmt_bytes(h)} {who} "
+                f"keeps on the host ({', '.join(sorted(host_names & set(table['values'])))}); "
+                f"pass --host-bytes of at least {fmt_at_least(h)}."
             )
             raise ValueError(msg)
         r0 = min(r0, host_nbytes // h)
@@ -254,8 +259,8 @@ def capacity_plan(
         if resident > r0:
             msg = (
                 f"`--resident {resident}` is more than the {r0} sessions the device holds "
-                f"resident ({d} bytes each, {avail} bytes available); pass --resident {r0} "
-                "or less."
+                f"resident ({fmt_bytes(d)} each, {fmt_bytes(avail)} available); pass "
+                f"--resident {r0} or less."
             )
             raise ValueError(msg)
         parked = min(parked_for(resident), device_room(resident))
@@ -316,6 +321,61 @@ def capacity_plan(
     return out
 
 
+def _device_less_reserved(device_nbytes: int, reserved_nbytes: int) -> str:
+    return (
+        f"`--device-bytes {fmt_bytes(device_nbytes)}` less `--reserved-bytes "
+        f"{fmt_bytes(reserved_nbytes)}` leaves {fmt_bytes(device_nbytes - reserved_nbytes)}"
+    )
+
+
+def check_reserved(device_nbytes: int, reserved_nbytes: int) -> None:
+    """Raises `ValueError` if ``reserved_nbytes`` leaves the device nothing for sessions.
+
+    >>> check_reserved(80 * 2**30, 90 * 2**30)
+    Traceback (most recent call last):
+    ...
+    ValueError: `--reserved-bytes 90.00 GiB` leaves nothing of `--device-bytes 80.00 GiB` for \
+sessions; pass --reserved-bytes below 80.00 GiB, or the device's memory as --device-bytes.
+    """
+    if reserved_nbytes >= device_nbytes:
+        msg = (
+            f"`--reserved-bytes {fmt_bytes(reserved_nbytes)}` leaves nothing of "
+            f"`--device-bytes {fmt_bytes(device_nbytes)}` for sessions; pass --reserved-bytes "
+            f"below {fmt_bytes(device_nbytes)}, or the device's memory as --device-bytes."
+        )
+        raise ValueError(msg)
+
+
+def check_kv_floor(model: str, preset: str, *, device_nbytes: int, reserved_nbytes: int) -> None:
+    """Raises `ValueError` if the device cannot hold one session's KV blocks during a step.
+
+    The blocks are a floor of what `capacity_plan` finds a session needs, known without
+    sizing one: `plan` says so before it spends the time.
+
+    >>> check_kv_floor("dreamzero", "tiny", device_nbytes=2**30, reserved_nbytes=0)
+    >>> check_kv_floor("dreamzero", "tiny", device_nbytes=1000, reserved_nbytes=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: `--device-bytes 1000 B` less `--reserved-bytes 0 B` leaves 1000 B, but one \
+DreamZero session at preset tiny needs at least 8.00 KiB on the device for its KV alone (4 \
+blocks of 2.00 KiB: its window and one step's new blocks); pass --device-bytes of at least \
+8.00KiB.
+    """
+    kv = kv_geometry(model, preset)
+    if kv is None:
+        return
+    floor = kv["block_nbytes"] * kv["handle_blocks"]
+    if device_nbytes - reserved_nbytes < floor:
+        msg = (
+            f"{_device_less_reserved(device_nbytes, reserved_nbytes)}, but one "
+            f"{get_model(model).title} session at preset {preset} needs at least "
+            f"{fmt_bytes(floor)} on the device for its KV alone ({kv['handle_blocks']} blocks "
+            f"of {fmt_bytes(kv['block_nbytes'])}: its window and one step's new blocks); pass "
+            f"--device-bytes of at least {fmt_at_least(floor + reserved_nbytes)}."
+        )
+        raise ValueError(msg)
+
+
 def plan_for(
     model: str,
     preset: str,
@@ -364,16 +424,8 @@ def _load_sizes(path: str, model: str, preset: str) -> dict[str, Any]:
 # -- output ----------------------------------------------------------------------------------
 
 
-def fmt_plan_bytes(n: float) -> str:
-    """Bytes for the plan's table.
-
-    >>> fmt_plan_bytes(0), fmt_plan_bytes(512), fmt_plan_bytes(10 * 2**20), fmt_plan_bytes(2**40)
-    ('0 B', '512 B', '10.00 MiB', '1.00 TiB')
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+fmt_plan_bytes = fmt_bytes
+"""The plan's byte format: the command's one (``docs/gen_sizes.py`` renders the plans with it)."""
 
 
 def fmt_seconds(seconds: float) -> str:
@@ -402,31 +454,31 @@ def plan_rows(plan: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """The plan as ``(quantity, device, host)`` rows: what the table and the docs show."""
     s = plan["session"]
     rows = [
-        ("KV window (engine) per session", fmt_plan_bytes(s["kv_nbytes"]), ""),
-        ("parkable state objects per session", fmt_plan_bytes(s["parkable_nbytes"]), ""),
-        ("attributes per session (stay when parked)", fmt_plan_bytes(s["attrs_nbytes"]), ""),
-        ("kept on the host per session", "", fmt_plan_bytes(s["host_kept_nbytes"])),
+        ("KV window (engine) per session", fmt_bytes(s["kv_nbytes"]), ""),
+        ("parkable state objects per session", fmt_bytes(s["parkable_nbytes"]), ""),
+        ("attributes per session (stay when parked)", fmt_bytes(s["attrs_nbytes"]), ""),
+        ("kept on the host per session", "", fmt_bytes(s["host_kept_nbytes"])),
         (
             "one resident session",
-            fmt_plan_bytes(s["device_nbytes"]),
-            fmt_plan_bytes(s["host_kept_nbytes"]),
+            fmt_bytes(s["device_nbytes"]),
+            fmt_bytes(s["host_kept_nbytes"]),
         ),
         (
             "one parked session",
-            fmt_plan_bytes(s["parked_device_nbytes"]),
-            fmt_plan_bytes(s["parked_host_nbytes"]),
+            fmt_bytes(s["parked_device_nbytes"]),
+            fmt_bytes(s["parked_host_nbytes"]),
         ),
     ]
     if plan["step_headroom_nbytes"]:
         rows.append(
-            ("one step's new KV blocks (once)", fmt_plan_bytes(plan["step_headroom_nbytes"]), "")
+            ("one step's new KV blocks (once)", fmt_bytes(plan["step_headroom_nbytes"]), "")
         )
     rows += [
-        ("reserved for the model (--reserved-bytes)", fmt_plan_bytes(plan["reserved_nbytes"]), ""),
+        ("reserved for the model (--reserved-bytes)", fmt_bytes(plan["reserved_nbytes"]), ""),
         (
             "available for sessions",
-            fmt_plan_bytes(plan["available_nbytes"]),
-            fmt_plan_bytes(plan["host_nbytes"]),
+            fmt_bytes(plan["available_nbytes"]),
+            fmt_bytes(plan["host_nbytes"]),
         ),
         ("sessions resident, nothing parked", str(plan["sessions_resident_without_parking"]), ""),
         ("sessions resident", str(plan["sessions_resident"]), ""),
@@ -434,13 +486,13 @@ def plan_rows(plan: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("sessions in all", str(plan["sessions_total"]), ""),
         (
             "used",
-            fmt_plan_bytes(plan["device_used_nbytes"]),
-            fmt_plan_bytes(plan["host_used_nbytes"]),
+            fmt_bytes(plan["device_used_nbytes"]),
+            fmt_bytes(plan["host_used_nbytes"]),
         ),
         (
             f"swap one session in / out at {_fmt_bandwidth(plan['bandwidth_bytes_per_s'])}",
             f"{fmt_seconds(plan['swap_in_s'])} / {fmt_seconds(plan['swap_out_s'])}",
-            fmt_plan_bytes(s["swap_nbytes"]),
+            fmt_bytes(s["swap_nbytes"]),
         ),
     ]
     return rows
@@ -451,9 +503,9 @@ def plan_notes(plan: Mapping[str, Any]) -> list[str]:
     s = plan["session"]
     notes = [
         f"Assumption: {plan['assumption']}",
-        f"Each parked session keeps {fmt_plan_bytes(s['parked_device_nbytes'])} of attributes "
+        f"Each parked session keeps {fmt_bytes(s['parked_device_nbytes'])} of attributes "
         f"on the device: {plan['sessions_parked']} parked sessions take "
-        f"{fmt_plan_bytes(plan['sessions_parked'] * s['parked_device_nbytes'])} there, "
+        f"{fmt_bytes(plan['sessions_parked'] * s['parked_device_nbytes'])} there, "
         + (
             f"which leaves room for all {plan['sessions_resident']} resident sessions"
             if plan["sessions_resident"] == plan["sessions_resident_without_parking"]
@@ -478,16 +530,16 @@ def plan_notes(plan: Mapping[str, Any]) -> list[str]:
         pool = plan["kv_pool"]
         notes.append(
             f"KV: a session holds {pool['blocks_held']} blocks of "
-            f"{fmt_plan_bytes(pool['block_nbytes'])} between steps and up to "
+            f"{fmt_bytes(pool['block_nbytes'])} between steps and up to "
             f"{pool['handle_blocks']} during one; the step's extra blocks are counted once, "
             f"for the session stepping. A pool of {pool['blocks']} blocks "
-            f"({fmt_plan_bytes(pool['pool_nbytes'])}) holds these "
+            f"({fmt_bytes(pool['pool_nbytes'])}) holds these "
             f"sessions; its stats() count {pool['handle_blocks']} blocks for every session "
             f"({pool['resident_sessions_by_handle_blocks']} at that size)."
         )
     if s["shared_nbytes"] > 0:
         notes.append(
-            f"Values share {fmt_plan_bytes(s['shared_nbytes'])} of storage; each value counts "
+            f"Values share {fmt_bytes(s['shared_nbytes'])} of storage; each value counts "
             "it here, so the figures are conservative."
         )
     return notes
@@ -495,12 +547,20 @@ def plan_notes(plan: Mapping[str, Any]) -> list[str]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     spec = get_model(args.model)
+    check_reserved(args.device_bytes, args.reserved_bytes)
     sizes = None
     if args.sizes_json is not None:
         if args.steps is not None:
             msg = "`--steps` and `--sizes-json` exclude each other: the file has its steps."
             raise ValueError(msg)
         sizes = _load_sizes(args.sizes_json, spec.name, args.preset)
+    else:  # sizing takes a while: first what needs none (the plan gives exact figures)
+        check_kv_floor(
+            spec.name,
+            args.preset,
+            device_nbytes=args.device_bytes,
+            reserved_nbytes=args.reserved_bytes,
+        )
     plan = plan_for(
         spec.name,
         args.preset,
@@ -522,8 +582,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out = Table(
         "", "device", "host",
         title=f"Capacity plan: {spec.title}, preset {args.preset}, after {plan['steps']} steps "
-        f"(meta); {fmt_plan_bytes(args.device_bytes)} device, "
-        f"{fmt_plan_bytes(args.host_bytes)} host",
+        f"(meta); {fmt_bytes(args.device_bytes)} device, "
+        f"{fmt_bytes(args.host_bytes)} host",
     )  # fmt: skip
     for row in plan_rows(plan):
         bold = row[0].startswith("sessions")

@@ -110,17 +110,17 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
         out.add_row(
             name,
             row["bucket"],
-            fmt_bytes(row["managed_nbytes"]),
-            fmt_bytes(row["bespoke_nbytes"]),
+            fmt_bytes(row["managed_nbytes"], zero="-"),
+            fmt_bytes(row["bespoke_nbytes"], zero="-"),
         )
     totals = table["session_nbytes"]
     out.add_row("[bold]session", "", fmt_bytes(totals["managed"]), fmt_bytes(totals["bespoke"]))
     many = table["sessions_64_nbytes"]
     out.add_row(
         f"[bold]{DEFAULT_MAX_SESSIONS} sessions", "",
-        f"{many['managed'] / 1024**3:.2f} GiB", f"{many['bespoke'] / 1024**3:.2f} GiB",
+        fmt_bytes(many["managed"]), fmt_bytes(many["bespoke"]),
     )  # fmt: skip
-    rows, lines = spec.size_footer(table)
+    rows, lines = spec.size_footer(table, fmt_bytes)
     for row in rows:
         out.add_row(*row)
     console.print(out)
@@ -133,7 +133,8 @@ def add_parsers(sub: Any) -> None:
     """Adds ``sizes`` to the subcommands ``sub``."""
     sizes = sub.add_parser(
         "sizes",
-        help="bytes each DreamZero session value holds, per path (meta device)",
+        help="bytes each session value of a model (DreamZero or Cosmos3) holds, per path "
+        "(meta device)",
         description="Run one session on the meta device (nothing is allocated) and print the "
         "bytes each value holds on the managed and the bespoke path. Each network call runs "
         "once per distinct argument layout and is replayed after, which changes no byte "

@@ -38,7 +38,8 @@ class ModelSpec:
         final_outputs: The names in ``finals``, in the order compared.
         size_table: ``size_table(preset, steps)``: the `sessionstate sizes` JSON.
         size_steps: Default ``--steps`` of `sessionstate sizes`.
-        size_footer: Extra table rows and lines printed under the size table.
+        size_footer: Extra table rows and lines printed under the size table, its byte
+            counts written by the byte format it is given (the command's).
         buckets: ``buckets()``: every session value's bucket (``attrs``, ``object`` or
             ``engine``), the model's reference table.
 
@@ -58,12 +59,8 @@ class ModelSpec:
     final_outputs: tuple[str, ...]
     size_table: Callable[[str, int], dict[str, Any]]
     size_steps: int
-    size_footer: Callable[[dict[str, Any]], tuple[list[Row], list[str]]]
+    size_footer: Callable[[dict[str, Any], Callable[[int], str]], tuple[list[Row], list[str]]]
     buckets: Callable[[], Mapping[str, str]]
-
-
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB"
 
 
 @attrs.frozen
@@ -94,16 +91,16 @@ class Lazy:
 # -- size table footers: formatting of a size table, no model imported ---------------------
 
 
-def _dz_footer(table: dict[str, Any]) -> tuple[list[Row], list[str]]:
-    feat64 = _gib(table["vae_enc_feat_map_64_sessions_nbytes"])
+def _dz_footer(table: dict[str, Any], fmt: Callable[[int], str]) -> tuple[list[Row], list[str]]:
+    feat64 = fmt(table["vae_enc_feat_map_64_sessions_nbytes"])
     rows = [("[bold]64 feature caches", "object", feat64, feat64)]
     return rows, [f"vae_enc_feat_map: {table['vae_enc_feat_map_tensors']} tensors"]
 
 
-def _c3_footer(table: dict[str, Any]) -> tuple[list[Row], list[str]]:
+def _c3_footer(table: dict[str, Any], fmt: Callable[[int], str]) -> tuple[list[Row], list[str]]:
     kv64 = table["text_kv_64_sessions_nbytes"]
     kv1 = table["values"]["text_kv"]["bespoke_nbytes"]
-    rows = [("[bold]64 text K/V caches", "object", _gib(kv64), f"{_gib(kv1)} (one, shared)")]
+    rows = [("[bold]64 text K/V caches", "object", fmt(kv64), f"{fmt(kv1)} (one, shared)")]
     geo = table["text_kv_geometry"]
     line = (
         f"text_kv: {table['text_kv_layers']} layers x {table['text_kv_branches']} branches, "
