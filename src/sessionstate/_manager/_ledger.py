@@ -34,8 +34,8 @@ import torch
 
 from sessionstate._accounting import (
     EngineBlock,
+    RefusedError,
     StorageEntry,
-    _RefusedError,
     derivation,
     leaf_entries,
     storage_entries,
@@ -553,7 +553,7 @@ def _successor(
 def _count_leaves(value: object, leaves: Sequence[object]) -> list[list[StorageEntry]]:
     try:
         return [leaf_entries(leaf) for leaf in leaves]
-    except _RefusedError:
+    except RefusedError:
         storage_entries(value)  # raises, naming the leaf's key path
         raise
 
