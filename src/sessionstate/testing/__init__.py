@@ -28,7 +28,6 @@ Every public name is re-exported here. hypothesis is an optional dependency: ins
 
 from __future__ import annotations
 
-from sessionstate.testing._versions import _VersionLog as _VersionLog  # for the KV machine
 from sessionstate.testing.machines import (
     ManagerContractMachine,
     RingContractMachine,
