@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from sessionstate._manager import SessionStateManager as SessionStateManager
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
+    from sessionstate._protocols import Derivation as Derivation
+    from sessionstate._protocols import DerivesFromBase as DerivesFromBase
     from sessionstate._protocols import EnginePool as EnginePool
     from sessionstate._protocols import NamesItsTransition as NamesItsTransition
     from sessionstate._protocols import OffloadsStorages as OffloadsStorages
@@ -139,6 +141,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TensorCache",
     ),
     "sessionstate._protocols": (
+        "Derivation",
+        "DerivesFromBase",
         "EnginePool",
         "NamesItsTransition",
         "OffloadsStorages",

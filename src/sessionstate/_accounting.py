@@ -18,9 +18,10 @@ an engine (a paged KV pool's blocks, reached through an immutable handle) enters
 accounting, deduplicated per (pool, block) and against any tensor view of the pool.
 
 A transition that builds a record from its input by keeping a run of the input's leaves and
-adding new ones (a buffer's commit) may say so (`note_derived`); an accounting of the successor
-that already holds the input's entries then counts only the leaves that were added
-(`derivation`), so its cost does not grow with the record's history.
+adding new ones (a buffer's commit) may say so: the record declares `DerivesFromBase`, and its
+transition records the claim (`note_derived`); an accounting of the successor that already
+holds the input's entries then counts only the leaves that were added (`derivation`), so its
+cost does not grow with the record's history.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from sessionstate._errors import UnsupportedTensorError
-from sessionstate._protocols import STORAGE_ENTRIES_HOOK, StorageEntry
+from sessionstate._protocols import (
+    DERIVATION_HOOK,
+    STORAGE_ENTRIES_HOOK,
+    Derivation,
+    StorageEntry,
+)
 from sessionstate._tree import PyTree, tree_flatten_with_keys, tree_leaves
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "nbytes_by_device",
     "nbytes_by_key",
     "note_derived",
+    "noted_derivation",
     "storage_entries",
     "union_size",
 ]
@@ -71,14 +78,6 @@ class EngineBlock(NamedTuple):
     block: int
 
 
-class Derivation(NamedTuple):
-    """How a record's leaves derive from its input's: `note_derived`'s claim, as stored."""
-
-    base: weakref.ref[Any]
-    dropped: int
-    leaves: Sequence[Any]
-
-
 # Per successor (weakly held, so a record's entry goes with it): how it was derived. Keys are
 # records compared by identity (`eq=False`), never tensors.
 _DERIVED: weakref.WeakKeyDictionary[Any, Derivation] = weakref.WeakKeyDictionary()
@@ -96,22 +95,32 @@ def note_derived(new: object, base: object, dropped: int, leaves: Sequence[Any],
     >>> from sessionstate import LatentBuffer
     >>> buf = LatentBuffer(dim=0).allocate().commit(torch.zeros(1))
     >>> bigger = buf.commit(torch.ones(1))
-    >>> derivation(bigger).base() is buf, derivation(bigger).dropped
+    >>> noted_derivation(bigger).base() is buf, noted_derivation(bigger).dropped
     (True, 0)
     """
     _DERIVED[new] = Derivation(weakref.ref(base), dropped, leaves)
 
 
-def derivation(new: object, /) -> Derivation | None:
-    """What `note_derived` recorded for ``new``, or None.
+def noted_derivation(new: object, /) -> Derivation | None:
+    """What `note_derived` recorded for ``new``, or None (for a `DerivesFromBase` hook).
 
-    >>> derivation(object()) is None
+    >>> noted_derivation(object()) is None
     True
     """
     try:
         return _DERIVED.get(new)
     except TypeError:  # not weakly referenceable: never noted
         return None
+
+
+def derivation(new: object, /) -> Derivation | None:
+    """How ``new`` says it derives from its base (`DerivesFromBase`), or None.
+
+    >>> derivation(object()) is None
+    True
+    """
+    hook = getattr(type(new), DERIVATION_HOOK, None)
+    return None if hook is None else hook(new)
 
 
 def virtual_address(storage: torch.UntypedStorage) -> int:

@@ -15,9 +15,10 @@ from typing import Any, ClassVar, final, overload
 import attrs
 import torch
 
-from sessionstate._accounting import note_derived
+from sessionstate._accounting import note_derived, noted_derivation
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import NotAllocatedError
+from sessionstate._protocols import Derivation
 from sessionstate._stateobject import SingleValueObject, StateObject
 from sessionstate._tree import field, register_record, static_field
 
@@ -492,6 +493,10 @@ class LatentBuffer(StateObject):
         if added:  # the chunks are the leaves: the old ones less those a ring dropped, then new
             note_derived(new, self, len(self._seq) + added - len(seq), seq)
         return new
+
+    def __sessionstate_derivation__(self) -> Derivation | None:
+        """How a commit built this buffer's chunks from its input's (`DerivesFromBase`)."""
+        return noted_derivation(self)
 
     def _require_allocated(self, action: str) -> None:
         if not self.allocated:

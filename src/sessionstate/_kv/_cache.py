@@ -14,8 +14,9 @@ from typing import ClassVar
 import attrs
 import torch
 
-from sessionstate._accounting import note_derived
+from sessionstate._accounting import note_derived, noted_derivation
 from sessionstate._kv._pool import KVHandle, KVPool
+from sessionstate._protocols import Derivation
 from sessionstate._stateobject import SingleValueObject
 from sessionstate._tree import field, register_record, static_field
 
@@ -107,3 +108,7 @@ class KVCache(SingleValueObject[KVHandle]):
         """
         handle = self.view()
         return None if handle is None else handle.read()
+
+    def __sessionstate_derivation__(self) -> Derivation | None:
+        """How a commit built this cache's handle from its input's (`DerivesFromBase`)."""
+        return noted_derivation(self)
