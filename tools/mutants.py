@@ -324,8 +324,8 @@ MUTANTS = (
     # -- manager, budget and guard mutants (issue 21) --
     Mutant(
         "ledger-misses-earlier-overlap",
-        "the ledger misses a stored address range that starts before a new one",
-        "sessionstate/_manager/_ledger.py",
+        "the eager reference ledger misses a stored address range that starts before a new one",
+        "sessionstate/testing/recount.py",
         (
             (
                 "lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest), "
@@ -567,7 +567,7 @@ MUTANTS = (
         "lazy-ledger-trusts-every-storage",
         "the manager's (lazy) ledger counts a storage over memory it does not own by its size",
         "sessionstate/_manager/_ledger.py",
-        (("                    and keepalive.resizable()\n", "                    and True\n"),),
+        (("                and keepalive.resizable()\n", "                and True\n"),),
         ("tests/manager/test_ledger_overlaps.py", "tests/manager/test_ledger_fast_paths.py"),
     ),
     Mutant(
@@ -576,9 +576,9 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "                if tracked and device in tracked:\n"
-                "                    self._shared[device].place(1,",
-                "                if False:\n                    self._shared[device].place(1,",
+                "            if tracked and device in tracked:\n"
+                "                self._shared[device].place(1,",
+                "            if False:\n                self._shared[device].place(1,",
             ),
         ),
         ("tests/manager/test_ledger_overlaps.py", "tests/manager/test_ledger_fast_paths.py"),
@@ -613,8 +613,8 @@ MUTANTS = (
         "sessionstate/_manager/_ledger.py",
         (
             (
-                "                    and identity not in pools  # not a pool",
-                "                    and True  # not a pool",
+                "                and identity not in pools  # not a pool",
+                "                and True  # not a pool",
             ),
         ),
         ("tests/manager/test_ledger_overlaps.py",),

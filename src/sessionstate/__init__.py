@@ -25,13 +25,15 @@ if TYPE_CHECKING:
     from sessionstate._accounting import nbytes_by_key as nbytes_by_key
     from sessionstate._config import OmniDiffusionConfig as OmniDiffusionConfig
     from sessionstate._config import SessionStateSettings as SessionStateSettings
-    from sessionstate._config import parse_env_flag as parse_env_flag
     from sessionstate._config import resolve_session_state_config as resolve_session_state_config
     from sessionstate._env import ENV_CHECK_IMMUTABLE as ENV_CHECK_IMMUTABLE
     from sessionstate._env import ENV_ENABLE as ENV_ENABLE
+    from sessionstate._env import ENV_HOST_POOL_BYTES as ENV_HOST_POOL_BYTES
+    from sessionstate._env import ENV_KV_POOL_BYTES as ENV_KV_POOL_BYTES
     from sessionstate._env import ENV_MAX_BYTES as ENV_MAX_BYTES
     from sessionstate._env import ENV_MAX_SESSIONS as ENV_MAX_SESSIONS
     from sessionstate._env import ENV_ON_FULL as ENV_ON_FULL
+    from sessionstate._errors import HostPoolFullError as HostPoolFullError
     from sessionstate._errors import ImmutabilityViolationError as ImmutabilityViolationError
     from sessionstate._errors import ImmutableRecordError as ImmutableRecordError
     from sessionstate._errors import IncompleteStateError as IncompleteStateError
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
     from sessionstate._manager import SessionStateManager as SessionStateManager
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
+    from sessionstate._protocols import Derivation as Derivation
+    from sessionstate._protocols import DerivesFromBase as DerivesFromBase
     from sessionstate._protocols import EnginePool as EnginePool
     from sessionstate._protocols import NamesItsTransition as NamesItsTransition
     from sessionstate._protocols import OffloadsStorages as OffloadsStorages
@@ -67,7 +71,6 @@ if TYPE_CHECKING:
     from sessionstate._stateobject import StagedStateObject as StagedStateObject
     from sessionstate._stateobject import StateObject as StateObject
     from sessionstate._storage import HostBufferPool as HostBufferPool
-    from sessionstate._storage import HostPoolFullError as HostPoolFullError
     from sessionstate._storage import dumps_state as dumps_state
     from sessionstate._storage import load_state as load_state
     from sessionstate._storage import loads_state as loads_state
@@ -90,81 +93,7 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("sessionstate")  # one place: pyproject.toml
 
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "sessionstate._accounting": (
-        "nbytes_by_device",
-        "nbytes_by_key",
-    ),
-    "sessionstate._config": (
-        "OmniDiffusionConfig",
-        "parse_env_flag",
-        "resolve_session_state_config",
-        "SessionStateSettings",
-    ),
-    "sessionstate._env": (
-        "ENV_CHECK_IMMUTABLE",
-        "ENV_ENABLE",
-        "ENV_MAX_BYTES",
-        "ENV_MAX_SESSIONS",
-        "ENV_ON_FULL",
-    ),
-    "sessionstate._errors": (
-        "ImmutabilityViolationError",
-        "ImmutableRecordError",
-        "IncompleteStateError",
-        "KVPoolExhaustedError",
-        "MissingKeyError",
-        "NotAllocatedError",
-        "ParkedError",
-        "ParkingError",
-        "SessionAdmissionError",
-        "SessionStateLostError",
-        "SnapshotError",
-        "StaleKVHandleError",
-        "UnsupportedTensorError",
-    ),
-    "sessionstate._events": ("SessionEvent",),
-    "sessionstate._kv": (
-        "EncodeOnceKV",
-        "KVCache",
-        "KVHandle",
-        "KVPair",
-        "KVPool",
-    ),
-    "sessionstate._manager": (
-        "DEFAULT_MAX_SESSIONS",
-        "SessionStateManager",
-    ),
-    "sessionstate._objects": (
-        "LatentBuffer",
-        "TensorCache",
-    ),
-    "sessionstate._protocols": (
-        "EnginePool",
-        "NamesItsTransition",
-        "OffloadsStorages",
-        "ReportsStorages",
-        "SnapshotLeaf",
-        "StorageEntry",
-    ),
-    "sessionstate._session": (
-        "SessionAttr",
-        "SessionState",
-    ),
-    "sessionstate._stateobject": (
-        "ParkedObject",
-        "StagedStateObject",
-        "StateObject",
-    ),
-    "sessionstate._storage": (
-        "HostBufferPool",
-        "HostPoolFullError",
-        "dumps_state",
-        "load_state",
-        "loads_state",
-        "register_snapshot_leaf",
-        "save_state",
-        "to_device",
-    ),
+    # -- records and trees ---------------------------------------------------------------
     "sessionstate._tree": (
         "field",
         "NAMESPACE",
@@ -179,6 +108,91 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "tree_map",
         "tree_unflatten",
     ),
+    # -- sessions and state objects ------------------------------------------------------
+    "sessionstate._session": (
+        "SessionAttr",
+        "SessionState",
+    ),
+    "sessionstate._stateobject": (
+        "ParkedObject",
+        "StagedStateObject",
+        "StateObject",
+    ),
+    "sessionstate._objects": (
+        "LatentBuffer",
+        "TensorCache",
+    ),
+    # -- K/V -----------------------------------------------------------------------------
+    "sessionstate._kv": (
+        "EncodeOnceKV",
+        "KVCache",
+        "KVHandle",
+        "KVPair",
+        "KVPool",
+    ),
+    # -- the manager and its byte accounting ---------------------------------------------
+    "sessionstate._manager": (
+        "DEFAULT_MAX_SESSIONS",
+        "SessionStateManager",
+    ),
+    "sessionstate._accounting": (
+        "nbytes_by_device",
+        "nbytes_by_key",
+    ),
+    "sessionstate._events": ("SessionEvent",),
+    # -- snapshots, devices and the host tier --------------------------------------------
+    "sessionstate._storage": (
+        "HostBufferPool",
+        "dumps_state",
+        "load_state",
+        "loads_state",
+        "register_snapshot_leaf",
+        "save_state",
+        "to_device",
+    ),
+    # -- deploy configuration and its environment variables ------------------------------
+    "sessionstate._config": (
+        "OmniDiffusionConfig",
+        "resolve_session_state_config",
+        "SessionStateSettings",
+    ),
+    "sessionstate._env": (
+        "ENV_CHECK_IMMUTABLE",
+        "ENV_ENABLE",
+        "ENV_HOST_POOL_BYTES",
+        "ENV_KV_POOL_BYTES",
+        "ENV_MAX_BYTES",
+        "ENV_MAX_SESSIONS",
+        "ENV_ON_FULL",
+    ),
+    # -- extension points ----------------------------------------------------------------
+    "sessionstate._protocols": (
+        "Derivation",
+        "DerivesFromBase",
+        "EnginePool",
+        "NamesItsTransition",
+        "OffloadsStorages",
+        "ReportsStorages",
+        "SnapshotLeaf",
+        "StorageEntry",
+    ),
+    # -- errors --------------------------------------------------------------------------
+    "sessionstate._errors": (
+        "HostPoolFullError",
+        "ImmutabilityViolationError",
+        "ImmutableRecordError",
+        "IncompleteStateError",
+        "KVPoolExhaustedError",
+        "MissingKeyError",
+        "NotAllocatedError",
+        "ParkedError",
+        "ParkingError",
+        "SessionAdmissionError",
+        "SessionStateLostError",
+        "SnapshotError",
+        "StaleKVHandleError",
+        "UnsupportedTensorError",
+    ),
 }
 """Every public name, by the private module that defines it."""
 
@@ -186,14 +200,30 @@ _LAZY: dict[str, str] = {name: module for module, names in _PUBLIC.items() for n
 
 __all__ = sorted([*_LAZY, "__version__"])
 
+_DEPRECATED: dict[str, tuple[str, str]] = {
+    "parse_env_flag": (
+        "sessionstate._config",
+        "`sessionstate.parse_env_flag` is deprecated and will be removed: it is the deploy "
+        "config's internal reading of an environment flag. Set the flag and read the result "
+        "from `resolve_session_state_config(...)`.",
+    ),
+}
+"""Names that left the public face, still served for a while, with a warning."""
+
 
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _DEPRECATED:
+        import warnings
+
+        where, msg = _DEPRECATED[name]
+        warnings.warn(msg, DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
     module = _LAZY.get(name)
     if module is None:
         msg = f"module 'sessionstate' has no attribute {name!r}"
         raise AttributeError(msg)
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

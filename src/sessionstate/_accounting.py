@@ -18,9 +18,10 @@ an engine (a paged KV pool's blocks, reached through an immutable handle) enters
 accounting, deduplicated per (pool, block) and against any tensor view of the pool.
 
 A transition that builds a record from its input by keeping a run of the input's leaves and
-adding new ones (a buffer's commit) may say so (`note_derived`); an accounting of the successor
-that already holds the input's entries then counts only the leaves that were added
-(`derivation`), so its cost does not grow with the record's history.
+adding new ones (a buffer's commit) may say so: the record declares `DerivesFromBase`, and its
+transition records the claim (`note_derived`); an accounting of the successor that already
+holds the input's entries then counts only the leaves that were added (`derivation`), so its
+cost does not grow with the record's history.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from sessionstate._errors import UnsupportedTensorError
-from sessionstate._protocols import STORAGE_ENTRIES_HOOK, StorageEntry
+from sessionstate._protocols import (
+    DERIVATION_HOOK,
+    STORAGE_ENTRIES_HOOK,
+    Derivation,
+    StorageEntry,
+)
 from sessionstate._tree import PyTree, tree_flatten_with_keys, tree_leaves
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "nbytes_by_device",
     "nbytes_by_key",
     "note_derived",
+    "noted_derivation",
     "storage_entries",
     "union_size",
 ]
@@ -71,14 +78,6 @@ class EngineBlock(NamedTuple):
     block: int
 
 
-class Derivation(NamedTuple):
-    """How a record's leaves derive from its input's: `note_derived`'s claim, as stored."""
-
-    base: weakref.ref[Any]
-    dropped: int
-    leaves: Sequence[Any]
-
-
 # Per successor (weakly held, so a record's entry goes with it): how it was derived. Keys are
 # records compared by identity (`eq=False`), never tensors.
 _DERIVED: weakref.WeakKeyDictionary[Any, Derivation] = weakref.WeakKeyDictionary()
@@ -96,22 +95,32 @@ def note_derived(new: object, base: object, dropped: int, leaves: Sequence[Any],
     >>> from sessionstate import LatentBuffer
     >>> buf = LatentBuffer(dim=0).allocate().commit(torch.zeros(1))
     >>> bigger = buf.commit(torch.ones(1))
-    >>> derivation(bigger).base() is buf, derivation(bigger).dropped
+    >>> noted_derivation(bigger).base() is buf, noted_derivation(bigger).dropped
     (True, 0)
     """
     _DERIVED[new] = Derivation(weakref.ref(base), dropped, leaves)
 
 
-def derivation(new: object, /) -> Derivation | None:
-    """What `note_derived` recorded for ``new``, or None.
+def noted_derivation(new: object, /) -> Derivation | None:
+    """What `note_derived` recorded for ``new``, or None (for a `DerivesFromBase` hook).
 
-    >>> derivation(object()) is None
+    >>> noted_derivation(object()) is None
     True
     """
     try:
         return _DERIVED.get(new)
     except TypeError:  # not weakly referenceable: never noted
         return None
+
+
+def derivation(new: object, /) -> Derivation | None:
+    """How ``new`` says it derives from its base (`DerivesFromBase`), or None.
+
+    >>> derivation(object()) is None
+    True
+    """
+    hook = getattr(type(new), DERIVATION_HOOK, None)
+    return None if hook is None else hook(new)
 
 
 def virtual_address(storage: torch.UntypedStorage) -> int:
@@ -186,7 +195,7 @@ class ByteCounter:
         """
         try:
             entries = list(_storages(leaf))
-        except _RefusedError as refused:
+        except RefusedError as refused:
             raise _refuse(path, refused) from None
         return self.add_entries(entries)
 
@@ -316,7 +325,7 @@ def storage_entries(tree: PyTree, /) -> list[StorageEntry]:
     for index, leaf in enumerate(leaves):
         try:
             out.extend(_storages(leaf))
-        except _RefusedError as refused:
+        except RefusedError as refused:
             # Key paths are costly to render; render the one at fault.
             keys, _, _ = tree_flatten_with_keys(tree)
             raise _refuse(keys[index], refused) from None
@@ -330,7 +339,7 @@ def leaf_entries(leaf: Any, /) -> list[StorageEntry]:
     `nbytes_by_device`; the manager's ledger walks changed leaves with it.
 
     Raises:
-        _RefusedError: for a leaf that cannot be counted (the caller names its key path).
+        RefusedError: for a leaf that cannot be counted (the caller names its key path).
 
     >>> import torch
     >>> [entry[3] for entry in leaf_entries(torch.zeros(2))], leaf_entries(3)
@@ -423,7 +432,7 @@ def nbytes_by_device(tree: PyTree, /) -> dict[str, int]:
         elif type(leaf) not in _SCALARS:
             try:
                 tally.add(list(_storages(leaf)))
-            except _RefusedError as refused:
+            except RefusedError as refused:
                 keys, _, _ = tree_flatten_with_keys(tree)
                 raise _refuse(keys[index], refused) from None
     return tally.totals()
@@ -450,7 +459,7 @@ def nbytes_by_key(tree: PyTree, /) -> dict[str, dict[str, int]]:
     return {key: counter.add(leaf, path=key) for key, leaf in zip(keys, leaves, strict=True)}
 
 
-class _RefusedError(Exception):
+class RefusedError(Exception):
     """An unsupported tensor, before its key path is known: ``detail`` follows "the tensor"."""
 
     def __init__(self, detail: str) -> None:
@@ -458,7 +467,7 @@ class _RefusedError(Exception):
         self.detail = detail
 
 
-def _refuse(path: str, refused: _RefusedError) -> UnsupportedTensorError:
+def _refuse(path: str, refused: RefusedError) -> UnsupportedTensorError:
     where = "" if path == "<root>" else f" at `{path}`"
     msg = f"Cannot count the bytes of the tensor{where}{refused.detail}"
     return UnsupportedTensorError(msg)
@@ -527,7 +536,7 @@ def _tensor_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
     yield from _other_storages(t)
 
 
-def _no_storage(t: torch.Tensor, exc: BaseException) -> _RefusedError:
+def _no_storage(t: torch.Tensor, exc: BaseException) -> RefusedError:
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is not None and functorch.is_batchedtensor(t):
         msg = (
@@ -535,12 +544,12 @@ def _no_storage(t: torch.Tensor, exc: BaseException) -> _RefusedError:
             "the vmapped function and has no storage of its own. Count the unbatched tensor "
             "outside `torch.vmap`."
         )
-        return _RefusedError(msg)
+        return RefusedError(msg)
     msg = (
         f"{_describe(t)} (layout={t.layout}, device={t.device}): it has no storage torch can "
         f"report ({exc}). {_STORE_INSTEAD}"
     )
-    return _RefusedError(msg)
+    return RefusedError(msg)
 
 
 def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
@@ -549,7 +558,7 @@ def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
             f"{_describe(t)}: an uninitialized (lazy) parameter or buffer has no storage yet. "
             "Run the lazy module once to materialize it, then store the materialized tensor."
         )
-        raise _RefusedError(msg)
+        raise RefusedError(msg)
     fake = sys.modules.get("torch._subclasses.fake_tensor")
     if fake is not None and isinstance(t, fake.FakeTensor):
         msg = (
@@ -557,7 +566,7 @@ def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
             "holding its memory, so counting it as real bytes would be wrong. Build the tree "
             "on the `meta` device to size it without allocating."
         )
-        raise _RefusedError(msg)
+        raise RefusedError(msg)
     if is_traceable_wrapper_subclass(t):
         try:
             names, _ = t.__tensor_flatten__()
@@ -591,7 +600,7 @@ def _other_storages(t: torch.Tensor) -> Iterator[StorageEntry]:
             "private to torch. Store the component tensors (`t.unbind()`) or a jagged nested "
             "tensor (`layout=torch.jagged`) instead."
         )
-        raise _RefusedError(msg)
+        raise RefusedError(msg)
     yield from _own_storage(t)
     if t.is_quantized and t.qscheme() in _PER_CHANNEL:
         # Per-channel scales and zero points are tensors the quantized tensor keeps alive.

@@ -10,7 +10,6 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import attrs
-import torch
 import yaml
 
 from sessionstate._checks import HOST_POOL_FULL_CHOICES, ON_FULL_CHOICES, a_bool, check_choice
@@ -24,7 +23,15 @@ from sessionstate._env import (
     ENV_ON_FULL,
 )
 from sessionstate._errors import MissingKeyError
-from sessionstate._manager import DEFAULT_MAX_SESSIONS, OnFull, parse_nbytes
+from sessionstate._manager import (
+    DEFAULT_MAX_SESSIONS,
+    BudgetTextError,
+    OnFull,
+    is_budget_device,
+    parse_budget_text,
+    parse_nbytes,
+    zero_budget,
+)
 from sessionstate._storage import Tier, check_tier
 
 __all__ = [
@@ -44,9 +51,6 @@ __all__ = [
 _ON_FULL: tuple[OnFull, ...] = ("evict", "refuse")
 
 HostPoolFull = Literal["disk", "refuse"]
-
-_UNINDEXED = ("cpu", "meta")
-"""Device types tensors report without an index; every other type has one (``cuda:0``)."""
 
 _DEVICE_RULE = (
     "name each budgeted device as tensors report it: a CUDA device with its index "
@@ -97,30 +101,11 @@ def _check_mapping(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(msg)
 
 
-def _is_budget_device(device: object) -> bool:
-    """Whether ``device`` names a device the way its tensors report it (so a budget applies)."""
-    if not isinstance(device, str):
-        return False
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    indexed = parsed.index is not None
-    return str(parsed) == device and indexed != (parsed.type in _UNINDEXED)
-
-
-def _zero_problem(raw: object) -> str:
-    return (
-        f"{raw!r} reads as 0 bytes, a budget that refuses every session; give a positive "
-        "budget such as '24GiB', or none for no budget"
-    )
-
-
 def _to_max_bytes(value: Any) -> MaxBytes | None:
     if value is None:
         return None
     if isinstance(value, str) and "=" in value:  # the environment's per-device form
-        parsed = _parse_budget_text(value)
+        parsed = _budget_or_problem(value)
         if isinstance(parsed, str):
             msg = f"`session_state_max_bytes` {value!r} is not a budget: {parsed}."
             raise ValueError(msg)
@@ -129,7 +114,7 @@ def _to_max_bytes(value: Any) -> MaxBytes | None:
         return _positive_budget(value, "session_state_max_bytes")
     out: dict[str, int] = {}
     for device, n in value.items():
-        if not isinstance(device, str) or not _is_budget_device(device):
+        if not isinstance(device, str) or not is_budget_device(device):
             msg = (
                 f"`session_state_max_bytes` key {device!r} ({type(device).__name__}) is not a "
                 f"device name tensors report; {_DEVICE_RULE}."
@@ -142,7 +127,7 @@ def _to_max_bytes(value: Any) -> MaxBytes | None:
 def _positive_budget(value: object, name: str) -> int:
     n = parse_nbytes(value, name=name)
     if n == 0:
-        msg = f"`{name}` must be at least 1 byte: {_zero_problem(value)}."
+        msg = f"`{name}` must be at least 1 byte: {zero_budget(value)}."
         raise ValueError(msg)
     return n
 
@@ -183,7 +168,7 @@ def parse_max_bytes(text: str, /) -> MaxBytes | None:
     >>> parse_max_bytes("foo=1GiB"), parse_max_bytes("0.5"), parse_max_bytes("cpu=1,cpu=2")
     (None, None, None)
     """
-    parsed = _parse_budget_text(text)
+    parsed = _budget_or_problem(text)
     return None if isinstance(parsed, str) else parsed
 
 
@@ -192,28 +177,17 @@ _UNPARSABLE = (
 )
 
 
-def _parse_budget_text(text: str) -> MaxBytes | str:
-    """The budget ``text`` writes, or why it is not one (for the warning)."""
+def _budget_or_problem(text: str) -> MaxBytes | str:
+    """The budget ``text`` writes (`parse_budget_text`), or why it is not one (for the warning)."""
     try:
-        if "=" not in text:
-            n = parse_nbytes(text)
-            return _zero_problem(text.strip()) if n == 0 else n
-        out: dict[str, int] = {}
-        for part in text.split(","):
-            device, _, count = part.partition("=")
-            device = device.strip()
-            if not device:
-                return _UNPARSABLE
-            n = parse_nbytes(count)
-            if not _is_budget_device(device):
-                return f"{device!r} is not a device name tensors report; {_DEVICE_RULE}"
-            if device in out:
-                return f"device {device!r} is named twice; name each device once"
-            if n == 0:
-                return _zero_problem(count.strip())
-            out[device] = n
-        return out
-    except ValueError:
+        return parse_budget_text(text, positive=True)
+    except BudgetTextError as error:
+        if error.rule == "device" and error.part:
+            return f"{error.part!r} is not a device name tensors report; {_DEVICE_RULE}"
+        if error.rule == "twice":
+            return f"device {error.part!r} is named twice; name each device once"
+        if error.rule == "zero":
+            return str(error)
         return _UNPARSABLE
 
 
@@ -521,7 +495,7 @@ def resolve_session_state_config(
     max_bytes = config.session_state_max_bytes if config is not None else None
     raw_bytes = env.get(ENV_MAX_BYTES)
     if raw_bytes is not None and raw_bytes.strip():
-        parsed_bytes = _parse_budget_text(raw_bytes)
+        parsed_bytes = _budget_or_problem(raw_bytes)
         if isinstance(parsed_bytes, str):
             logger.warning(
                 "Ignoring %s=%r: %s; using the config value session_state_max_bytes=%r.",

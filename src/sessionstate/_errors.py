@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "HostPoolFullError",
     "ImmutabilityViolationError",
     "ImmutableRecordError",
     "IncompleteStateError",
@@ -102,6 +103,10 @@ class KVPoolExhaustedError(RuntimeError):
 
 class StaleKVHandleError(RuntimeError):
     """A `KVHandle` made by a step that was rolled back was used."""
+
+
+class HostPoolFullError(MemoryError):
+    """A `HostBufferPool` has no free run large enough for what was asked."""
 
 
 def reason(exc: BaseException, /) -> str:

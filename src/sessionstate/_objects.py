@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, final, overload
+from typing import Any, ClassVar, final, overload
 
 import attrs
 import torch
 
-from sessionstate._accounting import note_derived
+from sessionstate._accounting import note_derived, noted_derivation
 from sessionstate._checks import describe, is_int
 from sessionstate._errors import NotAllocatedError
-from sessionstate._stateobject import StateObject
+from sessionstate._protocols import Derivation
+from sessionstate._stateobject import SingleValueObject, StateObject
 from sessionstate._tree import field, register_record, static_field
 
 __all__ = ["LatentBuffer", "TensorCache"]
@@ -493,6 +494,10 @@ class LatentBuffer(StateObject):
             note_derived(new, self, len(self._seq) + added - len(seq), seq)
         return new
 
+    def __sessionstate_derivation__(self) -> Derivation | None:
+        """How a commit built this buffer's chunks from its input's (`DerivesFromBase`)."""
+        return noted_derivation(self)
+
     def _require_allocated(self, action: str) -> None:
         if not self.allocated:
             msg = (
@@ -523,7 +528,7 @@ LatentBuffer.chunks = _BuiltOnRead()  # type: ignore[assignment]
 
 @register_record
 @attrs.frozen(eq=False)
-class TensorCache(StateObject):
+class TensorCache(SingleValueObject[Any]):
     """A cache replaced wholesale: one tree of tensors, with no accumulate or ring semantics.
 
     For a value a model rebuilds in full every step and needs back exactly (a streaming
@@ -548,30 +553,9 @@ class TensorCache(StateObject):
     name: str = static_field(default="cache", kw_only=True)
     allocated: bool = static_field(default=False, kw_only=True)
 
-    def __attrs_post_init__(self) -> None:
-        if self.contents is not None and not self.allocated:
-            msg = (
-                f"TensorCache `{self.name}` holds contents but is not allocated; build it with "
-                "`.allocate()` and `.commit(tree)`."
-            )
-            raise ValueError(msg)
-
-    @property
-    def is_allocated(self) -> bool:
-        """Whether the cache was allocated (and not evicted since).
-
-        >>> TensorCache().is_allocated, TensorCache().allocate().is_allocated
-        (False, True)
-        """
-        return self.allocated
-
-    def allocate(self) -> TensorCache:  # type: ignore[override]
-        """Return an empty, allocated cache.
-
-        >>> TensorCache().allocate().is_allocated
-        True
-        """
-        return attrs.evolve(self, contents=None, allocated=True)
+    value_field: ClassVar[str] = "contents"
+    holds: ClassVar[str] = "contents"
+    commits: ClassVar[str] = "tree"
 
     def commit(self, contents: Any, /) -> TensorCache:
         """Return a cache holding ``contents`` instead of what it held (nothing is copied).
@@ -591,42 +575,3 @@ class TensorCache(StateObject):
         if contents is self.contents:
             return self
         return attrs.evolve(self, contents=contents)
-
-    def view(self) -> Any:
-        """The cached tree, or None while empty.
-
-        Raises:
-            NotAllocatedError: if the cache is not allocated.
-
-        >>> TensorCache().allocate().view() is None
-        True
-        """
-        self._require_allocated("view")
-        return self.contents
-
-    def reset(self) -> TensorCache:
-        """Return an empty cache (still allocated).
-
-        >>> import torch
-        >>> TensorCache().allocate().commit(torch.ones(1)).reset().view() is None
-        True
-        """
-        self._require_allocated("reset")
-        return attrs.evolve(self, contents=None)
-
-    def evict(self) -> TensorCache:
-        """Return a cache with its contents released and not resident; `allocate` to reuse it.
-
-        >>> import torch
-        >>> TensorCache().allocate().commit(torch.ones(1)).evict().is_allocated
-        False
-        """
-        return attrs.evolve(self, contents=None, allocated=False)
-
-    def _require_allocated(self, action: str) -> None:
-        if not self.allocated:
-            msg = (
-                f"Cannot {action} TensorCache `{self.name}`: it is not allocated; call "
-                "`.allocate()` first."
-            )
-            raise NotAllocatedError(msg)

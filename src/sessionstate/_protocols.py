@@ -9,6 +9,8 @@ Extending page shows each with a runnable example.
 - `SnapshotLeaf`: a leaf class that snapshots save by value (`register_snapshot_leaf`).
 - `OffloadsStorages`: an engine-owned leaf class whose memory parking may move: it copies
   what its leaves hold out of its engine, and back into the same engine (`KVHandle`).
+- `DerivesFromBase`: a record that says how its leaves derive from the record a transition
+  built it from, so the ledger counts only the leaves it added (`LatentBuffer`, `KVCache`).
 - `NamesItsTransition`: a record that names, in the error for an assignment to one of its
   fields, the transition that makes the change instead.
 
@@ -19,15 +21,18 @@ it), and `sessionstate.distributed.SessionPipeline`, what a Ray worker needs of 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
 
 __all__ = [
     "ASSIGNMENT_FIX_HOOK",
+    "DERIVATION_HOOK",
     "OFFLOAD_HOOKS",
     "SNAPSHOT_HOOKS",
     "STANDALONE_HOOK",
     "STORAGE_ENTRIES_HOOK",
+    "DerivesFromBase",
     "EnginePool",
     "NamesItsTransition",
     "OffloadsStorages",
@@ -55,6 +60,9 @@ SNAPSHOT_HOOKS = ("__sessionstate_snapshot__", "__sessionstate_restore__")
 
 OFFLOAD_HOOKS = ("__sessionstate_offload__", "__sessionstate_reload__")
 """The class methods an engine leaf class defines so that parking moves it (`OffloadsStorages`)."""
+
+DERIVATION_HOOK = "__sessionstate_derivation__"
+"""The method the ledger looks up on a record's class (see `DerivesFromBase`)."""
 
 STANDALONE_HOOK = "__sessionstate_standalone__"
 """The optional class method that reads an offload payload without its engine (see
@@ -177,3 +185,46 @@ class NamesItsTransition(Protocol):
     """
 
     def __assignment_fix__(self, name: str, /) -> str: ...
+
+
+class Derivation(NamedTuple):
+    """How a record's leaves derive from its base's: a `DerivesFromBase` claim."""
+
+    base: weakref.ref[Any]
+    """A weak reference to the record the transition started from."""
+
+    dropped: int
+    """How many of the base's leading leaves are gone."""
+
+    leaves: Sequence[Any]
+    """The record's whole leaf sequence, as `tree_leaves` lists it."""
+
+
+@runtime_checkable
+class DerivesFromBase(Protocol):
+    """A record that says how a transition built its leaves from those of its input.
+
+    ``__sessionstate_derivation__()`` returns None (no claim: the ledger walks the record), or
+    a `Derivation`: the record's leaves are its base's without the first ``dropped``, then
+    new ones. A manager's ledger that holds the base's storages then counts only the new
+    leaves instead of walking the record, so a commit to a long buffer costs the chunks it
+    added. The contract:
+
+    - The claim is exact: ``leaves`` is the record's whole leaf sequence in `tree_leaves`
+      order, and its first ``len(base leaves) - dropped`` leaves are the base's last ones,
+      the same objects. The ledger trusts it and does not check.
+    - ``base`` is a weak reference, so a record never keeps its earlier versions alive.
+    - The claim is the transition's: a record built any other way (a constructor,
+      ``attrs.evolve``) returns None.
+
+    `sessionstate._accounting.note_derived` records a claim for a transition to return here.
+
+    >>> import torch
+    >>> from sessionstate import LatentBuffer
+    >>> buf = LatentBuffer(dim=0).allocate().commit(torch.zeros(1))
+    >>> claim = buf.commit(torch.ones(1)).__sessionstate_derivation__()
+    >>> isinstance(buf, DerivesFromBase), claim.base() is buf, claim.dropped, len(claim.leaves)
+    (True, True, 0, 2)
+    """
+
+    def __sessionstate_derivation__(self) -> Derivation | None: ...

@@ -1,21 +1,21 @@
 """The `StateObject` contract (a unit of session state with a lifecycle the manager acts on),
-the `ParkedObject` that stands in for one while a tier holds its bytes, and the two-phase
-`StagedStateObject`."""
+the `ParkedObject` that stands in for one while a tier holds its bytes, the two-phase
+`StagedStateObject`, and `SingleValueObject`, the lifecycle of one value replaced wholesale."""
 
 from __future__ import annotations
 
 import abc
 import os
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import attrs
 
 from sessionstate._accounting import nbytes_by_device
-from sessionstate._errors import ParkedError
+from sessionstate._errors import NotAllocatedError, ParkedError
 from sessionstate._storage import ParkedBytes, Tier, park_tree
 from sessionstate._tree import field, register_record, static_field
 
-__all__ = ["ParkedObject", "StagedStateObject", "StateObject"]
+__all__ = ["ParkedObject", "SingleValueObject", "StagedStateObject", "StateObject"]
 
 _S = TypeVar("_S", bound="StateObject")
 
@@ -130,6 +130,116 @@ class StateObject(abc.ABC):
         True
         """
         return self
+
+
+# -- one value, replaced wholesale: the lifecycle `TensorCache` and `KVCache` share ----------
+
+_T = TypeVar("_T")
+
+
+class SingleValueObject(StateObject, Generic[_T]):
+    """A state object that holds one value (None while empty), replaced wholesale.
+
+    The lifecycle is written once here: `allocate` empties and allocates, `view` returns the
+    value, `reset` empties it, `evict` empties and deallocates; a subclass writes `commit`
+    (what it accepts, and how cheaply it builds the successor). A subclass is a record whose
+    fields are the value (named by ``value_field``), a static ``name`` and ``allocated``;
+    ``holds`` and ``commits`` word its messages.
+
+    >>> import torch
+    >>> from sessionstate import TensorCache
+    >>> cache = TensorCache().allocate().commit(torch.ones(1))
+    >>> isinstance(cache, SingleValueObject), cache.reset().view(), cache.evict().is_allocated
+    (True, None, False)
+    """
+
+    value_field: ClassVar[str]
+    """The record field that holds the value."""
+
+    holds: ClassVar[str]
+    """The value as a message names it (``"contents"``, ``"a handle"``)."""
+
+    commits: ClassVar[str]
+    """What `commit` takes, as a message names it (``"tree"``, ``"handle"``)."""
+
+    name: str
+    allocated: bool
+
+    def __attrs_post_init__(self) -> None:
+        if getattr(self, self.value_field) is not None and not self.allocated:
+            msg = (
+                f"{type(self).__name__} `{self.name}` holds {self.holds} but is not allocated; "
+                f"build it with `.allocate()` and `.commit({self.commits})`."
+            )
+            raise ValueError(msg)
+
+    @property
+    def is_allocated(self) -> bool:
+        """Whether the object was allocated (and not evicted since).
+
+        >>> from sessionstate import TensorCache
+        >>> TensorCache().is_allocated, TensorCache().allocate().is_allocated
+        (False, True)
+        """
+        return self.allocated
+
+    def allocate(self) -> Self:  # type: ignore[override]
+        """Return an empty, allocated object.
+
+        >>> from sessionstate import KVCache
+        >>> KVCache().allocate().view() is None
+        True
+        """
+        return self._emptied(allocated=True)
+
+    def view(self) -> _T | None:
+        """The held value, or None while empty.
+
+        Raises:
+            NotAllocatedError: if the object is not allocated.
+
+        >>> from sessionstate import TensorCache
+        >>> TensorCache().allocate().view() is None
+        True
+        """
+        self._require_allocated("view")
+        value: _T | None = getattr(self, self.value_field)
+        return value
+
+    def reset(self) -> Self:
+        """Return an empty object (still allocated); its value goes once nothing holds it.
+
+        >>> import torch
+        >>> from sessionstate import TensorCache
+        >>> TensorCache().allocate().commit(torch.ones(1)).reset().view() is None
+        True
+        """
+        self._require_allocated("reset")
+        return self._emptied(allocated=True)
+
+    def evict(self) -> Self:
+        """Return an object with its value released and not resident; `allocate` to reuse it.
+
+        >>> import torch
+        >>> from sessionstate import TensorCache
+        >>> TensorCache().allocate().commit(torch.ones(1)).evict().is_allocated
+        False
+        """
+        return self._emptied(allocated=False)
+
+    def _emptied(self, *, allocated: bool) -> Self:
+        # The record's class is an attrs class (a subclass), which mypy cannot see from here.
+        evolve: Any = attrs.evolve
+        emptied: Self = evolve(self, **{self.value_field: None, "allocated": allocated})
+        return emptied
+
+    def _require_allocated(self, action: str) -> None:
+        if not self.allocated:
+            msg = (
+                f"Cannot {action} {type(self).__name__} `{self.name}`: it is not allocated; "
+                "call `.allocate()` first."
+            )
+            raise NotAllocatedError(msg)
 
 
 # -- a state object parked by a tier: what stands in a record while its bytes are away ----

@@ -16,9 +16,9 @@ from sessionstate import (
     ENV_MAX_SESSIONS,
     OmniDiffusionConfig,
     SessionStateSettings,
-    parse_env_flag,
     resolve_session_state_config,
 )
+from sessionstate._config import parse_env_flag
 
 TRUE_TOKENS = ("1", "true", "yes", "on")
 FALSE_TOKENS = ("0", "false", "no", "off")

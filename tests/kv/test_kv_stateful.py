@@ -21,7 +21,8 @@ from sessionstate import (
     tree_equal,
 )
 from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Session, new_session
-from sessionstate.testing import _VersionLog, manager_contract_machine
+from sessionstate.testing import manager_contract_machine
+from sessionstate.testing._versions import VersionLog
 
 BRANCHES = ("cond", "uncond")
 
@@ -47,7 +48,7 @@ class KVContractMachine(RuleBasedStateMachine):
         self.staged: dict[tuple[str, int], KVPair] = {}
         self.num_layers = 0
         self.pool: list[KVPair] = []
-        self.versions = _VersionLog()
+        self.versions = VersionLog()
         self.versions.keep(self.obj, "EncodeOnceKV()")
 
     def _advance(self, obj: EncodeOnceKV, label: str) -> None:

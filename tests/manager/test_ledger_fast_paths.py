@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from sessionstate import KVCache, KVHandle, KVPool, SessionState, SessionStateManager, TensorCache
 from sessionstate._accounting import derivation, storage_entries
 from sessionstate._manager import Ledger
+from sessionstate.testing import EagerLedger
 from tests.support import assert_stats_equal_a_recount
 
 ATTR_VALUES = [None, 3, 2.5, True, "text", b"raw"]
@@ -220,7 +221,7 @@ def test_a_lazy_ledger_reads_the_same_totals_as_an_eager_one(
 ) -> None:
     # Entries over overlapping address ranges (several identities per range too), added and
     # removed in any order; totals read after every change and only at the end.
-    eager, lazy, rare = Ledger(), Ledger(lazy=True), Ledger(lazy=True)
+    eager, lazy, rare = EagerLedger(), Ledger(), Ledger()
     # Thirty disjoint ranges held throughout, so a read after one change places it among
     # them (the incremental path) rather than sorting afresh.
     held: list[tuple[str, object, int, int, None]] = [
@@ -252,7 +253,7 @@ def test_a_lazy_ledger_nobody_reads_stays_bounded(churn: str) -> None:
     # A manager without a budget whose `stats()` is read once, then never: the pending range
     # changes (of shared ranges, or of owned storages placed among them) are folded in as
     # they outgrow the held ranges, and the total is still exact.
-    ledger = Ledger(lazy=True)
+    ledger = Ledger()
     kept = ("cpu", "kept", 8, 8, None)  # a shared range: the device's ranges are sorted
     ledger.add([kept])
     assert ledger.totals() == {"cpu": 8}

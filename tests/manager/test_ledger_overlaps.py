@@ -20,7 +20,7 @@ from sessionstate import KVPool, SessionState, SessionStateManager, TensorCache
 from sessionstate._accounting import EngineBlock, StorageEntry, leaf_entries, storage_entries
 from sessionstate._manager import Ledger
 from sessionstate._manager._ledger import SessionLedger
-from sessionstate.testing import recount_nbytes_by_device
+from sessionstate.testing import EagerLedger, recount_nbytes_by_device
 
 
 def _values() -> dict[str, object]:
@@ -155,10 +155,10 @@ def test_a_lazy_ledger_counts_owned_storages_and_their_aliases_once(
     tensors = [torch.zeros(8) for _ in range(4)]
     # Lazy ledgers read after every change, at "read" only, and only at the end.
     eager, lazy, sometimes, unread = (
+        EagerLedger(),
         Ledger(),
-        Ledger(lazy=True),
-        Ledger(lazy=True),
-        Ledger(lazy=True),
+        Ledger(),
+        Ledger(),
     )
     held: list[list[StorageEntry]] = []
     keep: list[object] = []  # what the aliases' entries point into, alive throughout
@@ -196,7 +196,7 @@ def test_a_lazy_ledger_counts_owned_storages_and_their_aliases_once(
 
 
 def test_a_device_counts_by_size_again_once_its_last_shared_range_goes() -> None:
-    ledger = Ledger(lazy=True)
+    ledger = Ledger()
     held = storage_entries(torch.zeros(4))
     shared = [("cpu", "shared", 8, 8, None)]
     ledger.add(held)
@@ -219,7 +219,7 @@ def test_a_device_counts_by_size_again_once_its_last_shared_range_goes() -> None
 def test_kv_blocks_count_by_size_until_their_pools_storage_is_held() -> None:
     pool = KVPool(4, block_tokens=2, token_shape=(2,))
     handle = pool.append(pool.empty(), torch.ones(3, 2))  # two blocks
-    lazy, eager = Ledger(lazy=True), Ledger()
+    lazy, eager = Ledger(), EagerLedger()
     blocks, storage = leaf_entries(handle), storage_entries(pool.storage[1:3])
     for order in ([blocks, storage], [storage, blocks]):
         for entries in order:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import re
-from pathlib import Path
 from types import ModuleType
 
 import pytest

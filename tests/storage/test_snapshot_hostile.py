@@ -186,7 +186,7 @@ def test_corrupt_bytes_restored_into_a_manager_change_nothing() -> None:
 
 def test_a_long_storage_is_checked_across_read_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # A loader hashes a storage chunk by chunk as it reads it; a flip in any chunk is caught.
-    monkeypatch.setattr(decode, "_CHUNK", 64)
+    monkeypatch.setattr(decode, "CHUNK", 64)
     x = torch.arange(100, dtype=torch.float32)
     data = dumps_state({"x": x})
     assert torch.equal(loads_state(data)["x"], x)

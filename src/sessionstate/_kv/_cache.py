@@ -9,13 +9,15 @@ Its bytes are still the pool's: the accounting reports them as engine bytes.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import torch
 
-from sessionstate._accounting import note_derived
-from sessionstate._errors import NotAllocatedError
+from sessionstate._accounting import note_derived, noted_derivation
 from sessionstate._kv._pool import KVHandle, KVPool
-from sessionstate._stateobject import StateObject
+from sessionstate._protocols import Derivation
+from sessionstate._stateobject import SingleValueObject
 from sessionstate._tree import field, register_record, static_field
 
 __all__ = ["KVCache"]
@@ -23,7 +25,7 @@ __all__ = ["KVCache"]
 
 @register_record
 @attrs.frozen(eq=False)
-class KVCache(StateObject):
+class KVCache(SingleValueObject[KVHandle]):
     """A handle to an engine's paged KV (`KVHandle`), replaced wholesale, parkable.
 
     `commit` replaces the handle, `view` returns it (None while empty), `append` appends to it
@@ -51,30 +53,9 @@ class KVCache(StateObject):
     name: str = static_field(default="kv_cache", kw_only=True)
     allocated: bool = static_field(default=False, kw_only=True)
 
-    def __attrs_post_init__(self) -> None:
-        if self.handle is not None and not self.allocated:
-            msg = (
-                f"KVCache `{self.name}` holds a handle but is not allocated; build it with "
-                "`.allocate()` and `.commit(handle)`."
-            )
-            raise ValueError(msg)
-
-    @property
-    def is_allocated(self) -> bool:
-        """Whether the cache was allocated (and not evicted since).
-
-        >>> KVCache().is_allocated, KVCache().allocate().is_allocated
-        (False, True)
-        """
-        return self.allocated
-
-    def allocate(self) -> KVCache:  # type: ignore[override]
-        """Return an empty, allocated cache.
-
-        >>> KVCache().allocate().view() is None
-        True
-        """
-        return attrs.evolve(self, handle=None, allocated=True)
+    value_field: ClassVar[str] = "handle"
+    holds: ClassVar[str] = "a handle"
+    commits: ClassVar[str] = "handle"
 
     def commit(self, handle: KVHandle | None, /) -> KVCache:
         """Return a cache holding ``handle`` instead of what it held (None empties it).
@@ -119,15 +100,6 @@ class KVCache(StateObject):
         start = pool.empty() if self.handle is None else pool.adopt(self.handle)
         return attrs.evolve(self, handle=pool.append(start, kv, window=window))
 
-    def view(self) -> KVHandle | None:
-        """The held handle, or None while empty.
-
-        Raises:
-            NotAllocatedError: if the cache is not allocated.
-        """
-        self._require_allocated("view")
-        return self.handle
-
     def read(self) -> torch.Tensor | None:
         """The handle's tokens (see `KVHandle.read`), or None while empty.
 
@@ -137,27 +109,6 @@ class KVCache(StateObject):
         handle = self.view()
         return None if handle is None else handle.read()
 
-    def reset(self) -> KVCache:
-        """Return an empty cache (still allocated); the blocks go back once nothing holds them.
-
-        >>> KVCache().allocate().reset().is_allocated
-        True
-        """
-        self._require_allocated("reset")
-        return attrs.evolve(self, handle=None)
-
-    def evict(self) -> KVCache:
-        """Return a cache with its handle released and not resident; `allocate` to reuse it.
-
-        >>> KVCache().allocate().evict().is_allocated
-        False
-        """
-        return attrs.evolve(self, handle=None, allocated=False)
-
-    def _require_allocated(self, action: str) -> None:
-        if not self.allocated:
-            msg = (
-                f"Cannot {action} KVCache `{self.name}`: it is not allocated; call "
-                "`.allocate()` first."
-            )
-            raise NotAllocatedError(msg)
+    def __sessionstate_derivation__(self) -> Derivation | None:
+        """How a commit built this cache's handle from its input's (`DerivesFromBase`)."""
+        return noted_derivation(self)

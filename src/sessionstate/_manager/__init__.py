@@ -13,12 +13,22 @@
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import Ledger, SessionLedger
 from sessionstate._manager._parking import Parking
-from sessionstate._manager._policy import BudgetPolicy, OnFull, check_max_bytes, parse_nbytes
+from sessionstate._manager._policy import (
+    BudgetPolicy,
+    BudgetTextError,
+    OnFull,
+    check_max_bytes,
+    is_budget_device,
+    parse_budget_text,
+    parse_nbytes,
+    zero_budget,
+)
 from sessionstate._manager._table import DEFAULT_MAX_SESSIONS, SessionStateManager, SessionT
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
     "BudgetPolicy",
+    "BudgetTextError",
     "ImmutabilityGuard",
     "Ledger",
     "OnFull",
@@ -27,5 +37,8 @@ __all__ = [
     "SessionStateManager",
     "SessionT",
     "check_max_bytes",
+    "is_budget_device",
+    "parse_budget_text",
     "parse_nbytes",
+    "zero_budget",
 ]

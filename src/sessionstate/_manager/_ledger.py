@@ -10,15 +10,15 @@ while it has a reference, once, however many values reach it, so the totals are 
 overlapping memory as the union of their address ranges), at the cost of the values that
 changed rather than a walk of every session.
 
-The manager's ledgers are lazy (`Ledger(lazy=True)`): each counts the common storage, one that
+The ledger is lazy: it counts the common storage, one that
 owns its memory (an allocator made it), by its size alone, and so the blocks of an engine pool
 whose storage is not itself held: no two live allocations overlap, nor two blocks. Only a
 device that also holds memory some storage does not own (a NumPy array's, a loaded file's) has
 its address ranges sorted and their union measured, when a total is read (`_LazyRanges`).
 Without a byte budget only `stats()` reads the totals; under one, every put reads them (and
 the per-session ledgers' totals of the session it stores), which costs a dict lookup per
-device while the device holds owned storages only. The eager ledger (`Ledger()`, every range
-placed as it comes) is kept as the reference the lazy one is tested against.
+device while the device holds owned storages only. The eager reference it is tested against
+(every range placed as it comes) is `sessionstate.testing.EagerLedger`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch
 
 from sessionstate._accounting import (
     EngineBlock,
+    RefusedError,
     StorageEntry,
-    _RefusedError,
     derivation,
     leaf_entries,
     storage_entries,
@@ -49,73 +49,11 @@ from sessionstate._tree import tree_leaves
 __all__ = ["Ledger", "SessionLedger", "Values"]
 
 
-class _Ranges:
-    """A multiset of address ranges on one device and the size of their union."""
-
-    def __init__(self) -> None:
-        self._spans: list[tuple[int, int]] = []  # distinct ranges, sorted
-        self._counts: dict[tuple[int, int], int] = {}
-        self._longest = 0
-        self.total = 0
-
-    def add(self, start: int, end: int) -> None:
-        span = (start, end)
-        count = self._counts.get(span, 0)
-        self._counts[span] = count + 1
-        if count:
-            return
-        spans = self._spans
-        at = bisect.bisect_left(spans, span)
-        self.total += (end - start) - self._covered(start, end, at)
-        spans.insert(at, span)
-        if end - start > self._longest:
-            self._longest = end - start
-
-    def add_all(self, spans: Iterable[tuple[int, int]]) -> None:
-        for start, end in spans:
-            self.add(start, end)
-
-    def remove_all(self, spans: Iterable[tuple[int, int]]) -> None:
-        for start, end in spans:
-            self.remove(start, end)
-
-    def remove(self, start: int, end: int) -> None:
-        span = (start, end)
-        count = self._counts[span] - 1
-        if count:
-            self._counts[span] = count
-            return
-        del self._counts[span]
-        spans = self._spans
-        at = bisect.bisect_left(spans, span)
-        del spans[at]
-        self.total -= (end - start) - self._covered(start, end, at)
-
-    def _covered(self, start: int, end: int, at: int) -> int:
-        """Bytes of ``[start, end)`` that the held ranges cover; ``at`` is where it sorts."""
-        spans = self._spans
-        # A range overlapping [start, end) starts after `start - longest` and before `end`.
-        lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest), 0, at)
-        if lo == at and (at == len(spans) or spans[at][0] >= end):
-            return 0  # no held range can reach it: distinct allocations, the common case
-        hi = bisect.bisect_left(spans, (end, end), at)
-        covered, reach = 0, start
-        for s, e in sorted(spans[lo:hi]):
-            if e <= reach:
-                continue
-            s = max(s, reach)
-            e = min(e, end)
-            if e > s:
-                covered += e - s
-                reach = e
-        return covered
-
-
 class _LazyRanges:
     """The shared address ranges of one device, and their union with the owned ones when read.
 
-    For a lazy ledger (every manager's), which sorts each storage's range into one of two kinds
-    as it comes (`Ledger`):
+    For the ledger, which sorts each storage's range into one of two kinds as it comes
+    (`Ledger`):
 
     - *owned*: the whole allocation of a storage that owns its memory (one an allocator made:
       `UntypedStorage.resizable`), or a block of an engine pool whose storage owns its memory
@@ -226,12 +164,11 @@ class _LazyRanges:
 class Ledger:
     """Resident bytes per device from per-storage reference counts.
 
-    With ``lazy=True`` the union of each device's address ranges is measured when a total is
-    read after changes, instead of kept up to date on every change: the manager's ledgers are
-    moved on every put and read by `stats()` (and, under a budget, by the checks of every put).
-    A lazy ledger also counts a storage that owns its
-    memory by its size alone, placing no range, unless the device holds a range over memory
-    some storage does not own (`_LazyRanges`).
+    Lazy: the union of each device's address ranges is measured when a total is read after
+    changes, instead of kept up to date on every change (the manager's ledgers are moved on
+    every put and read by `stats()`, and, under a budget, by the checks of every put); and a
+    storage that owns its memory counts by its size alone, placing no range, unless the device
+    holds a range over memory some storage does not own (`_LazyRanges`).
 
     >>> import torch
     >>> from sessionstate._accounting import storage_entries
@@ -246,13 +183,11 @@ class Ledger:
     {}
     """
 
-    def __init__(self, *, lazy: bool = False) -> None:
+    def __init__(self) -> None:
         self._refs: dict[Hashable, int] = {}  # storage identity -> references
         self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
-        self._ranges: dict[str, _Ranges] = {}  # eager: every range, per device
         self._unmapped: dict[str, int] = {}  # bytes of storages without memory (meta)
-        self._lazy = lazy
-        # Lazy: the owned storages held (identity -> entry), their bytes per device, the shared
+        # The owned storages held (identity -> entry), their bytes per device, the shared
         # ranges per device, and the devices whose ranges are sorted (owned changes placed).
         self._owned: dict[Hashable, StorageEntry] = {}
         self._pools: dict[int, int] = {}  # pool storage identity -> its blocks counted by size
@@ -264,48 +199,39 @@ class Ledger:
         """Add one reference to each entry's storage."""
         refs = self._refs
         born = []  # storages that had no reference: counted, in one pass
-        if self._lazy:
-            # The common storages, those that own their memory and blocks of a pool that owns
-            # its memory, are counted as they come.
-            owned, owned_bytes, tracked = self._owned, self._owned_bytes, self._tracked
-            pools = self._pools
-            for entry in entries:
-                identity = entry[1]
-                count = refs.get(identity, 0)
-                refs[identity] = count + 1
-                if count or not entry[3]:
-                    continue
-                keepalive = entry[4]
-                if (
-                    type(keepalive) is torch.UntypedStorage
-                    and keepalive._cdata == identity
-                    and entry[2]
-                    and keepalive.resizable()
-                    and identity not in pools  # not a pool whose blocks are counted by size
-                ):
-                    pass
-                elif type(identity) is EngineBlock and _pool_owns(identity, entry, refs):
-                    pools[identity.pool] = pools.get(identity.pool, 0) + 1
-                    self._engine[entry[0]] = self._engine.get(entry[0], 0) + entry[3]
-                else:
-                    born.append(entry)
-                    continue
-                owned[identity] = entry
-                device = entry[0]
-                owned_bytes[device] = owned_bytes.get(device, 0) + entry[3]
-                if tracked and device in tracked:
-                    self._shared[device].place(1, entry[2], entry[2] + entry[3])
-        else:
-            for entry in entries:
-                identity = entry[1]
-                count = refs.get(identity, 0)
-                refs[identity] = count + 1
-                if not count and entry[3]:
-                    born.append(entry)
+        # The common storages, those that own their memory and blocks of a pool that owns
+        # its memory, are counted as they come.
+        owned, owned_bytes, tracked = self._owned, self._owned_bytes, self._tracked
+        pools = self._pools
+        for entry in entries:
+            identity = entry[1]
+            count = refs.get(identity, 0)
+            refs[identity] = count + 1
+            if count or not entry[3]:
+                continue
+            keepalive = entry[4]
+            if (
+                type(keepalive) is torch.UntypedStorage
+                and keepalive._cdata == identity
+                and entry[2]
+                and keepalive.resizable()
+                and identity not in pools  # not a pool whose blocks are counted by size
+            ):
+                pass
+            elif type(identity) is EngineBlock and _pool_owns(identity, entry, refs):
+                pools[identity.pool] = pools.get(identity.pool, 0) + 1
+                self._engine[entry[0]] = self._engine.get(entry[0], 0) + entry[3]
+            else:
+                born.append(entry)
+                continue
+            owned[identity] = entry
+            device = entry[0]
+            owned_bytes[device] = owned_bytes.get(device, 0) + entry[3]
+            if tracked and device in tracked:
+                self._shared[device].place(1, entry[2], entry[2] + entry[3])
         if born:
             self._count(born, add=True)
-        if self._lazy:
-            self._fold_overdue()
+        self._fold_overdue()
 
     def remove(self, entries: Iterable[StorageEntry], /) -> None:
         """Remove one reference from each entry's storage (added before)."""
@@ -322,7 +248,7 @@ class Ledger:
             if not entry[3]:
                 continue
             counted = owned.pop(identity, None) if owned else None
-            if counted is not None:  # lazy: counted by size (as it came, whatever `entry` says)
+            if counted is not None:  # counted by size (as it came, whatever `entry` says)
                 device, nbytes = counted[0], counted[3]
                 owned_bytes[device] -= nbytes
                 if type(identity) is EngineBlock:
@@ -338,8 +264,7 @@ class Ledger:
                 died.append(entry)
         if died:
             self._count(died, add=False)
-        if self._lazy:
-            self._fold_overdue()
+        self._fold_overdue()
 
     def _fold_overdue(self) -> None:
         # A lazy ledger nobody reads stays bounded: after each change, fold the pending changes
@@ -355,8 +280,8 @@ class Ledger:
                 yield pointer, pointer + nbytes
 
     def _count(self, entries: list[StorageEntry], *, add: bool) -> None:
-        # Count storages that came (or went), each once; callers skip entries of no bytes (and
-        # a lazy ledger, the owned storages it counted).
+        # Count storages that came (or went), each once; callers skip entries of no bytes and
+        # the owned storages counted by size.
         spans: dict[str, list[tuple[int, int]]] = {}
         for device, identity, pointer, nbytes, _ in entries:
             signed = nbytes if add else -nbytes
@@ -370,31 +295,19 @@ class Ledger:
                 on_device = spans[device] = []
             on_device.append((pointer, pointer + nbytes))
         for device, moved in spans.items():
-            if self._lazy:
-                shared = self._shared.get(device)
-                if shared is None:
-                    shared = self._shared[device] = _LazyRanges()
-                if add:
-                    shared.add_shared(moved)
-                else:
-                    shared.remove_shared(moved)
-                    if not shared.sorted:
-                        self._tracked.discard(device)
-                continue
-            ranges = self._ranges.get(device)
-            if ranges is None:
-                ranges = self._ranges[device] = _Ranges()
+            shared = self._shared.get(device)
+            if shared is None:
+                shared = self._shared[device] = _LazyRanges()
             if add:
-                ranges.add_all(moved)
+                shared.add_shared(moved)
             else:
-                ranges.remove_all(moved)
+                shared.remove_shared(moved)
+                if not shared.sorted:
+                    self._tracked.discard(device)
 
     def total(self, device: str, /) -> int:
         """Resident bytes on ``device``."""
         unmapped = self._unmapped.get(device, 0)
-        if not self._lazy:
-            ranges = self._ranges.get(device)
-            return (ranges.total if ranges is not None else 0) + unmapped
         shared = self._shared.get(device)
         if shared is None or not shared.shared:
             return self._owned_bytes.get(device, 0) + unmapped
@@ -408,7 +321,7 @@ class Ledger:
 
     def totals(self) -> dict[str, int]:
         """Resident bytes per device, for devices holding any."""
-        devices = {*self._ranges, *self._unmapped, *self._owned_bytes, *self._shared}
+        devices = {*self._unmapped, *self._owned_bytes, *self._shared}
         out = {d: self.total(d) for d in devices}
         return {d: n for d, n in sorted(out.items()) if n}
 
@@ -553,7 +466,7 @@ def _successor(
 def _count_leaves(value: object, leaves: Sequence[object]) -> list[list[StorageEntry]]:
     try:
         return [leaf_entries(leaf) for leaf in leaves]
-    except _RefusedError:
+    except RefusedError:
         storage_entries(value)  # raises, naming the leaf's key path
         raise
 
@@ -589,9 +502,9 @@ class SessionLedger:
     """
 
     def __init__(self, *, per_session: bool = False) -> None:
-        # Lazy: owned storages are counted by size; shared ranges are placed when a total is
+        # Owned storages are counted by size; shared ranges are placed when a total is
         # read (by `stats()`, and under a budget by the checks of every put).
-        self._ledger = Ledger(lazy=True)
+        self._ledger = Ledger()
         self._values: dict[Hashable, Values] = {}
         self._alone: dict[Hashable, Ledger] | None = {} if per_session else None
 
@@ -631,7 +544,7 @@ class SessionLedger:
         if self._alone is not None:
             alone = self._alone.get(session_id)
             if alone is None:
-                alone = self._alone[session_id] = Ledger(lazy=True)
+                alone = self._alone[session_id] = Ledger()
             ledgers.append(alone)
         previous = self._values.get(session_id, {})
         added: list[StorageEntry] = []

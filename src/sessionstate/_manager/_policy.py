@@ -7,7 +7,7 @@ returns device lists, object names and refusals. The manager's make-room loop ac
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -18,7 +18,17 @@ from sessionstate._protocols import StorageEntry
 from sessionstate._session import ValueKey
 from sessionstate._stateobject import StateObject
 
-__all__ = ["BudgetPolicy", "OnFull", "check_max_bytes", "objects_to_park", "parse_nbytes"]
+__all__ = [
+    "BudgetPolicy",
+    "BudgetTextError",
+    "OnFull",
+    "check_max_bytes",
+    "is_budget_device",
+    "objects_to_park",
+    "parse_budget_text",
+    "parse_nbytes",
+    "zero_budget",
+]
 
 OnFull = Literal["evict", "refuse"]
 
@@ -96,7 +106,8 @@ def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
         )
         raise ValueError(msg)
     if isinstance(max_bytes, str):
-        return _from_pairs(max_bytes)
+        # Text naming a device reads as pairs, never as one count.
+        return cast("dict[str, int]", parse_budget_text(max_bytes))
     if not isinstance(max_bytes, Mapping):
         msg = (
             f"`max_bytes` must map device strings to byte budgets, got {max_bytes!r} "
@@ -110,42 +121,100 @@ def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
     return out
 
 
-def _from_pairs(text: str) -> dict[str, int]:
-    # `device=count` pairs separated by commas, as the config's environment variable reads.
+class BudgetTextError(ValueError):
+    """A budget text that is not one; ``rule`` names the rule it breaks, ``part`` the text.
+
+    ``rule`` is ``"device"`` (a key that is not a device tensors report, or none), ``"twice"``
+    (a device named again), ``"count"`` (not a byte count) or ``"zero"`` (a count of 0 where
+    a positive one is asked for). The message is the manager's; the config words its own
+    warning from ``rule`` and ``part``.
+    """
+
+    def __init__(self, message: str, /, *, rule: str, part: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.part = part
+
+
+def parse_budget_text(text: str, /, *, positive: bool = False) -> int | dict[str, int]:
+    """The budget ``text`` writes: one byte count, or ``device=count`` pairs.
+
+    The one reading of a budget written as text, for the manager's ``max_bytes``, the deploy
+    config's field and its environment variable. Pairs are separated by commas and name each
+    device once, as tensors report it (``"cuda:0=24GiB,cpu=8GiB"``). With ``positive`` a count
+    of 0 is refused: a config's budget of 0 bytes would refuse every session.
+
+    Raises:
+        BudgetTextError: naming the part that breaks a rule, the first in the text.
+
+    >>> parse_budget_text("24GiB"), parse_budget_text("cuda:0=1KiB, cpu=2")
+    (25769803776, {'cuda:0': 1024, 'cpu': 2})
+    """
+    if "=" not in text:
+        return _count(text, text, positive)
     out: dict[str, int] = {}
     for part in text.split(","):
         key, _, count = part.partition("=")
-        device = _device_key(key.strip())
+        device = key.strip()
+        try:
+            _device_key(device)
+        except ValueError as error:
+            raise BudgetTextError(str(error), rule="device", part=device) from None
         if device in out:
             msg = (
                 f"`max_bytes` {text!r} names device {device!r} twice; name each device once, "
                 "e.g. 'cuda:0=24GiB,cpu=8GiB'."
             )
-            raise ValueError(msg)
-        out[device] = parse_nbytes(count.strip(), name=f"max_bytes[{key.strip()!r}]")
+            raise BudgetTextError(msg, rule="twice", part=device)
+        out[device] = _count(count, f"max_bytes[{device!r}]", positive)
     return out
+
+
+def _count(text: str, name: str, positive: bool) -> int:
+    try:
+        n = parse_nbytes(text.strip(), name=name)
+    except ValueError as error:
+        raise BudgetTextError(str(error), rule="count", part=text.strip()) from None
+    if positive and n == 0:
+        raise BudgetTextError(zero_budget(text.strip()), rule="zero", part=text.strip())
+    return n
+
+
+def zero_budget(raw: object) -> str:
+    """Why a budget of 0 bytes (written ``raw``) is refused where a budget is configured."""
+    return (
+        f"{raw!r} reads as 0 bytes, a budget that refuses every session; give a positive "
+        "budget such as '24GiB', or none for no budget"
+    )
+
+
+def is_budget_device(device: object) -> bool:
+    """Whether ``device`` names a device the way its tensors report it (so a budget applies).
+
+    >>> is_budget_device("cuda:0"), is_budget_device("cpu"), is_budget_device("cuda")
+    (True, True, False)
+    """
+    if not isinstance(device, str):
+        return False
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return str(parsed) == device and (parsed.index is None) == (parsed.type in ("cpu", "meta"))
 
 
 def _device_key(key: object) -> str:
     # The device as its tensors report it ('cuda:0', 'cpu'): a budget keyed 'cpu:0' or
     # 'cuda' would never apply, since the ledger keys bytes by what tensors report.
     text = str(key) if isinstance(key, torch.device) else key
-    try:
-        device = torch.device(text) if isinstance(text, str) else None
-    except (RuntimeError, TypeError, ValueError):
-        device = None
-    if (
-        device is None
-        or str(device) != text
-        or (device.index is None) != (device.type in ("cpu", "meta"))
-    ):
+    if not is_budget_device(text):
         msg = (
             f"`max_bytes` key {key!r} ({type(key).__name__}) is not a device string with "
             "its index; name each budgeted device as tensors report it, e.g. 'cuda:0' or "
             "'cpu'."
         )
         raise ValueError(msg)
-    return str(device)
+    return str(text)
 
 
 def objects_to_park(

@@ -18,27 +18,27 @@ import torch
 from sessionstate._errors import SnapshotError
 from sessionstate._frozen import CONTAINERS_BY_TAG
 from sessionstate._storage._format import (
-    _CHUNK,
-    _DTYPES,
-    _MAX_DIMS,
-    _MAX_HEADER,
-    _MAX_INT,
-    _R,
+    CHUNK,
     CRC32,
+    DTYPES,
     FORMAT_VERSION,
     MAX_DEPTH,
+    MAX_DIMS,
+    MAX_HEADER,
+    MAX_INT,
     METADATA_KEY,
     XXH3,
     Checksum,
+    R,
     SnapshotParts,
     StreamHash,
     ViewSpec,
-    _refusal,
-    _root,
     checksum_of_version,
     rebuild_views,
+    refusal,
     resolve_leaf_class,
     resolve_record,
+    root,
 )
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _parse_json(source: str, text: str | bytes, what: str, not_json: tuple[str, 
 
 def _is_count(value: Any) -> TypeGuard[int]:
     """An exact int in ``[0, 2**62]``: never a bool, a float or a string."""
-    return type(value) is int and 0 <= value <= _MAX_INT
+    return type(value) is int and 0 <= value <= MAX_INT
 
 
 @attrs.frozen
@@ -138,7 +138,7 @@ class _Reader:
                 self.source, f"is {self.size} bytes, too short for a safetensors file", not_snapshot
             )
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
+        if n > MAX_HEADER:
             raise _fail(
                 self.source,
                 "is not a safetensors file (its header length is implausible)",
@@ -179,7 +179,7 @@ class _Reader:
         view = out.numpy().data
         done = 0
         while done < len(view):
-            got = self.stream.readinto(view[done : done + _CHUNK])  # type: ignore[attr-defined]
+            got = self.stream.readinto(view[done : done + CHUNK])  # type: ignore[attr-defined]
             if not got:
                 raise _fail(self.source, "is truncated", "write it again")
             hasher.update(view[done : done + got])
@@ -363,11 +363,11 @@ def _view(source: str, i: int, raw: Any, storages: Sequence[_Storage]) -> ViewSp
     conj, neg = raw.get("conj", False), raw.get("neg", False)
     if type(storage) is not int or not 0 <= storage < len(storages):
         raise invalid(f"`storage` must be the index of one of its {len(storages)} storages")
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise invalid(f"`dtype` must be one of {sorted(_DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise invalid(f"`dtype` must be one of {sorted(DTYPES)}")
     for name, dims in (("shape", shape), ("stride", stride)):
-        if not isinstance(dims, list) or len(dims) > _MAX_DIMS:
-            raise invalid(f"`{name}` must be a list of at most {_MAX_DIMS} ints")
+        if not isinstance(dims, list) or len(dims) > MAX_DIMS:
+            raise invalid(f"`{name}` must be a list of at most {MAX_DIMS} ints")
         if not all(_is_count(n) for n in dims):
             raise invalid(f"`{name}` must hold ints from 0 to 2**62")
     assert isinstance(shape, list)
@@ -378,11 +378,11 @@ def _view(source: str, i: int, raw: Any, storages: Sequence[_Storage]) -> ViewSp
         raise invalid("`offset` must be an int from 0 to 2**62")
     if type(conj) is not bool or type(neg) is not bool:
         raise invalid("`conj` and `neg` must be true or false")
-    if math.prod(shape) > _MAX_INT:
+    if math.prod(shape) > MAX_INT:
         raise invalid("it holds more than 2**62 elements")
     view = ViewSpec(
         storage=storage,
-        dtype=_DTYPES[dtype],
+        dtype=DTYPES[dtype],
         shape=tuple(shape),
         stride=tuple(stride),
         offset=offset,
@@ -414,7 +414,7 @@ class _TreeCheck:
         self.version = version
 
     def bad(self, key: str, what: str) -> SnapshotError:
-        return _fail(self.source, f"has an invalid node at `{_root(key)}` ({what})", _WRITE_AGAIN)
+        return _fail(self.source, f"has an invalid node at `{root(key)}` ({what})", _WRITE_AGAIN)
 
     def node(self, node: Any, key: str, depth: int = 0) -> None:
         if depth > MAX_DEPTH:
@@ -589,7 +589,7 @@ class _Decoder:
 
     def bad(self, key: str, what: str) -> SnapshotError:
         return _fail(
-            self.source, f"has an invalid node at `{_root(key)}` ({what})", "write it again"
+            self.source, f"has an invalid node at `{root(key)}` ({what})", "write it again"
         )
 
     def node(self, node: dict[str, Any], key: str) -> Any:
@@ -658,18 +658,18 @@ class _Decoder:
     def record(self, node: dict[str, Any], key: str) -> Any:
         name = node["class"]
         cls = resolve_record(name)
-        refused = _refusal(cls) if cls is not None else None
+        refused = refusal(cls) if cls is not None else None
         if refused is not None:
             raise _fail(
                 self.source,
-                f"holds a `{name}` at `{_root(key)}`, which is never valid snapshot content: "
+                f"holds a `{name}` at `{root(key)}`, which is never valid snapshot content: "
                 f"{refused}",
                 "write the snapshot again from the unparked record",
             )
         if cls is None:
             raise _fail(
                 self.source,
-                f"holds a record of class `{name}` at `{_root(key)}`, which is not registered "
+                f"holds a record of class `{name}` at `{root(key)}`, which is not registered "
                 "in this process",
                 "import the module that defines it before loading (only registered record "
                 "classes are rebuilt; a loader imports no module outside `sessionstate`)",
@@ -682,7 +682,7 @@ class _Decoder:
         except Exception as exc:  # a validator or converter refused the stored values
             raise _fail(
                 self.source,
-                f"holds a `{cls.__qualname__}` at `{_root(key)}` that its constructor refuses "
+                f"holds a `{cls.__qualname__}` at `{root(key)}` that its constructor refuses "
                 f"({type(exc).__name__}: {exc})",
                 "load it with the library version that wrote it, or write it again",
             ) from exc
@@ -690,8 +690,8 @@ class _Decoder:
 
 @overload
 def load_state(
-    path: str | os.PathLike[str], /, *, device: torch.device | str | None = None, expect: type[_R]
-) -> _R: ...
+    path: str | os.PathLike[str], /, *, device: torch.device | str | None = None, expect: type[R]
+) -> R: ...
 @overload
 def load_state(
     path: str | os.PathLike[str],
@@ -748,8 +748,8 @@ def loads_state(
     /,
     *,
     device: torch.device | str | None = None,
-    expect: type[_R],
-) -> _R: ...
+    expect: type[R],
+) -> R: ...
 @overload
 def loads_state(
     data: bytes | bytearray | memoryview,
@@ -782,7 +782,7 @@ def loads_state(
     return _load("(bytes)", io.BytesIO(buffer), len(buffer), device, expect)
 
 
-_UNBOUNDED = 4 * _MAX_INT  # a size no header's offsets reach (each is at most 2**62)
+_UNBOUNDED = 4 * MAX_INT  # a size no header's offsets reach (each is at most 2**62)
 
 
 def _part_bytes(source: str, i: int, part: Any) -> memoryview:
@@ -809,8 +809,8 @@ def _part_bytes(source: str, i: int, part: Any) -> memoryview:
 
 @overload
 def loads_parts(
-    parts: SnapshotParts, /, *, device: torch.device | str | None = None, expect: type[_R]
-) -> _R: ...
+    parts: SnapshotParts, /, *, device: torch.device | str | None = None, expect: type[R]
+) -> R: ...
 @overload
 def loads_parts(
     parts: SnapshotParts, /, *, device: torch.device | str | None = None, expect: None = None
@@ -888,8 +888,8 @@ def loads_parts(
         if out.numel() == 0:
             return
         dst, src = out.numpy().data, views[i]
-        for a in range(0, len(src), _CHUNK):
-            dst[a : a + _CHUNK] = src[a : a + _CHUNK]
-            hasher.update(dst[a : a + _CHUNK])
+        for a in range(0, len(src), CHUNK):
+            dst[a : a + CHUNK] = src[a : a + CHUNK]
+            hasher.update(dst[a : a + CHUNK])
 
     return _build(source, header, fill, device, expect)

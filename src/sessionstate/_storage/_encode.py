@@ -33,12 +33,12 @@ from sessionstate._storage._format import (
     METADATA_KEY,
     XXH3,
     SnapshotParts,
-    _is_record,
-    _is_snapshot_leaf,
-    _refusal,
-    _root,
     collect_storages,
+    is_record,
+    is_snapshot_leaf,
     record_name,
+    refusal,
+    root,
     storage_bytes,
 )
 from sessionstate._tree import PyTree
@@ -71,7 +71,7 @@ class _Encoder:
     def node(self, value: Any, key: str, *, statics: bool = False, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
             msg = (
-                f"Cannot snapshot the value at `{_root(key)[:200]}`: it is nested deeper than "
+                f"Cannot snapshot the value at `{root(key)[:200]}`: it is nested deeper than "
                 f"{MAX_DEPTH} levels of containers and records, the most a snapshot holds. "
                 "Flatten the structure (e.g. a dict of tensors instead of nested lists)."
             )
@@ -101,28 +101,28 @@ class _Encoder:
             for k, v in value.items():
                 if type(k) not in (str, int, bool):
                     msg = (
-                        f"Cannot snapshot the dict at `{_root(key)}`: its key {k!r} is a "
+                        f"Cannot snapshot the dict at `{root(key)}`: its key {k!r} is a "
                         f"{type(k).__name__}; snapshot dict keys must be str, int or bool."
                     )
                     raise TypeError(msg)
                 pairs.append([k, self.node(v, f"{key}[{k!r}]", statics=statics, depth=depth + 1)])
             return {"type": container.tag, "items": pairs}
-        if _is_record(cls):
-            refused = _refusal(cls)
+        if is_record(cls):
+            refused = refusal(cls)
             if refused is not None:
                 msg = (
-                    f"Cannot snapshot the {cls.__qualname__} at `{_root(key)}`, which is never "
+                    f"Cannot snapshot the {cls.__qualname__} at `{root(key)}`, which is never "
                     f"valid snapshot content: {refused}. Unpark it first (`obj.unpark()`; "
                     "`SessionStateManager.snapshot` unparks a session)."
                 )
                 raise TypeError(msg)
             return self.record(value, key, depth)
-        if not statics and not self.sealed and _is_snapshot_leaf(cls):
+        if not statics and not self.sealed and is_snapshot_leaf(cls):
             i = self._leaf_index.get(id(value))
             if i is None:
                 leaves = self.leaves.setdefault(cls, [])
                 i = self._leaf_index[id(value)] = len(leaves)
-                leaves.append((_root(key), value))
+                leaves.append((root(key), value))
             return {"type": "leaf", "class": record_name(cls), "index": i}
         what = "static field" if statics else "leaf"
         allowed = (
@@ -132,7 +132,7 @@ class _Encoder:
             "or a registered record"
         )
         msg = (
-            f"Cannot snapshot the {what} at `{_root(key)}`: {value!r:.80} is a "
+            f"Cannot snapshot the {what} at `{root(key)}`: {value!r:.80} is a "
             f"{cls.__qualname__}; a snapshot holds {allowed}. Convert it (e.g. to an int or a "
             "tensor) or keep it out of the record."
         )

@@ -41,16 +41,16 @@ CRC32_KEY = "sessionstate.crc32"
 MAX_DEPTH = 200
 """The deepest nesting of containers and records a snapshot may hold (written or read)."""
 
-_MAX_INT = 2**62  # sizes, offsets, strides and element counts: far below torch's int64
-_MAX_DIMS = 64
+MAX_INT = 2**62  # sizes, offsets, strides and element counts: far below torch's int64
+MAX_DIMS = 64
 
 _IMPORTABLE_PREFIX = "sessionstate."
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
-_CHUNK = 1024 * 1024  # read, then hashed while still in cache (`_Reader.read_into`)
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+CHUNK = 1024 * 1024  # read, then hashed while still in cache (`_Reader.read_into`)
 
-_R = TypeVar("_R")
+R = TypeVar("R")
 
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
         "bool",
@@ -76,7 +76,7 @@ _DTYPES: dict[str, torch.dtype] = {
     )
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
 # -- the storage walk and the rebuild -------------------------------------------------------------
@@ -131,7 +131,7 @@ class ViewSpec:
         return out
 
 
-def _root(key: str) -> str:
+def root(key: str) -> str:
     return key.lstrip(".") or "<root>"
 
 
@@ -156,7 +156,7 @@ def _check_tensor(t: torch.Tensor, key: str) -> None:
         fix = "materialise it on a real device first, or leave it out of the snapshot"
     elif t.dtype not in _DTYPE_NAMES:
         problem = f"of dtype {t.dtype}, which the snapshot format does not support"
-        fix = f"convert it to one of {sorted(_DTYPES)}"
+        fix = f"convert it to one of {sorted(DTYPES)}"
     if problem is None:
         return
     try:
@@ -164,7 +164,7 @@ def _check_tensor(t: torch.Tensor, key: str) -> None:
     except RuntimeError:  # a strided nested tensor has no single shape
         shape = ""
     msg = (
-        f"Cannot snapshot the tensor at `{_root(key)}`: it is {problem} ({shape}device "
+        f"Cannot snapshot the tensor at `{root(key)}`: it is {problem} ({shape}device "
         f"{t.device}); {fix}."
     )
     raise UnsupportedTensorError(msg)
@@ -464,12 +464,12 @@ def record_name(cls: type, /) -> str:
     return _STABLE_BY_LOCATION.get(where, where)
 
 
-def _refusal(cls: type) -> str | None:
+def refusal(cls: type) -> str | None:
     """Why a record of ``cls`` can never be in a snapshot, or None."""
     return NEVER_SNAPSHOTTED.get(_location(cls))
 
 
-def _is_record(cls: type) -> bool:
+def is_record(cls: type) -> bool:
     entry = optree.register_pytree_node.get(cls, namespace=NAMESPACE)
     return entry is not None and entry.namespace == NAMESPACE and attrs.has(cls)
 
@@ -577,7 +577,7 @@ def register_snapshot_leaf(cls: _L, /) -> _L:
     return cls
 
 
-def _is_snapshot_leaf(cls: type) -> bool:
+def is_snapshot_leaf(cls: type) -> bool:
     return _LEAF_CLASSES.get(record_name(cls)) is cls
 
 

@@ -29,12 +29,9 @@ from typing import Any
 import torch
 
 from sessionstate._checks import describe
+from sessionstate._errors import HostPoolFullError
 
 __all__ = ["HostBufferPool", "HostPoolFullError"]
-
-
-class HostPoolFullError(MemoryError):
-    """A `HostBufferPool` has no free run large enough for what was asked."""
 
 
 def _register(buffer: torch.Tensor) -> int:

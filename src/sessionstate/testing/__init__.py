@@ -16,7 +16,8 @@ library tests itself:
   and `manager_contract_machine` configure them in one line; assign the result's
   ``.TestCase`` in a test module.
 - `sessionstate.testing.recount`: an independent byte count, `recount_nbytes_by_device`, to
-  check `nbytes_by_device` and `SessionStateManager.stats` against.
+  check `nbytes_by_device` and `SessionStateManager.stats` against; and `EagerLedger`, the
+  eager reference the manager's lazy ledger is tested against.
 
 Every public name is re-exported here. hypothesis is an optional dependency: install
 ``sessionstate[testing]``.
@@ -28,14 +29,13 @@ Every public name is re-exported here. hypothesis is an optional dependency: ins
 
 from __future__ import annotations
 
-from sessionstate.testing._versions import _VersionLog as _VersionLog  # for the KV machine
 from sessionstate.testing.machines import (
     ManagerContractMachine,
     RingContractMachine,
     manager_contract_machine,
     ring_contract_machine,
 )
-from sessionstate.testing.recount import recount_nbytes_by_device
+from sessionstate.testing.recount import EagerLedger, recount_nbytes_by_device
 from sessionstate.testing.strategies import (
     CHUNK_DERIVATIONS,
     DEFAULT_DEVICES,
@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_DEVICES",
     "DEFAULT_DTYPES",
     "POOL_DERIVATIONS",
+    "EagerLedger",
     "ManagerContractMachine",
     "PoolTensor",
     "RingContractMachine",

@@ -12,43 +12,41 @@ from sessionstate._checks import describe, is_int
 
 _T = TypeVar("_T")
 
-_DEFAULT_MAXLENS: st.SearchStrategy[int | None] = st.one_of(st.none(), st.integers(1, 4))
+DEFAULT_MAXLENS: st.SearchStrategy[int | None] = st.one_of(st.none(), st.integers(1, 4))
 
-_DEFAULT_CAPS: st.SearchStrategy[int] = st.integers(1, 4)
+DEFAULT_CAPS: st.SearchStrategy[int] = st.integers(1, 4)
 
-_DEFAULT_SESSION_IDS: st.SearchStrategy[str] = st.sampled_from(("a", "b", "c", "d", "e", "f"))
+DEFAULT_SESSION_IDS: st.SearchStrategy[str] = st.sampled_from(("a", "b", "c", "d", "e", "f"))
 
 
-def _fail(msg: str) -> NoReturn:
+def fail(msg: str) -> NoReturn:
     # Contract checks raise explicitly rather than `assert`, so they survive `python -O`.
     raise AssertionError(msg)
 
 
-def _expect_raises(exc_type: type[BaseException], action: str, fn: Callable[[], object]) -> None:
+def expect_raises(exc_type: type[BaseException], action: str, fn: Callable[[], object]) -> None:
     try:
         fn()
     except exc_type:
         return
-    _fail(f"{action} should raise {exc_type.__name__}, but it returned normally.")
+    fail(f"{action} should raise {exc_type.__name__}, but it returned normally.")
 
 
-def _check_positive(name: str, value: object) -> int:
+def check_positive(name: str, value: object) -> int:
     if not is_int(value) or value <= 0:
         msg = f"`{name}` must be a positive int, got {describe(value)}."
         raise ValueError(msg)
     return value
 
 
-def _check_non_negative(name: str, value: object) -> int:
+def check_non_negative(name: str, value: object) -> int:
     if not is_int(value) or value < 0:
         msg = f"`{name}` must be a non-negative int, got {describe(value)}."
         raise ValueError(msg)
     return value
 
 
-def _check_choices(
-    name: str, values: Sequence[_T], allowed: Sequence[_T] | None = None
-) -> list[_T]:
+def check_choices(name: str, values: Sequence[_T], allowed: Sequence[_T] | None = None) -> list[_T]:
     chosen = list(values)
     if not chosen:
         msg = f"`{name}` must name at least one option, got {describe(values)}."
@@ -61,8 +59,8 @@ def _check_choices(
     return chosen
 
 
-def _check_devices(devices: Sequence[str]) -> list[str]:
-    chosen = _check_choices("devices", devices)
+def check_devices(devices: Sequence[str]) -> list[str]:
+    chosen = check_choices("devices", devices)
     for device in chosen:
         try:
             torch.device(device)
@@ -75,15 +73,15 @@ def _check_devices(devices: Sequence[str]) -> list[str]:
     return chosen
 
 
-def _as_maxlen_strategy(
+def as_maxlen_strategy(
     maxlen: int | st.SearchStrategy[int | None] | None,
 ) -> st.SearchStrategy[int | None]:
     if isinstance(maxlen, st.SearchStrategy):
         return maxlen
     if maxlen is not None:
-        _check_positive("maxlen", maxlen)
+        check_positive("maxlen", maxlen)
     return st.just(maxlen)
 
 
-def _as_strategy(value: _T | st.SearchStrategy[_T]) -> st.SearchStrategy[_T]:
+def as_strategy(value: _T | st.SearchStrategy[_T]) -> st.SearchStrategy[_T]:
     return value if isinstance(value, st.SearchStrategy) else st.just(value)

@@ -16,14 +16,14 @@ from sessionstate._manager import OnFull, SessionStateManager
 from sessionstate._objects import LatentBuffer
 from sessionstate._session import SessionState
 from sessionstate.testing._common import (
-    _DEFAULT_CAPS,
-    _DEFAULT_SESSION_IDS,
-    _as_strategy,
-    _check_positive,
-    _expect_raises,
-    _fail,
+    DEFAULT_CAPS,
+    DEFAULT_SESSION_IDS,
+    as_strategy,
+    check_positive,
+    expect_raises,
+    fail,
 )
-from sessionstate.testing._versions import _VersionLog
+from sessionstate.testing._versions import VersionLog
 from sessionstate.testing.recount import _stats_bytes, recount_nbytes_by_device
 from sessionstate.testing.strategies import session_states
 
@@ -67,11 +67,11 @@ class ManagerContractMachine(RuleBasedStateMachine):
     >>> run_state_machine_as_test(ManagerContractMachine, settings=quick)
     """
 
-    max_sessions_strategy: ClassVar[st.SearchStrategy[int]] = _DEFAULT_CAPS
+    max_sessions_strategy: ClassVar[st.SearchStrategy[int]] = DEFAULT_CAPS
     """Caps to create the manager with."""
     on_full: ClassVar[OnFull] = "evict"
     """What a new session does at the cap."""
-    session_id_strategy: ClassVar[st.SearchStrategy[str]] = _DEFAULT_SESSION_IDS
+    session_id_strategy: ClassVar[st.SearchStrategy[str]] = DEFAULT_SESSION_IDS
     """Session ids; a few more than the cap, so sessions are evicted and come back."""
     state_strategy: ClassVar[st.SearchStrategy[SessionState]] = session_states()
     """Records to store."""
@@ -88,7 +88,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
         self.misses = 0
         self.evictions = 0
         self.steps = 0
-        self.held = _VersionLog()
+        self.held = VersionLog()
 
     @property
     def manager(self) -> SessionStateManager:
@@ -139,7 +139,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
     def _put(self, sid: str, state: SessionState) -> None:
         if self._refused(sid):
             event("manager: refused a new session at the cap")
-            _expect_raises(
+            expect_raises(
                 SessionAdmissionError,
                 f"put({sid!r}) at the cap",
                 lambda: self.manager.put(sid, state),
@@ -155,7 +155,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
     def _check_lookup(self, sid: str, got: SessionState | None, action: str) -> None:
         expected = self.model.get(sid)
         if got is not expected:
-            _fail(
+            fail(
                 f"`{action}` returned {'a record' if got is not None else 'None'}; the model "
                 f"{'holds a different record' if expected is not None else 'holds no session'}"
                 f" for {sid!r}."
@@ -182,7 +182,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
             self.hits += 1
             self._touch(sid)
         else:
-            _expect_raises(
+            expect_raises(
                 SessionStateLostError,
                 f"require({sid!r}) of an absent session",
                 lambda: self.manager.require(sid),
@@ -205,12 +205,12 @@ class ManagerContractMachine(RuleBasedStateMachine):
             self.hits += 1
             self._touch(sid)
             if calls:
-                _fail(f"`{action}` called the factory for a session it holds.")
+                fail(f"`{action}` called the factory for a session it holds.")
             return
         self.misses += 1
         if self._refused(sid):
             event("manager: refused a new session at the cap")
-            _expect_raises(
+            expect_raises(
                 SessionAdmissionError,
                 f"{action} at the cap",
                 lambda: self.manager.get_or_create(sid, factory),
@@ -220,7 +220,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
         self._admit(sid)
         self.model[sid] = state
         if got is not state or len(calls) != 1:
-            _fail(f"`{action}` for a new session must call the factory once and store its record.")
+            fail(f"`{action}` for a new session must call the factory once and store its record.")
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())
@@ -232,7 +232,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
         self.hits += 1
         self._touch(sid)
         if state is None:
-            _fail(f"`get({sid!r})` lost a session the model holds.")
+            fail(f"`get({sid!r})` lost a session the model holds.")
         self.steps += 1
         new = type(self).advance(state, self.steps)
         self.held.keep(new, f"advance of session {sid!r}")
@@ -257,7 +257,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
         sid = self._draw_id(data)
         was_held = self.manager.drop(sid)
         if was_held != (sid in self.model):
-            _fail(f"`drop({sid!r})` returned {was_held}; the model holds it: {sid in self.model}.")
+            fail(f"`drop({sid!r})` returned {was_held}; the model holds it: {sid in self.model}.")
         held = self.model.pop(sid, None)
         if held is not None:
             self.held.keep(held, f"session {sid!r}, dropped")
@@ -273,13 +273,13 @@ class ManagerContractMachine(RuleBasedStateMachine):
         """``in`` agrees with the model (and, checked after the step, touches nothing)."""
         sid = self._draw_id(data)
         if (sid in self.manager) != (sid in self.model):
-            _fail(f"`{sid!r} in manager` is {sid in self.manager}; the model: {sid in self.model}.")
+            fail(f"`{sid!r} in manager` is {sid in self.manager}; the model: {sid in self.model}.")
 
     @rule()
     def length(self) -> None:
         """``len`` agrees with the model."""
         if len(self.manager) != len(self.model):
-            _fail(f"`len(manager)` is {len(self.manager)}; the model holds {len(self.model)}.")
+            fail(f"`len(manager)` is {len(self.manager)}; the model holds {len(self.model)}.")
 
     @rule()
     def clear(self) -> None:
@@ -296,7 +296,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
             return
         ids = self.manager.session_ids()
         if ids != list(self.model):
-            _fail(
+            fail(
                 f"`session_ids()` is {ids}; the LRU model (least recently used first) is "
                 f"{list(self.model)}."
             )
@@ -311,7 +311,7 @@ class ManagerContractMachine(RuleBasedStateMachine):
         }
         stats = self.manager.stats()
         if stats != expected:
-            _fail(f"`stats()` is {stats}; the model expects {expected}.")
+            fail(f"`stats()` is {stats}; the model expects {expected}.")
 
     @invariant()
     def held_records_unchanged(self) -> None:
@@ -325,10 +325,10 @@ class ManagerContractMachine(RuleBasedStateMachine):
 
 def manager_contract_machine(
     *,
-    max_sessions: int | st.SearchStrategy[int] = _DEFAULT_CAPS,
+    max_sessions: int | st.SearchStrategy[int] = DEFAULT_CAPS,
     on_full: OnFull = "evict",
     states: st.SearchStrategy[SessionState] | None = None,
-    session_ids: st.SearchStrategy[str] = _DEFAULT_SESSION_IDS,
+    session_ids: st.SearchStrategy[str] = DEFAULT_SESSION_IDS,
     manager_factory: Callable[..., SessionStateManager] = SessionStateManager,
     advance: Callable[[SessionState, int], SessionState] = _default_advance,
     name: str | None = None,
@@ -357,7 +357,7 @@ def manager_contract_machine(
     >>> TestRefusingManager = Machine.TestCase  # assign in a test module to run it
     """
     if not isinstance(max_sessions, st.SearchStrategy):
-        _check_positive("max_sessions", max_sessions)
+        check_positive("max_sessions", max_sessions)
     check_choice(on_full, "on_full", ON_FULL_CHOICES)
 
     class Configured(ManagerContractMachine):
@@ -365,7 +365,7 @@ def manager_contract_machine(
 
     # Set after the class statement: a class body cannot see the function's arguments
     # under the same names.
-    Configured.max_sessions_strategy = _as_strategy(max_sessions)
+    Configured.max_sessions_strategy = as_strategy(max_sessions)
     Configured.on_full = on_full
     if states is not None:
         Configured.state_strategy = states

@@ -94,7 +94,7 @@ class TensorPool:
         raise KeyError(msg)
 
 
-def _applicable(derivation: str, t: torch.Tensor) -> bool:
+def applicable(derivation: str, t: torch.Tensor) -> bool:
     if derivation in ("slice", "strided", "empty_view"):
         return t.ndim >= 1
     if derivation == "view":
@@ -102,7 +102,7 @@ def _applicable(derivation: str, t: torch.Tensor) -> bool:
     return True
 
 
-def _derive(derivation: str, t: torch.Tensor, k: int) -> torch.Tensor:
+def derive(derivation: str, t: torch.Tensor, k: int) -> torch.Tensor:
     if derivation == "alias":
         return t
     if derivation == "clone":

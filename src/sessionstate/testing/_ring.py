@@ -17,12 +17,12 @@ from sessionstate._objects import LatentBuffer
 from sessionstate._stateobject import StateObject
 from sessionstate._tree import tree_equal, tree_leaves
 from sessionstate.testing._common import (
-    _DEFAULT_MAXLENS,
-    _as_maxlen_strategy,
-    _expect_raises,
-    _fail,
+    DEFAULT_MAXLENS,
+    as_maxlen_strategy,
+    expect_raises,
+    fail,
 )
-from sessionstate.testing._versions import _VersionLog
+from sessionstate.testing._versions import VersionLog
 from sessionstate.testing.strategies import chunks
 
 
@@ -83,7 +83,7 @@ class RingContractMachine(RuleBasedStateMachine):
     """Builds the unallocated object under test."""
     chunk_strategy: ClassVar[st.SearchStrategy[torch.Tensor]] = chunks()
     """Chunks to commit; every sequence of them must be accepted by the object."""
-    maxlen_strategy: ClassVar[st.SearchStrategy[int | None]] = _DEFAULT_MAXLENS
+    maxlen_strategy: ClassVar[st.SearchStrategy[int | None]] = DEFAULT_MAXLENS
     """Ring sizes to allocate with (None: unbounded)."""
     holds_by_reference: ClassVar[bool] = True
     """Whether ``view()`` returns the committed tensor objects themselves."""
@@ -94,7 +94,7 @@ class RingContractMachine(RuleBasedStateMachine):
         _require_record(self.obj, "`make_object()`")
         self.model: deque[torch.Tensor] | None = None
         self.committed: list[torch.Tensor] = []
-        self.versions = _VersionLog()
+        self.versions = VersionLog()
         self.versions.keep(self.obj, "make_object()")
 
     def _advance(self, obj: StateObject, label: str) -> None:
@@ -121,14 +121,14 @@ class RingContractMachine(RuleBasedStateMachine):
     @rule(maxlen=st.integers(-2, 0))
     def allocate_invalid(self, maxlen: int) -> None:
         """A non-positive ``maxlen`` raises `ValueError`."""
-        _expect_raises(
+        expect_raises(
             ValueError, f"allocate(maxlen={maxlen})", lambda: self.obj.allocate(maxlen=maxlen)
         )
 
     def _commit(self, chunk: torch.Tensor, label: str) -> None:
         if self.model is None:
             event("ring: commit before allocate")
-            _expect_raises(
+            expect_raises(
                 NotAllocatedError, "commit before allocate", lambda: self.obj.commit(chunk)
             )
             return
@@ -166,7 +166,7 @@ class RingContractMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         """Reset: empty, same configuration (the deque is cleared, its maxlen kept)."""
         if self.model is None:
-            _expect_raises(NotAllocatedError, "reset before allocate", self.obj.reset)
+            expect_raises(NotAllocatedError, "reset before allocate", self.obj.reset)
             return
         self._advance(self.obj.reset(), "reset()")
         self.model.clear()
@@ -177,22 +177,22 @@ class RingContractMachine(RuleBasedStateMachine):
         self._advance(self.obj.evict(), "evict()")
         self.model = None
         if self.obj.is_allocated:
-            _fail("An evicted object reports `is_allocated`; eviction makes it non-resident.")
+            fail("An evicted object reports `is_allocated`; eviction makes it non-resident.")
         if self.obj.nbytes_by_device():
-            _fail(f"An evicted object still holds {self.obj.nbytes_by_device()} bytes.")
+            fail(f"An evicted object still holds {self.obj.nbytes_by_device()} bytes.")
 
     @rule(data=st.data())
     def view_last(self, data: st.DataObject) -> None:
         """``view(last=n)`` for n from -1 to past the ring size (or past the length)."""
         model = self.model
         if model is None:
-            _expect_raises(NotAllocatedError, "view before allocate", self.obj.view)
+            expect_raises(NotAllocatedError, "view before allocate", self.obj.view)
             return
         bound = model.maxlen if model.maxlen is not None else len(model)
         n = data.draw(st.integers(-1, bound + 2), label="last")
         if n < 0 or (model.maxlen is not None and n > model.maxlen):
             event("ring: view(last=n) out of range")
-            _expect_raises(
+            expect_raises(
                 ValueError,
                 f"view(last={n}) on a ring of {model.maxlen}",
                 lambda: _view_last(self.obj, n),
@@ -206,14 +206,14 @@ class RingContractMachine(RuleBasedStateMachine):
         self, got: tuple[Any, ...], expected: tuple[torch.Tensor, ...], action: str
     ) -> None:
         if not tree_equal(got, expected):
-            _fail(
+            fail(
                 f"`{action}` returned {len(got)} chunks that differ from the {len(expected)} the "
                 f"model retains (ring size {self._maxlen})."
             )
         if type(self).holds_by_reference and any(
             g is not e for g, e in zip(got, expected, strict=True)
         ):
-            _fail(f"`{action}` returned copies; the object should hold chunks by reference.")
+            fail(f"`{action}` returned copies; the object should hold chunks by reference.")
 
     @invariant()
     def agrees_with_model(self) -> None:
@@ -222,17 +222,17 @@ class RingContractMachine(RuleBasedStateMachine):
         if model is None:
             return
         if not self.obj.is_allocated:
-            _fail("An allocated object reports `is_allocated == False`.")
+            fail("An allocated object reports `is_allocated == False`.")
         expected = tuple(model)
         self._check_chunks(tuple(self.obj.view()), expected, "view()")
         length = _len(self.obj)
         if length is not None and length != len(model):
-            _fail(f"`len()` is {length}, the model retains {len(model)}.")
+            fail(f"`len()` is {length}, the model retains {len(model)}.")
         # An object holding references keeps exactly the committed storages alive; one that
         # copies keeps whatever its views reach.
         retained = expected if type(self).holds_by_reference else tuple(self.obj.view())
         if self.obj.nbytes_by_device() != nbytes_by_device(retained):
-            _fail(
+            fail(
                 f"`nbytes_by_device()` is {self.obj.nbytes_by_device()}, but its retained chunks "
                 f"keep {nbytes_by_device(retained)} alive."
             )
@@ -251,7 +251,7 @@ def ring_contract_machine(
     factory: Callable[[], StateObject] = _time_major_buffer,
     *,
     chunk_strategy: st.SearchStrategy[torch.Tensor] | None = None,
-    maxlen: int | st.SearchStrategy[int | None] | None = _DEFAULT_MAXLENS,
+    maxlen: int | st.SearchStrategy[int | None] | None = DEFAULT_MAXLENS,
     holds_by_reference: bool = True,
     name: str | None = None,
 ) -> type[RingContractMachine]:
@@ -277,7 +277,7 @@ def ring_contract_machine(
     'RingContractMachine'
     >>> TestRing3 = Machine.TestCase  # assign in a test module to run it under pytest
     """
-    maxlens = _as_maxlen_strategy(maxlen)
+    maxlens = as_maxlen_strategy(maxlen)
 
     class Configured(RingContractMachine):
         pass

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from sessionstate._tree import PyTree, PyTreeSpec, tree_equal, tree_flatten, tree_unflatten
-from sessionstate.testing._common import _fail
+from sessionstate.testing._common import fail
 from sessionstate.testing.recount import _nbytes_of
 
 
@@ -49,7 +49,7 @@ class _Version:
     label: str
 
 
-class _VersionLog:
+class VersionLog:
     """Every record a machine produced, with a deep snapshot taken when it was produced.
 
     `check` runs after every step. Records share most of their tensors (structural sharing),
@@ -89,21 +89,21 @@ class _VersionLog:
     def check(self) -> None:
         for t in self._tensors.values():
             if _layout(t.tensor) != t.layout:
-                _fail(
+                fail(
                     f"A tensor first held by a record made by `{t.label}` changed after it was "
                     f"made: it was written in place (layout, storage and version were "
                     f"{t.layout}, now {_layout(t.tensor)}). No transition may write into a "
                     "tensor that an existing record can reach."
                 )
             if not tree_equal(t.tensor, t.clone):
-                _fail(
+                fail(
                     f"A tensor first held by a record made by `{t.label}` changed after it was "
                     "made: its values no longer match the snapshot taken then."
                 )
         for i, v in enumerate(self._versions):
             leaves, spec = tree_flatten(v.record)
             if spec != v.spec or any(a is not b for a, b in zip(leaves, v.leaves, strict=True)):
-                _fail(
+                fail(
                     f"Record #{i} (made by `{v.label}`) changed after it was made: its "
                     "structure, configuration or leaves are not the ones it was made with."
                 )
@@ -111,14 +111,14 @@ class _VersionLog:
     def check_all(self) -> None:
         for i, v in enumerate(self._versions):
             if not tree_equal(v.record, v.snapshot):
-                _fail(
+                fail(
                     f"Record #{i} (made by `{v.label}`) changed after it was made: it no longer "
                     "matches the snapshot taken then. A later transition wrote into a tensor "
                     "this record can reach, or changed its configuration."
                 )
             now = _nbytes_of(v.record)
             if now != v.nbytes:
-                _fail(
+                fail(
                     f"Record #{i} (made by `{v.label}`) reported {v.nbytes} bytes when it was "
                     f"made and {now} now; an immutable record keeps the same storages."
                 )

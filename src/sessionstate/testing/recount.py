@@ -1,20 +1,24 @@
-"""An independent byte count to check `nbytes_by_device` and `SessionStateManager.stats` against.
+"""Independent byte counts to check the library's accounting against.
 
 `recount_nbytes_by_device` walks a tree with nothing but torch's own storage and layout
-queries, so a test that compares the library's accounting with it can catch a counting bug.
+queries, so a test that compares `nbytes_by_device` and `SessionStateManager.stats` with it
+can catch a counting bug. `EagerLedger` is the reference the manager's lazy ledger is tested
+against: the same references, every address range placed as it comes.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
 
-from sessionstate._accounting import nbytes_by_device
+from sessionstate._accounting import EngineBlock, StorageEntry, nbytes_by_device
 from sessionstate._stateobject import StateObject
 from sessionstate._tree import PyTree, tree_leaves
 
-__all__ = ["recount_nbytes_by_device"]
+__all__ = ["EagerLedger", "recount_nbytes_by_device"]
 
 
 def _dense_parts(leaf: torch.Tensor) -> list[torch.Tensor]:
@@ -109,3 +113,139 @@ def _nbytes_of(record: Any) -> dict[str, int]:
     if isinstance(record, StateObject):
         return record.nbytes_by_device()
     return nbytes_by_device(record)
+
+
+class EagerLedger:
+    """Resident bytes per device from per-storage reference counts, every range placed eagerly.
+
+    The reference the manager's ledger (lazy: it counts a storage that owns its memory by its
+    size, and measures the union of the other ranges only when a total is read) is tested
+    against: it takes the same `add` and `remove` of storage entries and answers the same
+    `total`, `totals` and `engine_totals`, keeping each device's union of address ranges up to
+    date on every change. Storages without memory (``meta``) count by their size, once each.
+
+    >>> import torch
+    >>> from sessionstate._accounting import storage_entries
+    >>> x = torch.zeros(8)
+    >>> ledger = EagerLedger()
+    >>> ledger.add(storage_entries(x)); ledger.add(storage_entries(x[2:]))
+    >>> ledger.totals()
+    {'cpu': 32}
+    >>> ledger.remove(storage_entries(x)); ledger.totals()
+    {'cpu': 32}
+    >>> ledger.remove(storage_entries(x[2:])); ledger.totals()
+    {}
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[Hashable, int] = {}  # storage identity -> references
+        self._engine: dict[str, int] = {}  # bytes of engine-owned blocks, per device
+        self._ranges: dict[str, _Ranges] = {}  # every range, per device
+        self._unmapped: dict[str, int] = {}  # bytes of storages without memory (meta)
+
+    def add(self, entries: Iterable[StorageEntry], /) -> None:
+        """Add one reference to each entry's storage."""
+        born = []
+        for entry in entries:
+            count = self._refs.get(entry[1], 0)
+            self._refs[entry[1]] = count + 1
+            if not count and entry[3]:
+                born.append(entry)
+        self._count(born, add=True)
+
+    def remove(self, entries: Iterable[StorageEntry], /) -> None:
+        """Remove one reference from each entry's storage (added before)."""
+        died = []
+        for entry in entries:
+            count = self._refs[entry[1]] - 1
+            if count:
+                self._refs[entry[1]] = count
+                continue
+            del self._refs[entry[1]]
+            if entry[3]:
+                died.append(entry)
+        self._count(died, add=False)
+
+    def _count(self, entries: list[StorageEntry], *, add: bool) -> None:
+        for device, identity, pointer, nbytes, _ in entries:
+            signed = nbytes if add else -nbytes
+            if isinstance(identity, EngineBlock):
+                self._engine[device] = self._engine.get(device, 0) + signed
+            if not pointer:
+                self._unmapped[device] = self._unmapped.get(device, 0) + signed
+                continue
+            ranges = self._ranges.get(device)
+            if ranges is None:
+                ranges = self._ranges[device] = _Ranges()
+            if add:
+                ranges.add(pointer, pointer + nbytes)
+            else:
+                ranges.remove(pointer, pointer + nbytes)
+
+    def total(self, device: str, /) -> int:
+        """Resident bytes on ``device``."""
+        ranges = self._ranges.get(device)
+        return (ranges.total if ranges is not None else 0) + self._unmapped.get(device, 0)
+
+    def engine_totals(self) -> dict[str, int]:
+        """Bytes of engine-owned blocks per device (each block once), for devices holding any."""
+        return {d: n for d, n in sorted(self._engine.items()) if n}
+
+    def totals(self) -> dict[str, int]:
+        """Resident bytes per device, for devices holding any."""
+        out = {d: self.total(d) for d in {*self._ranges, *self._unmapped}}
+        return {d: n for d, n in sorted(out.items()) if n}
+
+
+class _Ranges:
+    """A multiset of address ranges on one device and the size of their union."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []  # distinct ranges, sorted
+        self._counts: dict[tuple[int, int], int] = {}
+        self._longest = 0
+        self.total = 0
+
+    def add(self, start: int, end: int) -> None:
+        span = (start, end)
+        count = self._counts.get(span, 0)
+        self._counts[span] = count + 1
+        if count:
+            return
+        spans = self._spans
+        at = bisect.bisect_left(spans, span)
+        self.total += (end - start) - self._covered(start, end, at)
+        spans.insert(at, span)
+        if end - start > self._longest:
+            self._longest = end - start
+
+    def remove(self, start: int, end: int) -> None:
+        span = (start, end)
+        count = self._counts[span] - 1
+        if count:
+            self._counts[span] = count
+            return
+        del self._counts[span]
+        spans = self._spans
+        at = bisect.bisect_left(spans, span)
+        del spans[at]
+        self.total -= (end - start) - self._covered(start, end, at)
+
+    def _covered(self, start: int, end: int, at: int) -> int:
+        """Bytes of ``[start, end)`` that the held ranges cover; ``at`` is where it sorts."""
+        spans = self._spans
+        # A range overlapping [start, end) starts after `start - longest` and before `end`.
+        lo = bisect.bisect_left(spans, (start - self._longest, start - self._longest), 0, at)
+        if lo == at and (at == len(spans) or spans[at][0] >= end):
+            return 0  # no held range can reach it: distinct allocations, the common case
+        hi = bisect.bisect_left(spans, (end, end), at)
+        covered, reach = 0, start
+        for s, e in sorted(spans[lo:hi]):
+            if e <= reach:
+                continue
+            s = max(s, reach)
+            e = min(e, end)
+            if e > s:
+                covered += e - s
+                reach = e
+        return covered

@@ -21,14 +21,14 @@ from sessionstate._objects import LatentBuffer
 from sessionstate._session import SessionState
 from sessionstate._stateobject import StateObject
 from sessionstate.testing._common import (
-    _DEFAULT_MAXLENS,
-    _as_maxlen_strategy,
-    _check_choices,
-    _check_devices,
-    _check_non_negative,
-    _check_positive,
+    DEFAULT_MAXLENS,
+    as_maxlen_strategy,
+    check_choices,
+    check_devices,
+    check_non_negative,
+    check_positive,
 )
-from sessionstate.testing._pools import PoolTensor, TensorPool, _applicable, _derive
+from sessionstate.testing._pools import PoolTensor, TensorPool, applicable, derive
 
 __all__ = [
     "CHUNK_DERIVATIONS",
@@ -136,11 +136,11 @@ def tensors(
     ...     assert t.is_meta and t.ndim >= 1 and t.numel() > 0
     >>> check()
     """
-    chosen_devices = _check_devices(devices)
-    chosen_dtypes = _check_choices("dtypes", dtypes)
-    _check_non_negative("min_dims", min_dims)
-    _check_non_negative("max_dims", max_dims)
-    _check_non_negative("max_side", max_side)
+    chosen_devices = check_devices(devices)
+    chosen_dtypes = check_choices("dtypes", dtypes)
+    check_non_negative("min_dims", min_dims)
+    check_non_negative("max_dims", max_dims)
+    check_non_negative("max_side", max_side)
     if max_dims < min_dims:
         msg = f"`max_dims` must be >= `min_dims`, got max_dims={max_dims}, min_dims={min_dims}."
         raise ValueError(msg)
@@ -214,9 +214,9 @@ def tensor_pools(
         max_side=max_side,
         allow_empty=allow_empty,
     )
-    chosen = _check_choices("derivations", derivations, POOL_DERIVATIONS)
-    _check_positive("min_bases", min_bases)
-    _check_non_negative("max_derived", max_derived)
+    chosen = check_choices("derivations", derivations, POOL_DERIVATIONS)
+    check_positive("min_bases", min_bases)
+    check_non_negative("max_derived", max_derived)
     if max_bases < min_bases:
         msg = (
             f"`max_bases` must be >= `min_bases`, got max_bases={max_bases!r}, "
@@ -251,11 +251,11 @@ def _tensor_pools(
     for _ in range(draw(st.integers(0, max_derived))):
         source = draw(st.integers(0, len(entries) - 1))
         src = entries[source]
-        options = [d for d in derivations if _applicable(d, src.tensor)]
+        options = [d for d in derivations if applicable(d, src.tensor)]
         if not options:
             continue
         how = draw(st.sampled_from(options))
-        t = _derive(how, src.tensor, draw(st.integers(0, 2)))
+        t = derive(how, src.tensor, draw(st.integers(0, 2)))
         allocation = allocate(t) if how == "clone" else src.allocation
         entries.append(PoolTensor(t, allocation, how, source))
     return TensorPool(tuple(entries), tuple(nbytes), tuple(devices))
@@ -303,19 +303,19 @@ def chunks(
     """
     features = tuple(feature_shape)
     for side in features:
-        _check_non_negative("feature_shape", side)
+        check_non_negative("feature_shape", side)
     if not is_int(dim) or not 0 <= dim <= len(features):
         msg = (
             f"`dim` must be an int in 0..{len(features)} (a position in `feature_shape` "
             f"{features}), got {describe(dim)}."
         )
         raise ValueError(msg)
-    _check_devices([device])
-    _check_non_negative("max_len", max_len)
+    check_devices([device])
+    check_non_negative("max_len", max_len)
     if not allow_empty and max_len == 0:
         msg = "`max_len=0` makes every chunk empty; pass `allow_empty=True` or a larger `max_len`."
         raise ValueError(msg)
-    chosen = _check_choices("derivations", derivations, CHUNK_DERIVATIONS)
+    chosen = check_choices("derivations", derivations, CHUNK_DERIVATIONS)
     return _chunks(dim, features, dtype, device, max_len, allow_empty, chosen)
 
 
@@ -366,7 +366,7 @@ def session_states(
     pools: st.SearchStrategy[TensorPool] | None = None,
     max_objects: int = 2,
     max_attrs: int = 3,
-    maxlen: int | st.SearchStrategy[int | None] | None = _DEFAULT_MAXLENS,
+    maxlen: int | st.SearchStrategy[int | None] | None = DEFAULT_MAXLENS,
     max_commits: int = 4,
     allow_unallocated: bool = True,
 ) -> st.SearchStrategy[SessionState]:
@@ -399,17 +399,17 @@ def session_states(
     ...         assert isinstance(buf, LatentBuffer) and buf.is_allocated and buf.maxlen is None
     >>> check()
     """
-    _check_non_negative("max_objects", max_objects)
+    check_non_negative("max_objects", max_objects)
     if max_objects > len(_OBJECT_NAMES):
         msg = f"`max_objects` must be at most {len(_OBJECT_NAMES)}, got {max_objects}."
         raise ValueError(msg)
-    _check_non_negative("max_attrs", max_attrs)
-    _check_non_negative("max_commits", max_commits)
+    check_non_negative("max_attrs", max_attrs)
+    check_non_negative("max_commits", max_commits)
     return _session_states(
         pools if pools is not None else tensor_pools(),
         max_objects,
         max_attrs,
-        _as_maxlen_strategy(maxlen),
+        as_maxlen_strategy(maxlen),
         max_commits,
         allow_unallocated,
     )
