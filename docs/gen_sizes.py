@@ -48,6 +48,7 @@ GIB = 1024 * MIB
 # What each value is, in a few words. The bucket and every number come from the JSON.
 NOTES = {
     "vae_enc_feat_map": "Wan encoder causal-conv cache; replaced wholesale every body chunk",
+    "vae_dec_feat_map": "Wan decoder causal-conv cache (`decode_frames`); replaced every step",
     "video_latents_across_time": "every generated latent chunk, on the host; kept for decode",
     "stitched_buffer": "ring of the last 4 stitched uint8 frames",
     "vae_encoder_out": "pre-quant encoder output: a 2-frame ring vs the whole history",
