@@ -735,6 +735,18 @@ MUTANTS = (
         ("tests/models/dreamzero/test_dtypes.py",),
     ),
     Mutant(
+        "fork-sibling-releases-shared-parked-bytes",
+        "a session that unparks or goes releases the parked bytes a fork's sibling still holds",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "        return any(\n            obj.handle is handle for objects",
+                "        return False and any(\n            obj.handle is handle for objects",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
         "failed-unpark-keeps-restored-trees",
         "an unpark that fails in a later handle keeps the earlier handles' restored trees (their "
         "engine blocks) until the caller lets go of the error",

@@ -315,6 +315,10 @@ class Ledger:
         self._tracked.add(device)  # sorted now: owned changes are placed
         return total + unmapped
 
+    def references(self, identity: Hashable, /) -> int:
+        """The references held to storage ``identity`` (0 if none)."""
+        return self._refs.get(identity, 0)
+
     def engine_totals(self) -> dict[str, int]:
         """Bytes of engine-owned blocks per device (each block once), for devices holding any."""
         return {d: n for d, n in sorted(self._engine.items()) if n}
@@ -600,3 +604,7 @@ class SessionLedger:
     def engine_totals(self) -> dict[str, int]:
         """Bytes of engine-owned blocks per device, for devices holding any."""
         return self._ledger.engine_totals()
+
+    def references(self, identity: Hashable, /) -> int:
+        """How many stored leaf positions, across every session, reach storage ``identity``."""
+        return self._ledger.references(identity)

@@ -115,20 +115,27 @@ class Parking:
             return
         kept = {id(handle) for handle in _handles_of(parked.values())}
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
-            _drop_prefetch(handle)
-            if id(handle) not in kept:
+            if id(handle) not in kept and not self._held_elsewhere(handle):
+                _drop_prefetch(handle)
                 self._release(handle)
         if parked:
             self._parked[session_id] = parked
         else:
             self._kv_parked.discard(session_id)
 
+    def forked(self, source_id: Hashable, branch_id: Hashable, /) -> None:
+        """``branch_id`` now holds ``source_id``'s parked objects (tracked already): its
+        unpark moves the same K/V."""
+        if source_id in self._kv_parked and branch_id in self._parked:
+            self._kv_parked.add(branch_id)
+
     def untrack(self, session_id: Hashable, /) -> None:
         """``session_id`` is gone from the table: release the handles it held."""
         self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
-            _drop_prefetch(handle)
-            self._release(handle)
+            if not self._held_elsewhere(handle):  # a fork's sibling still needs it
+                _drop_prefetch(handle)
+                self._release(handle)
         self._kv_parked.discard(session_id)
 
     def park(self, session_id: Hashable, state: _S, names: list[str], /) -> _S:
@@ -327,7 +334,8 @@ class Parking:
             nbytes = sum(h.nbytes for h in handles if h.tier == tier)
             self.reporter.emit(SessionEvent("unpark", session_id, nbytes, seconds, tier))
         for handle in _handles_of(parked.values()):
-            self._release(handle)
+            if not self._held_elsewhere(handle):
+                self._release(handle)
         self._unparks += 1
         if session_id in self._kv_parked:
             self._kv_parked.discard(session_id)
@@ -409,6 +417,14 @@ class Parking:
                 self._spool_root if self._spool_root is not None else tempfile.gettempdir()
             )
         return self._spool_dir
+
+    def _held_elsewhere(self, handle: ParkedBytes) -> bool:
+        # Whether a stored record still holds ``handle`` (forks share their parked bytes);
+        # the caller already took the session that let it go out of `_parked`. A walk of the
+        # parked objects: releases are as rare as parks.
+        return any(
+            obj.handle is handle for objects in self._parked.values() for obj in objects.values()
+        )
 
     def _release(self, handle: ParkedBytes) -> None:
         # Only the handles this manager created: a record put with objects parked elsewhere

@@ -459,6 +459,97 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             self._put_locked(session_id, state, touch=True)
 
+    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+        """Branch ``source_id`` into new sessions ``branch_ids``, each holding its record.
+
+        Nothing is copied: a record is immutable, so every branch stores the source's latest
+        record itself and shares every storage with it, counted once by the totals and the
+        budget (`session_stats` tells what a session holds alone and what it shares). A
+        branch that steps copies only what it writes: a buffer's new chunk, a `KVPool`'s
+        partial block (the pool copies a block another branch wrote past). A parked source
+        forks parked: its branches hold the same parked bytes, which stay on the tier until
+        the last session holding them unparks or goes; each unparks into its own copy.
+
+        The source becomes the most recently used session, then the branches in order.
+
+        Raises:
+            SessionStateLostError: if ``source_id`` is not held.
+            ValueError: if no branch is named, or a branch id is held already or repeated.
+            SessionAdmissionError: if the cap cannot hold the branches: more than the cap
+                leaves beside the source, or, with ``on_full="refuse"``, more than its free
+                places. Nothing changes.
+
+        >>> import torch
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(attrs={"x": torch.zeros(4)}))
+        >>> m.fork("a", "b", "c")
+        >>> m.session_ids(), m.stats()["total_nbytes"], m.peek("b") is m.peek("a")
+        (['a', 'b', 'c'], 16, True)
+        """
+        check_session_id(source_id)
+        for branch_id in branch_ids:
+            check_session_id(branch_id)
+        if not branch_ids:
+            msg = f"`fork({source_id!r})` names no branch; pass the new ids: `fork(source, 'b1')`."
+            raise ValueError(msg)
+        self._await_prefetch(source_id)
+        with self._lock:
+            state = self._table.get(source_id)
+            if state is None:
+                msg = (
+                    f"Cannot fork session {source_id!r}: this manager does not hold it (never "
+                    "created, dropped, or evicted). `session_ids()` lists the held ones."
+                )
+                raise SessionStateLostError(msg)
+            seen: set[Hashable] = set()
+            for branch_id in branch_ids:
+                if branch_id in self._table or branch_id in seen:
+                    held = "the source" if branch_id == source_id else "a held session"
+                    if branch_id in seen:
+                        held = "named twice"
+                    msg = (
+                        f"Cannot fork session {source_id!r} into {branch_id!r}: that id is "
+                        f"{held}. Name new ids (drop a session to reuse its id)."
+                    )
+                    raise ValueError(msg)
+                seen.add(branch_id)
+            self._admit_branches(source_id, len(branch_ids))
+            self._table.move_to_end(source_id)
+            added: list[Hashable] = []
+            try:
+                for branch_id in branch_ids:
+                    self._put_locked(branch_id, state, touch=True)
+                    self._parking.forked(source_id, branch_id)
+                    added.append(branch_id)
+                    self._reporter.emit(
+                        SessionEvent("fork", branch_id, 0, reason=f"of {source_id!r}")
+                    )
+            except BaseException:
+                for branch_id in added:
+                    self._forget(branch_id)
+                raise
+
+    def _admit_branches(self, source_id: Hashable, n: int) -> None:
+        # A fork's room in the cap, checked before anything changes.
+        free = self._max_sessions - len(self._table)
+        if n <= self._max_sessions - 1 and (self._on_full != "refuse" or n <= free):
+            return
+        if n > self._max_sessions - 1:
+            why = f"the cap (max_sessions={self._max_sessions}) leaves {self._max_sessions - 1}"
+        else:
+            why = f"`on_full='refuse'` and the cap leaves {free} free"
+        msg = (
+            f"Cannot fork session {source_id!r} into {n} branches: {why} beside the source. "
+            "Fork into fewer branches, drop finished sessions, or raise `max_sessions`."
+        )
+        error = SessionAdmissionError(msg)
+        self._refused(source_id, error)
+        try:
+            raise error
+        finally:
+            del error  # not kept in this frame: see `_make_room`
+
     def drop(self, session_id: Hashable, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
 
@@ -535,9 +626,11 @@ class SessionStateManager(Generic[SessionT]):
         Keys: ``resident`` (no object parked), ``parked`` (the parked objects' names),
         ``nbytes_parked`` (bytes its tiers hold, by tier), ``nbytes`` and ``engine_nbytes``
         (resident bytes by device, each storage the session reaches once; engine blocks also
-        on their own), ``blocks`` (blocks held per pool the manager was given, by the pool's
-        name), ``prefetching`` and ``lru_rank`` (0: the most recently used). It leaves the
-        LRU order and the counters alone, as `peek` does.
+        on their own), ``nbytes_shared`` (the part of ``nbytes`` other sessions reach too: a
+        fork's history; what the session holds alone is the difference) and ``shared_with``
+        (those sessions, least recently used first), ``blocks`` (blocks held per pool the
+        manager was given, by the pool's name), ``prefetching`` and ``lru_rank`` (0: the most
+        recently used). It leaves the LRU order and the counters alone, as `peek` does.
 
         Raises:
             SessionStateLostError: if the manager does not hold ``session_id``.
@@ -560,12 +653,27 @@ class SessionStateManager(Generic[SessionT]):
                 )
                 raise SessionStateLostError(msg)
             seen = self._storages_of(session_id)
+            own: dict[Hashable, int] = {}  # references from this session's own leaves
+            for entry in entries_of(self._ledger.held(session_id)):
+                own[entry[1]] = own.get(entry[1], 0) + 1
             nbytes: dict[str, int] = {}
             engine: dict[str, int] = {}
+            shared: dict[str, int] = {}
+            shared_ids: set[Hashable] = set()
             for device, identity, _, size, _ in seen.values():
                 nbytes[device] = nbytes.get(device, 0) + size
                 if isinstance(identity, EngineBlock):
                     engine[device] = engine.get(device, 0) + size
+                if self._ledger.references(identity) > own[identity]:  # another session's too
+                    shared[device] = shared.get(device, 0) + size
+                    shared_ids.add(identity)
+            sharers = [
+                other
+                for other in self._table
+                if other != session_id
+                and shared_ids
+                and not shared_ids.isdisjoint(self._storages_of(other))
+            ]
             parking = self._parking
             parked_by_tier: dict[str, int] = {}
             if parking.is_parked(session_id):
@@ -576,6 +684,8 @@ class SessionStateManager(Generic[SessionT]):
                 "parked": sorted(state.parked),
                 "nbytes_parked": parked_by_tier,
                 "nbytes": {d: n for d, n in nbytes.items() if n},
+                "nbytes_shared": {d: n for d, n in shared.items() if n},
+                "shared_with": sharers,
                 "engine_nbytes": {d: n for d, n in engine.items() if n},
                 "blocks": {
                     pool.name: sum(map(pool.owns_entry, seen.values())) for pool in self._pools
