@@ -530,7 +530,7 @@ CORE_MESSAGES = {
     # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2,
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4,  # + fork: test_fork_messages
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -630,3 +630,41 @@ def test_every_core_message_is_pinned_here() -> None:
         text = (src / name).read_text(encoding="utf-8")
         found[name] = len(re.findall(r"\bmsg = |logger\.warning\(|warnings\.warn\(", text))
     assert found == CORE_MESSAGES
+
+
+def test_fork_messages() -> None:
+    from sessionstate import SessionAdmissionError, SessionState, SessionStateLostError
+    from sessionstate import SessionStateManager as Manager
+
+    m: Manager[SessionState] = Manager(max_sessions=2, on_full="refuse")
+    m.put("a", SessionState())
+    cases: list[tuple[type[Exception], str, tuple[str, ...]]] = [
+        (
+            ValueError,
+            "`fork('a')` names no branch; pass the new ids: `fork(source, 'b1')`.",
+            ("a",),
+        ),
+        (
+            SessionStateLostError,
+            "Cannot fork session 'x': this manager does not hold it (never created, dropped, "
+            "or evicted). `session_ids()` lists the held ones.",
+            ("x", "b"),
+        ),
+        (
+            ValueError,
+            "Cannot fork session 'a' into 'a': that id is the source. Name new ids (drop a "
+            "session to reuse its id).",
+            ("a", "a"),
+        ),
+        (
+            SessionAdmissionError,
+            "Cannot fork session 'a' into 2 branches: the cap (max_sessions=2) leaves 1 beside "
+            "the source. Fork into fewer branches, drop finished sessions, or raise "
+            "`max_sessions`.",
+            ("a", "b", "c"),
+        ),
+    ]
+    for error, text, args in cases:
+        with pytest.raises(error) as caught:
+            m.fork(*args)
+        assert str(caught.value) == text

@@ -12,6 +12,7 @@ that may be parked (`resident`), its prefetch of the session a scheduler steps n
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
@@ -203,6 +204,41 @@ class SessionTable(Generic[S]):
         """End a session; returns whether it was held."""
         return self.states.pop(session_id, None) is not None
 
+    def fork(self, source_id: Hashable, branch_ids: tuple[Hashable, ...]) -> None:
+        """Branch a session the bespoke way: each branch a deep copy of the source's state.
+
+        The source becomes the most recently used, then the branches in order; at the cap
+        the least recently used others are evicted (``on_full="refuse"``: refused whole).
+
+        Raises:
+            SessionStateLostError: if the source is not held.
+            ValueError: if a branch id is held already or repeated.
+            SessionAdmissionError: if the cap cannot hold the branches beside the source.
+        """
+        state = self.held(source_id)
+        if len(set(branch_ids)) != len(branch_ids) or any(b in self.states for b in branch_ids):
+            msg = (
+                f"Cannot fork {self.model} session {source_id!r} into {list(branch_ids)}: a "
+                "branch id is held already or named twice. Name new ids."
+            )
+            raise ValueError(msg)
+        free = self.max_sessions - len(self.states)
+        if len(branch_ids) >= self.max_sessions or (
+            self.on_full == "refuse" and len(branch_ids) > free
+        ):
+            msg = (
+                f"Cannot fork {self.model} session {source_id!r} into {len(branch_ids)} "
+                f"branches: the bespoke session table (cap {self.max_sessions}) cannot hold "
+                "them beside the source. Fork into fewer, or drop finished sessions."
+            )
+            raise SessionAdmissionError(msg)
+        self.states.move_to_end(source_id)
+        for branch_id in branch_ids:
+            self.states[branch_id] = copy.deepcopy(state)
+            if len(self.states) > self.max_sessions:
+                self.states.popitem(last=False)
+                self.counts["evictions"] += 1
+
     def stats(self, values: Callable[[Hashable], Mapping[str, object]]) -> dict[str, int]:
         """The manager's `stats()` keys, computed by hand over every session's ``values``
         (each storage once)."""
@@ -227,6 +263,10 @@ class SessionPath(Protocol):
 
     def session_values(self, session_id: Hashable, /) -> dict[str, object]:
         """Every value the session holds or reads, by name (leaving the LRU order alone)."""
+        ...
+
+    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+        """Branch a session into new ones that continue from its state."""
         ...
 
     def video_latents(self, session_id: Hashable, /) -> torch.Tensor | None:
@@ -297,6 +337,10 @@ class ManagedPathBase(Generic[R]):
         """Every value the session holds, by name (without touching LRU order)."""
         values: dict[str, object] = self._peek(session_id).values()  # type: ignore[attr-defined]
         return values
+
+    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+        """Branch a session: `SessionStateManager.fork` (no tensor copied)."""
+        self.manager.fork(source_id, *branch_ids)
 
     def stats(self) -> dict[str, int]:
         """The manager's `stats()`."""
@@ -392,6 +436,27 @@ class TwoPathPipeline(Generic[R]):
         """Every chunk generated for the session, joined along time (None if none)."""
         check_session_id(session_id)
         return self._path.video_latents(session_id)
+
+    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+        """Branch ``source_id`` into new sessions that continue from its latest state.
+
+        Each branch then steps on its own (``forward(x, branch_id)``), as a copy of the
+        source would. On the managed path nothing is copied: the branches hold the source's
+        record (`SessionStateManager.fork`), KV blocks included, and a step copies only what
+        it writes; on the bespoke path each branch is a deep copy of the source's state.
+
+        Raises:
+            SessionStateLostError: if the source is not held.
+            ValueError: if no branch is named, or a branch id is held already or repeated.
+            SessionAdmissionError: if the session cap cannot hold the branches.
+        """
+        check_session_id(source_id)
+        for branch_id in branch_ids:
+            check_session_id(branch_id)
+        if not branch_ids:
+            msg = f"`fork({source_id!r})` names no branch; pass the new ids: `fork(source, 'b1')`."
+            raise ValueError(msg)
+        self._path.fork(source_id, *branch_ids)
 
     def stats(self) -> dict[str, int]:
         """The manager's `stats()`; on the bespoke path, the same keys computed by hand (each

@@ -62,6 +62,10 @@ class BespokePath:
         """End a session; returns whether it was held."""
         return self.table.drop(session_id)
 
+    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+        """Branch a session the bespoke way: a deep copy of its state per branch."""
+        self.table.fork(source_id, branch_ids)
+
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
         return list(self.table.states)
