@@ -8,6 +8,7 @@ unparks or goes; the cap is checked for the whole fork before anything changes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,18 +154,18 @@ def test_fork_refuses_bad_ids_and_changes_nothing() -> None:
 
 
 def test_a_refused_branch_rolls_the_whole_fork_back() -> None:
-    # The second branch's put fails (a budget the fork's sharing does not help: a record of
-    # its own stored in between is not possible, so fail the put itself).
+    # The second branch's put fails (its put made to fail: a fork adds no bytes, so no
+    # budget refuses one).
     m: SessionStateManager[SessionState] = SessionStateManager()
     m.put("a", SessionState(objects={"c": TensorCache(name="c").allocate()}))
     calls = []
     real = m._put_locked
 
-    def failing(session_id: object, state: SessionState, *, touch: bool) -> None:
+    def failing(session_id: object, state: SessionState, **kwargs: Any) -> None:
         calls.append(session_id)
         if session_id == "c":
             raise RuntimeError("no room")
-        real(session_id, state, touch=touch)
+        real(session_id, state, **kwargs)
 
     m._put_locked = failing  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="no room"):

@@ -237,3 +237,22 @@ def test_sizes_benchmark_smoke_times_both_ways_and_finds_the_tables_equal(tmp_pa
     assert len(results["commit"]) == 40 or results["commit"] == "unknown"
     assert "loadavg_start" in results["machine"]
     assert "loadavg_end" in results["machine"]
+
+
+def test_forks_benchmark_smoke_finds_the_branches_equal_and_the_history_shared() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "forks.py"), "--chunks", "2", "8", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr  # each branch `tree_equal` to its deep copy
+    rows = json.loads(proc.stdout)["forks"]
+    assert [r["chunks"] for r in rows] == [2, 8]
+    for row in rows:
+        assert 0 < row["managed_bytes"] < row["deepcopy_bytes"]
+        assert row["bytes_ratio"] == round(row["managed_bytes"] / row["deepcopy_bytes"], 4)
+    # A longer shared history saves more: the branches' own steps are the same size.
+    assert rows[1]["bytes_ratio"] < rows[0]["bytes_ratio"]

@@ -519,7 +519,7 @@ class SessionStateManager(Generic[SessionT]):
             added: list[Hashable] = []
             try:
                 for branch_id in branch_ids:
-                    self._put_locked(branch_id, state, touch=True)
+                    self._put_locked(branch_id, state, touch=True, like=source_id)
                     self._parking.forked(source_id, branch_id)
                     added.append(branch_id)
                     self._reporter.emit(
@@ -1007,10 +1007,21 @@ class SessionStateManager(Generic[SessionT]):
 
     # -- under the lock -------------------------------------------------------------------------
 
-    def _put_locked(self, session_id: Hashable, state: SessionT, *, touch: bool) -> None:
+    def _put_locked(
+        self,
+        session_id: Hashable,
+        state: SessionT,
+        *,
+        touch: bool,
+        like: Hashable | None = None,
+    ) -> None:
         # Nothing changes unless the whole put succeeds, except that other sessions may have
-        # been parked (losslessly) or evicted to make room.
-        values = self._ledger.values_for(session_id, state)
+        # been parked (losslessly) or evicted to make room. `like`: a session whose stored
+        # record is `state` (a fork's source), whose walked values are reused, not walked.
+        if like is not None:
+            values = dict(self._ledger.held(like))
+        else:
+            values = self._ledger.values_for(session_id, state)
         # Stored in the ledger first, so the budget reads what the record holds alone from the
         # per-session totals this put just moved (the cost of what changed, not a walk of the
         # record); a refusal moves the ledger back.
