@@ -99,6 +99,51 @@ def kv_session() -> tuple[ss.SessionState, dict[str, str]]:
     return state, {"builder": "kv_session"}
 
 
+def family_sessions() -> tuple[list[ss.SessionState], dict[str, str]]:
+    """A family of forks as `snapshot_many` writes it: a source and three branches (a list).
+
+    The source holds a history (`LatentBuffer`), a cache and a `KVCache` whose last block is
+    partial; each branch, forked by the manager, stepped once: a chunk of its own, a new
+    cache, and one token (the pool copies the partial block per branch). What they share is
+    written once.
+    """
+    g = torch.Generator().manual_seed(4)
+    pool = ss.KVPool(8, block_tokens=4, token_shape=(2,), name="kv")
+    history = ss.LatentBuffer(name="history", dim=0).allocate()
+    for _ in range(3):
+        history = history.commit(torch.randn(2, 3, generator=g))
+    source = ss.SessionState(
+        objects={
+            "history": history,
+            "cache": ss.TensorCache(name="cache").allocate().commit(torch.randn(5, generator=g)),
+            "kv": ss.KVCache(name="kv")
+            .allocate()
+            .commit(pool.append(pool.empty(), torch.randn(6, 2, generator=g))),
+        },
+        attrs={"step": 3},
+    )
+    manager: ss.SessionStateManager[ss.SessionState] = ss.SessionStateManager()
+    manager.put("source", source)
+    ids = ["source", "b0", "b1", "b2"]
+    manager.fork("source", *ids[1:])
+    for branch in ids[1:]:
+        state = manager.require(branch)
+        grown = pool.append(state.object("kv", ss.KVCache).view(), torch.randn(1, 2, generator=g))
+        state = state.with_values(
+            {
+                "history": state.object("history", ss.LatentBuffer).commit(
+                    torch.randn(2, 3, generator=g)
+                ),
+                "cache": state.object("cache", ss.TensorCache).commit(torch.randn(5, generator=g)),
+                "kv": state.object("kv", ss.KVCache).commit(grown),
+            },
+            step=4,
+        )
+        manager.put(branch, state)
+    records = [manager.require(sid) for sid in ids]
+    return records, {"builder": "family_sessions", "session_ids": json.dumps(ids)}
+
+
 def dreamzero_observations(cfg: Any, n: int) -> list[Any]:
     """``n`` seeded DreamZero observations (frozen here, apart from the test helpers)."""
     from sessionstate.models.dreamzero import CAMERAS, Observation
@@ -225,6 +270,7 @@ def write_digests(root: Path) -> None:
 BUILDERS = {
     "plain": plain_session,
     "kv": kv_session,
+    "family": family_sessions,
     "dreamzero": functools.partial(model_session, "dreamzero"),
     "cosmos3": functools.partial(model_session, "cosmos3"),
 }

@@ -172,3 +172,75 @@ def test_a_refused_branch_rolls_the_whole_fork_back() -> None:
         m.fork("a", "b", "c")
     assert calls == ["b", "c"]
     assert m.session_ids() == ["a"]
+
+
+def _family(m: SessionStateManager[SessionState], n: int) -> list[str]:
+    m.put("src", _history(4096))
+    branches = [f"b{i}" for i in range(n)]
+    m.fork("src", *branches)
+    for i, branch in enumerate(branches):
+        m.put(branch, _stepped(m.require(branch), float(i)))
+    return ["src", *branches]
+
+
+def test_a_family_snapshot_writes_what_branches_share_once(tmp_path: Path) -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager()
+    ids = _family(m, 8)
+    family, one = tmp_path / "family.safetensors", tmp_path / "one.safetensors"
+    m.snapshot_many(ids, family, metadata={"run": "7"})
+    m.snapshot("src", one)
+    # The history (16 KiB) once, plus each branch's own chunk and a header per record.
+    size, single = family.stat().st_size, one.stat().st_size
+    assert single < size < single + 8 * (single - 4096 * 4 + 2 * 4)
+    assert size < 2 * single
+    restored = SessionStateManager[SessionState]().restore_many(family)
+    assert list(restored) == ids
+    for sid in ids:
+        assert tree_equal(restored[sid], m.peek(sid))
+    bases = {
+        restored[sid].object("h", LatentBuffer).view()[0].untyped_storage().data_ptr()
+        for sid in ids
+    }
+    assert len(bases) == 1  # the history is one storage again
+
+
+def test_a_parked_family_is_read_once_on_the_host_and_restores_shared(tmp_path: Path) -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 100}, park_tier="disk", spool_dir=str(tmp_path / "spool")
+    )
+    m.put("a", parkable_record(fill=5.0))
+    m.put("x", parkable_record(fill=6.0))  # parks "a"
+    m.fork("a", "b")  # parked, sharing its parked bytes
+    expected = m.peek("a", on_host=True)
+    path = tmp_path / "family.safetensors"
+    m.snapshot_many(["a", "b"], path)
+    assert m.session_stats("a")["parked"]
+    assert m.session_stats("b")["parked"]
+    out = SessionStateManager[SessionState]().restore_many(path, session_ids=["p", "q"])
+    assert tree_equal(out["p"], expected)
+    assert tree_equal(out["q"], expected)
+    cache_p = out["p"].object("cache", TensorCache).view()[0]
+    cache_q = out["q"].object("cache", TensorCache).view()[0]
+    assert cache_p.untyped_storage().data_ptr() == cache_q.untyped_storage().data_ptr()
+
+
+def test_restore_many_is_all_or_nothing(tmp_path: Path) -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager()
+    ids = _family(m, 2)
+    path = tmp_path / "family.safetensors"
+    m.snapshot_many(ids, path)
+    with pytest.raises(ValueError, match=r"\['src', 'b0', 'b1'\] already held"):
+        m.restore_many(path)
+    capped: SessionStateManager[SessionState] = SessionStateManager(
+        max_sessions=2, on_full="refuse"
+    )
+    with pytest.raises(SessionAdmissionError):
+        capped.restore_many(path)
+    assert capped.session_ids() == []
+    with pytest.raises(ValueError, match=r"holds 3 records but 1 session ids"):
+        capped.restore_many(path, session_ids=["only"])
+    with pytest.raises(SessionStateLostError, match=r"Nothing was written"):
+        m.snapshot_many(["src", "gone"], tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+    with pytest.raises(ValueError, match=r"distinct session ids"):
+        m.snapshot_many(["src", "src"], tmp_path / "x.safetensors")

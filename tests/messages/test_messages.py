@@ -530,7 +530,7 @@ CORE_MESSAGES = {
     # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4,  # + fork: test_fork_messages
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5,  # + forks: test_fork*_messages
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -668,3 +668,45 @@ def test_fork_messages() -> None:
         with pytest.raises(error) as caught:
             m.fork(*args)
         assert str(caught.value) == text
+
+
+def test_family_snapshot_messages(tmp_path: Path) -> None:
+    from sessionstate import SessionState, SessionStateLostError, save_state
+    from sessionstate import SessionStateManager as Manager
+
+    m: Manager[SessionState] = Manager()
+    m.put("a", SessionState())
+    path = tmp_path / "f.safetensors"
+    with pytest.raises(ValueError, match="distinct") as caught:
+        m.snapshot_many(["a", "a"], path)
+    assert str(caught.value) == (
+        "`snapshot_many` needs distinct session ids, got ['a', 'a']; name each session to save "
+        "once."
+    )
+    with pytest.raises(SessionStateLostError) as lost:
+        m.snapshot_many(["a", "b"], path)
+    assert str(lost.value) == (
+        "Cannot snapshot session 'b': this manager does not hold it (never created, dropped, "
+        "or evicted). Nothing was written; `session_ids()` lists the held ones."
+    )
+    m.snapshot_many(["a"], path)
+    with pytest.raises(ValueError, match="already held") as held:
+        m.restore_many(path)
+    assert str(held.value) == (
+        "Cannot restore the family ['a']: ['a'] already held. Drop them first, or pass other "
+        "`session_ids`."
+    )
+    with pytest.raises(ValueError, match="session ids were given") as count:
+        m.restore_many(path, session_ids=["x", "y"])
+    assert str(count.value) == (
+        f"{str(path)!r} holds 1 records but 2 session ids were given; pass one id per record, "
+        "in the file's order."
+    )
+    single = tmp_path / "one.safetensors"
+    save_state(SessionState(), single)
+    with pytest.raises(ss.SnapshotError) as one:
+        m.restore_many(single)
+    assert str(one.value) == (
+        f"{str(single)!r} does not hold a family of session records (a list, as `snapshot_many` "
+        "writes); load a one-session file with `restore`."
+    )

@@ -202,3 +202,24 @@ def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_p
     nxt = inputs[steps]
     _assert_same_output(restored.forward(nxt, "s"), reference.forward(nxt, "s"))
     assert ss.tree_equal(restored.manager.peek("s"), reference.manager.peek("s"))
+
+
+def test_the_golden_family_restores_with_its_sharing() -> None:
+    # `snapshot_many`'s file: what the forks share is one storage again, their KV handles
+    # share the full block and each has its own copy of the partial one.
+    path = DATA / "snapshots" / "0.1.0.dev0" / "family_v4.safetensors"
+    m: ss.SessionStateManager[ss.SessionState] = ss.SessionStateManager()
+    restored = m.restore_many(path)
+    assert list(restored) == ["source", "b0", "b1", "b2"]
+    expected, _ = make_golden.family_sessions()
+    for got, want in zip(restored.values(), expected, strict=True):
+        assert ss.tree_equal(got, want)
+    first = {
+        sid: r.object("history", ss.LatentBuffer).view()[0].untyped_storage().data_ptr()
+        for sid, r in restored.items()
+    }
+    assert len(set(first.values())) == 1
+    handles = [r.object("kv", ss.KVCache).view() for r in restored.values()]
+    assert len({h.blocks[0] for h in handles}) == 1
+    assert len({h.blocks[-1] for h in handles[1:]}) == 3
+    assert m.stats()["total_nbytes"] < sum(ss.nbytes_by_device(r)["cpu"] for r in restored.values())

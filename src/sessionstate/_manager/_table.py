@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from sessionstate._errors import (
     ParkingError,
     SessionAdmissionError,
     SessionStateLostError,
+    SnapshotError,
     reason,
 )
 from sessionstate._events import EventHook, Reporter, SessionEvent, span
@@ -58,8 +60,10 @@ from sessionstate._stateobject import ParkedObject
 from sessionstate._storage import (
     HostBufferPool,
     HostPoolFullError,
+    ParkedBytes,
     Tier,
     check_tier,
+    inspect_snapshot,
     load_state,
     recorded_devices,
     save_state,
@@ -1005,6 +1009,129 @@ class SessionStateManager(Generic[SessionT]):
         self.put(session_id, state)
         return state
 
+    def snapshot_many(
+        self,
+        session_ids: Sequence[Hashable],
+        path: str | os.PathLike[str],
+        /,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        """Write the latest records of ``session_ids`` to one file, each storage once.
+
+        For a family of forks: what the sessions share (a history, KV blocks, parked bytes
+        they hold together) is written once, and `restore_many` brings it back shared, so the
+        file is about one session plus what each branch holds alone. The records are read
+        under the lock, parked ones in host memory (as `snapshot` does: no device memory, no
+        pool block), and the file lists the ids in the metadata's ``session_ids`` (a JSON
+        list; a non-str id as its repr). LRU order and counters are left alone.
+
+        Raises:
+            SessionStateLostError: if a session is not held (nothing is written).
+            ValueError: if no id is given, or one twice.
+
+        >>> import os, tempfile, torch
+        >>> from sessionstate import LatentBuffer, SessionState
+        >>> m = SessionStateManager()
+        >>> history = LatentBuffer(dim=0).allocate().commit(torch.zeros(1000))
+        >>> m.put("a", SessionState(objects={"h": history})); m.fork("a", "b", "c")
+        >>> path = os.path.join(tempfile.mkdtemp(), "family.safetensors")
+        >>> m.snapshot_many(["a", "b", "c"], path)
+        >>> restored = SessionStateManager().restore_many(path)
+        >>> sorted(restored), len({id(r.object("h").view()[0]) for r in restored.values()})
+        (['a', 'b', 'c'], 1)
+        """
+        ids = list(session_ids)
+        for session_id in ids:
+            check_session_id(session_id)
+        if not ids or len(set(ids)) != len(ids):
+            msg = (
+                f"`snapshot_many` needs distinct session ids, got {ids!r}; name each session "
+                "to save once."
+            )
+            raise ValueError(msg)
+        names = [sid if isinstance(sid, str) else repr(sid) for sid in ids]
+        with recorded_devices():
+            records = []
+            with self._lock:
+                trees: dict[int, Any] = {}  # a handle parked sessions share is read once
+                for session_id in ids:
+                    state = self._table.get(session_id)
+                    if state is None:
+                        msg = (
+                            f"Cannot snapshot session {session_id!r}: this manager does not "
+                            "hold it (never created, dropped, or evicted). Nothing was written; "
+                            "`session_ids()` lists the held ones."
+                        )
+                        raise SessionStateLostError(msg)
+                    self._verify(session_id, state)
+                    if state.parked:
+                        state = self._read_parked(session_id, state, trees)
+                    records.append(state)
+            save_state(
+                records,
+                path,
+                metadata={**(metadata or {}), "session_ids": json.dumps(names)},
+            )
+
+    def restore_many(
+        self,
+        path: str | os.PathLike[str],
+        /,
+        *,
+        session_ids: Sequence[Hashable] | None = None,
+        device: torch.device | str | None = None,
+    ) -> dict[Hashable, SessionT]:
+        """Load a `snapshot_many` file and store each record, sharing what they shared.
+
+        The sessions keep the ids the file lists (``session_ids`` to give others, in the
+        file's order). All or nothing: none of them may be held already, and a record the
+        manager refuses (the cap, the budget) drops the ones stored before it.
+
+        Returns:
+            The restored records by session id.
+
+        Raises:
+            SnapshotError: if the file cannot be loaded or does not hold a list of records.
+            ValueError: if an id is held already, or ``session_ids`` is not one per record.
+            SessionAdmissionError: as `put`; nothing stays stored.
+        """
+        listed = inspect_snapshot(path)["metadata"].get("session_ids")
+        records = load_state(path, device=device)
+        if not isinstance(records, list) or not all(isinstance(r, SessionState) for r in records):
+            msg = (
+                f"{os.fspath(path)!r} does not hold a family of session records (a list, as "
+                "`snapshot_many` writes); load a one-session file with `restore`."
+            )
+            raise SnapshotError(msg)
+        ids = list(session_ids) if session_ids is not None else json.loads(listed or "[]")
+        if len(ids) != len(records):
+            msg = (
+                f"{os.fspath(path)!r} holds {len(records)} records but {len(ids)} session ids "
+                "were given; pass one id per record, in the file's order."
+            )
+            raise ValueError(msg)
+        for session_id in ids:
+            check_session_id(session_id)
+        with self._lock:
+            held = [sid for sid in ids if sid in self._table]
+            if held or len(set(ids)) != len(ids):
+                msg = (
+                    f"Cannot restore the family {ids!r}: {held or 'an id named twice'} "
+                    "already held. Drop them first, or pass other `session_ids`."
+                )
+                raise ValueError(msg)
+            added: list[Hashable] = []
+            try:
+                for session_id, state in zip(ids, records, strict=True):
+                    self._put_locked(session_id, cast(SessionT, state), touch=True)
+                    added.append(session_id)
+            except BaseException:
+                for session_id in added:
+                    self._forget(session_id)
+                raise
+        return {sid: cast(SessionT, state) for sid, state in zip(ids, records, strict=True)}
+
     # -- under the lock -------------------------------------------------------------------------
 
     def _put_locked(
@@ -1266,9 +1393,21 @@ class SessionStateManager(Generic[SessionT]):
             fix="build the pool with at least {nbytes} bytes",
         )
 
-    def _read_parked(self, session_id: Hashable, state: SessionT) -> SessionT:
+    def _read_parked(
+        self, session_id: Hashable, state: SessionT, trees: dict[int, Any] | None = None
+    ) -> SessionT:
+        # `trees`: what handles read already (by id), shared by the records read with it.
         try:
-            return state.unpark_on_host()
+            if trees is None:
+                return state.unpark_on_host()
+
+            def read(handle: ParkedBytes) -> Any:
+                tree = trees.get(id(handle))
+                if tree is None:
+                    tree = trees[id(handle)] = handle.read()
+                return tree
+
+            return state._rebuilt(read)
         except Exception as exc:
             held = [o for o in state.objects.values() if isinstance(o, ParkedObject)]
             tiers = " and ".join(sorted({o.handle.tier for o in held}))
