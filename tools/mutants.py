@@ -747,6 +747,30 @@ MUTANTS = (
         ("tests/manager/test_fork.py",),
     ),
     Mutant(
+        "fork-family-parks-per-branch",
+        "an object a fork's sibling parked already is copied to the tier again",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            if known is not None and known[0]() is obj and",
+                "            if False and known is not None and known[0]() is obj and",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "fork-family-unparks-into-copies",
+        "an object a fork's sibling unparked and still holds comes back as a copy",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "                alive = ref() if ref is not None else None\n",
+                "                alive = None\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
         "failed-unpark-keeps-restored-trees",
         "an unpark that fails in a later handle keeps the earlier handles' restored trees (their "
         "engine blocks) until the caller lets go of the error",

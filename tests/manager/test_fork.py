@@ -244,3 +244,56 @@ def test_restore_many_is_all_or_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "x.safetensors").exists()
     with pytest.raises(ValueError, match=r"distinct session ids"):
         m.snapshot_many(["src", "src"], tmp_path / "x.safetensors")
+
+
+def _cache_record(n: int, fill: float) -> SessionState:
+    cache = TensorCache(name="cache").allocate().commit(torch.full((n,), fill))
+    return SessionState(objects={"cache": cache}, attrs={"step": 1})
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_family_parks_once_and_comes_back_shared(tier: str, tmp_path: Path) -> None:
+    # 400 bytes a record; room for two. The source and three branches share one cache.
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 900}, park_tier=tier, spool_dir=str(tmp_path)
+    )
+    m.put("a", _cache_record(100, 1.0))
+    expected = m.peek("a")
+    m.fork("a", "b", "c", "d")
+    m.put("x", _cache_record(100, 2.0))
+    m.put("y", _cache_record(100, 3.0))  # over: the family parks
+    parked = [sid for sid in "abcd" if m.session_stats(sid)["parked"]]
+    assert parked == list("abcd")
+    stats = m.stats()
+    # Parked once: one copy on the tier for four sessions.
+    assert stats[f"nbytes_parked:{tier}"] == 400
+    assert stats["parks"] == 4
+    assert_stats_equal_a_recount(m)
+    # Back one by one: the first copies the bytes in, the others take the same object.
+    got = [m.get(sid) for sid in "abcd"]
+    assert all(tree_equal(r, expected) for r in got)
+    caches = {id(r.object("cache")) for r in got if r is not None}
+    assert len(caches) == 1
+    assert m.stats()["total_nbytes"] <= 900
+    assert_stats_equal_a_recount(m)
+
+
+def test_a_diverged_branch_parks_only_what_it_no_longer_shares(tmp_path: Path) -> None:
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(100))
+    record = SessionState(objects={"h": history, "cache": TensorCache(name="cache").allocate()})
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 1000}, park_tier="host"
+    )
+    m.put("a", record)
+    m.fork("a", "b")
+    # "b" writes a new cache; the history (an object it did not write) stays the source's.
+    m.put("b", m.require("b").update_object("cache", lambda c: c.commit(torch.ones(50))))
+    m.put("x", _cache_record(150, 4.0))  # parks "a", then "b": the history once
+    assert m.session_stats("a")["parked"]
+    assert m.session_stats("b")["parked"]
+    assert m.stats()["nbytes_parked:host"] == 400 + 200
+    back_a, back_b = m.get("a"), m.get("b")
+    assert back_a is not None
+    assert back_b is not None
+    assert back_a.object("h") is back_b.object("h")
+    assert_stats_equal_a_recount(m)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import weakref
 from collections.abc import Collection, Hashable, Iterable
 from typing import Literal, TypeVar
 
@@ -87,6 +88,13 @@ class Parking:
         self._host_pool_full: HostPoolFull = host_pool_full
         self._parked: dict[Hashable, dict[str, ParkedObject]] = {}
         self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
+        # Sharing across sessions (forks): a resident object parked by one session, by the
+        # object's id while it lives (the weak reference says it is the same object), and an
+        # object unparked from a handle's key, while a session holds it. A handle holding K/V
+        # is never shared so: restoring it for one key would take pool blocks for all.
+        self._parked_as: dict[int, tuple[weakref.ref[StateObject], ParkedObject]] = {}
+        self._restored: dict[tuple[int, str | None], weakref.ref[StateObject]] = {}
+        self._kv_handles: set[int] = set()  # handles holding K/V (never shared so)
         self._parks = 0
         self._unparks = 0
         self._kv_parks = 0  # parks that moved K/V (see `_holds_kv`)
@@ -150,6 +158,10 @@ class Parking:
                 when the host pool refuses them).
         """
         # Parks are rare (under pressure only): a walk of the parked objects is affordable.
+        # An object another session parked already (a fork's shared object) is not copied
+        # again: this session holds the same parked bytes.
+        shared = self._parked_already(state, names)
+        names = [name for name in names if name not in shared]
         moves_kv = any(_holds_kv(state.objects[name]) for name in names)
         spilled = False
         start = time.perf_counter()
@@ -177,6 +189,16 @@ class Parking:
             )
             raise ParkingError(msg) from exc
         seconds = time.perf_counter() - start
+        if shared:
+            new = new._replace({**new.objects, **shared}, dict(new._attrs))
+        if moves_kv:
+            self._kv_handles.update(
+                id(new.objects[name].handle)  # type: ignore[attr-defined]
+                for name in names
+            )
+        else:
+            for name in names:
+                self._remember_parked(state.objects[name], new.objects[name])
         parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
         moved = 0
         for handle in _handles_of(parked.values()):
@@ -320,12 +342,20 @@ class Parking:
         self.unreserve(session_id)
         handles = _handles_of(parked.values())
         prefetched = any(handle.prefetching for handle in handles)
+        # What a sibling unparked from the same parked bytes and still holds comes back as
+        # that very object: the sessions share it again instead of holding a copy each.
+        again = self._restored_already(state)
         start = time.perf_counter()
         try:
             with span("sessionstate::unpark"):
+                if again:
+                    state = state._replace({**state.objects, **again}, dict(state._attrs))
                 new = state.unpark()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
+        for name, obj in state.objects.items():
+            if isinstance(obj, ParkedObject) and id(obj.handle) not in self._kv_handles:
+                self._remember_restored(obj, new.objects[name])
         seconds = time.perf_counter() - start
         if prefetched and any(handle.last_restore_prefetched for handle in handles):
             self._prefetch_hits += 1
@@ -361,9 +391,11 @@ class Parking:
         (parks it could not hold that went to disk).
         """
         parked = {"host": 0, "disk": 0}
-        for objects in self._parked.values():
-            for handle in _handles_of(objects.values()):
-                parked[handle.tier] += handle.nbytes
+        handles = {
+            id(o.handle): o.handle for objects in self._parked.values() for o in objects.values()
+        }
+        for handle in handles.values():  # each once: forks hold parked bytes together
+            parked[handle.tier] += handle.nbytes
         return {
             "parked_sessions": len(self._parked),
             "parks": self._parks,
@@ -431,6 +463,56 @@ class Parking:
         # keeps its bytes for whoever parked them.
         if self._handles.pop(id(handle), None) is handle:
             handle.release()
+            self._forget_handle(handle)
+
+    def _parked_already(self, state: SessionState, names: list[str]) -> dict[str, StateObject]:
+        # The objects among `names` another session parked (the same objects, still alive),
+        # as the parked objects that session holds.
+        out: dict[str, StateObject] = {}
+        for name in names:
+            obj = state.objects[name]
+            known = self._parked_as.get(id(obj))
+            if known is not None and known[0]() is obj and id(known[1].handle) in self._handles:
+                out[name] = known[1]
+        return out
+
+    def _remember_parked(self, obj: StateObject, parked: StateObject) -> None:
+        if not isinstance(parked, ParkedObject):
+            return
+        key = id(obj)
+        table = self._parked_as
+
+        def gone(_: object, key: int = key) -> None:
+            table.pop(key, None)
+
+        table[key] = (weakref.ref(obj, gone), parked)
+
+    def _restored_already(self, state: SessionState) -> dict[str, StateObject]:
+        out: dict[str, StateObject] = {}
+        for name, obj in state.objects.items():
+            if isinstance(obj, ParkedObject):
+                ref = self._restored.get((id(obj.handle), obj.key))
+                alive = ref() if ref is not None else None
+                if alive is not None:
+                    out[name] = alive
+        return out
+
+    def _remember_restored(self, parked: ParkedObject, obj: StateObject) -> None:
+        key = (id(parked.handle), parked.key)
+        table = self._restored
+
+        def gone(_: object, key: tuple[int, str | None] = key) -> None:
+            table.pop(key, None)
+
+        table[key] = weakref.ref(obj, gone)
+
+    def _forget_handle(self, handle: ParkedBytes) -> None:
+        # A released handle's id may be reused: nothing may point at it any more.
+        for restored in [k for k in self._restored if k[0] == id(handle)]:
+            del self._restored[restored]
+        for obj_id in [k for k, (_, p) in self._parked_as.items() if p.handle is handle]:
+            del self._parked_as[obj_id]
+        self._kv_handles.discard(id(handle))
 
 
 def _holds_kv(obj: StateObject) -> bool:

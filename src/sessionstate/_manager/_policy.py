@@ -234,9 +234,10 @@ def objects_to_park(
     the offload protocol, so parking moves them to the tier and they return to their pool.
 
     Sharing is seen within the session only: an object sharing a storage with another
-    session's value is parked (the other session keeps the storage, and this one comes back
-    with a copy of it). Leaving it resident instead would leave a session forked from another
-    with nothing parkable, and the budget evicting one of the two.
+    session's value is parked (leaving it resident instead would leave a session forked from
+    another with nothing parkable, and the budget evicting one of the two). The manager's
+    parking keeps what forks share: the same object parked by a sibling is not copied again,
+    and one a sibling unparked comes back as that object.
 
     >>> import torch
     >>> from sessionstate import SessionState, TensorCache

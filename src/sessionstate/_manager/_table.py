@@ -472,7 +472,9 @@ class SessionStateManager(Generic[SessionT]):
         branch that steps copies only what it writes: a buffer's new chunk, a `KVPool`'s
         partial block (the pool copies a block another branch wrote past). A parked source
         forks parked: its branches hold the same parked bytes, which stay on the tier until
-        the last session holding them unparks or goes; each unparks into its own copy.
+        the last session holding them unparks or goes. Under a budget the sharing holds: an
+        object a sibling parked already is not parked again, and one a sibling unparked and
+        still holds comes back as that object (K/V objects park per session).
 
         The source becomes the most recently used session, then the branches in order.
 
