@@ -203,15 +203,6 @@ class Parking:
                 need[device] = need.get(device, 0) + nbytes
         return need
 
-    def parked_sessions_by_tier(self) -> dict[str, int]:
-        """Parked sessions per tier (a session with objects on both tiers counts as disk)."""
-        out: dict[str, int] = {}
-        for objects in self._parked.values():
-            tiers = {obj.handle.tier for obj in objects.values()}
-            tier = "disk" if "disk" in tiers else "host"
-            out[tier] = out.get(tier, 0) + 1
-        return out
-
     def prefetching_sessions(self) -> int:
         """Sessions with a prefetch started and not yet taken or dropped."""
         return len(self._reserved)
@@ -360,11 +351,21 @@ class Parking:
         (bytes page-locked for it: its size when pinned, exactly) and ``host_pool_spills``
         (parks it could not hold that went to disk).
         """
+        return self.summary()[0]
+
+    def summary(self) -> tuple[dict[str, int], dict[str, int]]:
+        """`stats`, and the parked sessions per tier (one with objects on both tiers counts as
+        disk), from one walk of the parked sessions."""
         parked = {"host": 0, "disk": 0}
+        by_tier: dict[str, int] = {}
         for objects in self._parked.values():
+            tier = "host"
             for handle in _handles_of(objects.values()):
                 parked[handle.tier] += handle.nbytes
-        return {
+                if handle.tier == "disk":
+                    tier = "disk"
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+        stats = {
             "parked_sessions": len(self._parked),
             "parks": self._parks,
             "unparks": self._unparks,
@@ -377,6 +378,7 @@ class Parking:
             "prefetches_dropped": self._prefetches_dropped,
             **self.host_pool_stats(),
         }
+        return stats, by_tier
 
     def host_pool_stats(self) -> dict[str, int]:
         """The host pool's keys of `stats` (none without a pool)."""

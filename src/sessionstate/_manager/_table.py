@@ -600,25 +600,31 @@ class SessionStateManager(Generic[SessionT]):
          'total_nbytes': 0}
         """
         with self._lock:
-            out = {
-                "sessions": len(self._table),
-                "max_sessions": self._max_sessions,
-                "hits": self._hits,
-                "misses": self._misses,
-                "evictions": self._evictions,
-            }
-            totals = self._ledger.totals()
-            out["total_nbytes"] = sum(totals.values())
-            for device, nbytes in totals.items():
-                out[f"nbytes:{device}"] = nbytes
-            for device, nbytes in self._ledger.engine_totals().items():
-                out[f"engine_nbytes:{device}"] = nbytes
-            if self._policy is not None:
-                for device in sorted(self._policy.max_bytes):
-                    out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
-            if self._policy is not None or self._parking.used:
-                out.update(self._parking.stats())
-            return out
+            return self._stats_locked()[0]
+
+    def _stats_locked(self) -> tuple[dict[str, int], dict[str, int]]:
+        # `stats()`, and the parked sessions by tier from the same walk of the parked ones.
+        out = {
+            "sessions": len(self._table),
+            "max_sessions": self._max_sessions,
+            "hits": self._hits,
+            "misses": self._misses,
+            "evictions": self._evictions,
+        }
+        totals = self._ledger.totals()
+        out["total_nbytes"] = sum(totals.values())
+        for device, nbytes in totals.items():
+            out[f"nbytes:{device}"] = nbytes
+        for device, nbytes in self._ledger.engine_totals().items():
+            out[f"engine_nbytes:{device}"] = nbytes
+        if self._policy is not None:
+            for device in sorted(self._policy.max_bytes):
+                out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
+        by_tier: dict[str, int] = {}
+        if self._policy is not None or self._parking.used:
+            parking, by_tier = self._parking.summary()
+            out.update(parking)
+        return out, by_tier
 
     def session_stats(self, session_id: Hashable, /) -> dict[str, Any]:
         """One session's footprint, from what the manager keeps (no record is walked).
@@ -699,15 +705,14 @@ class SessionStateManager(Generic[SessionT]):
 
         ``stats`` (as `stats`), ``sessions`` by state (``resident``, ``parked:host``,
         ``parked:disk``, ``prefetching``), ``pools`` (per pool given: name, blocks, free
-        blocks), ``events`` (counts by `SessionEvent` kind) and ``timings`` (park and unpark
-        seconds, as `Timings.snapshot` gives them).
+        blocks), ``events`` (counts by `SessionEvent` kind) and ``timings`` (park, unpark and
+        migration seconds, as `Timings.snapshot` gives them).
 
         >>> SessionStateManager().metrics_snapshot()["sessions"]
         {'resident': 0, 'parked:host': 0, 'parked:disk': 0, 'prefetching': 0}
         """
         with self._lock:
-            stats = self.stats()
-            parked = self._parking.parked_sessions_by_tier()
+            stats, parked = self._stats_locked()
             sessions = {
                 "resident": len(self._table) - sum(parked.values()),
                 "parked:host": parked.get("host", 0),
