@@ -255,3 +255,60 @@ def test_the_collector_refuses_bad_names_and_managers() -> None:
         SessionStateCollector(SessionStateManager(), prefix="9lives")
     with pytest.raises(TypeError, match="must be a SessionStateManager"):
         SessionStateCollector(object())  # type: ignore[arg-type]
+
+
+def test_a_migration_is_counted_and_timed_on_both_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A worker's export and import are "migrate" events of its manager: the collector shows
+    # them as `migrations_total` and `migration_seconds` by direction. In-process, no Ray.
+    from sessionstate.distributed import DreamZeroFactory, SessionWorker
+
+    src = SessionWorker("w0", DreamZeroFactory(preset="tiny"))
+    dst = SessionWorker("w1", DreamZeroFactory(preset="tiny"))
+    ((sid, obs),) = scripted_episode(DreamZeroConfig.preset("tiny"), steps=1, sessions=1, seed=0)
+    src.step(sid, obs, epoch=1, create=True)
+    with caplog.at_level(logging.DEBUG, logger="sessionstate"):
+        data, _ = src.export_session(sid, epoch=1)
+        dst.import_session(sid, data, epoch=2)
+    for worker, direction in ((src, "out"), (dst, "in")):
+        families = {f.name: f for f in SessionStateCollector(worker.manager).collect()}
+        counts = {
+            s.labels["direction"]: s.value for s in families["sessionstate_migrations"].samples
+        }
+        assert counts == {"out": direction == "out", "in": direction == "in"}
+        seconds = {
+            s.name: s.value
+            for s in families["sessionstate_migration_seconds"].samples
+            if s.labels["direction"] == direction
+        }
+        assert seconds["sessionstate_migration_seconds_count"] == 1
+        assert seconds["sessionstate_migration_seconds_sum"] > 0
+    assert f"migrate session {sid!r}: {data.nbytes} bytes (out) in" in caplog.text
+    assert f"migrate session {sid!r}: {data.nbytes} bytes (in) in" in caplog.text
+
+
+def test_evictions_warn_once_a_minute_with_a_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sessionstate import _events
+
+    now = [0.0]
+    monkeypatch.setattr(_events, "_now", lambda: now[0])
+    m = SessionStateManager(1)
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        for i in range(5):  # the first: the manager's eviction warning; three more quiet
+            m.put(f"s{i}", SessionState())
+        now[0] = _events.WARN_EVERY
+        m.put("s5", SessionState())  # a minute on: one line, with the count
+        m.put("s6", SessionState())
+    lines = [r.getMessage() for r in caplog.records if r.name == "sessionstate"]
+    assert len(lines) == 2
+    assert lines[0].startswith("Session 's0' was evicted by the session cap")
+    assert lines[1] == (
+        "evict session 's4': 0 bytes in 0.000000 s; evicted by the session cap "
+        "(max_sessions=1) (3 more evicted since the last warning, logged at DEBUG; "
+        "`stats()['evictions']` counts them all)"
+    )
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert m.stats()["evictions"] == 6

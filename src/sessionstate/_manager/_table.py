@@ -130,10 +130,10 @@ class SessionStateManager(Generic[SessionT]):
             spills it to the disk tier (into the spool directory; ``host_pool_spills`` counts
             them), ``"refuse"`` leaves that session resident, as one with nothing parkable
             (the budget parks others, then applies ``on_full``).
-        on_event: Called with each `SessionEvent` (park, unpark, prefetch, evict, refuse),
+        on_event: Called with each `SessionEvent` (park, unpark, prefetch, fork, evict, refuse),
             under the manager's lock: it must not call the manager, and what it raises is
             logged, never raised. Every event is also logged on the ``sessionstate`` logger at
-            DEBUG.
+            DEBUG, evictions at WARNING (at most one line a minute, with a count).
         pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
             e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
             other sessions' objects holding a pool's blocks until the step's room is free,
@@ -729,6 +729,22 @@ class SessionStateManager(Generic[SessionT]):
             "timings": self._reporter.timings.snapshot(),
         }
 
+    def report(self, event: SessionEvent, /) -> None:
+        """Count, time, log and pass on ``event``, done to a session outside the manager.
+
+        For what moves sessions beside the manager (a `SessionWorker`'s exports and imports
+        are ``"migrate"`` events): the event reaches the log, the ``on_event`` callback and
+        `metrics_snapshot` (counts and timings) as the manager's own do.
+
+        >>> from sessionstate import SessionEvent
+        >>> m = SessionStateManager()
+        >>> m.report(SessionEvent("migrate", "a", 16, 0.002, direction="in"))
+        >>> m.metrics_snapshot()["timings"]["migrate:in"][2]
+        1
+        """
+        with self._lock:
+            self._reporter.emit(event)
+
     def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
 
@@ -1081,8 +1097,10 @@ class SessionStateManager(Generic[SessionT]):
             nbytes += sum(self._parking.parked_need(session_id).values())
         self._forget(session_id)
         self._evictions += 1
+        first = not self._warned_eviction  # its warning is this eviction's WARNING line
         self._warn_evicted(session_id, by)
-        self._reporter.emit(SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}"))
+        event = SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}")
+        self._reporter.emit(event, warned=first)
 
     def _refused(self, session_id: Hashable, error: Exception) -> None:
         self._reporter.emit(SessionEvent("refuse", session_id, reason=str(error)))
