@@ -21,6 +21,7 @@ import torch
 from sessionstate import (
     KVCache,
     KVPool,
+    LatentBuffer,
     SessionAdmissionError,
     SessionState,
     SessionStateLostError,
@@ -183,6 +184,41 @@ def test_session_stats_sum_to_the_managers_totals() -> None:
     )
     with pytest.raises(SessionStateLostError, match="No stats for session 'z'"):
         m.session_stats("z")
+
+
+def test_session_stats_of_forks_sum_to_the_totals_with_shared_bytes_once() -> None:
+    # A source with a KV cache, a history and a tensor attribute, forked twice; each branch
+    # steps (its own chunk, a copy of the partial block). What each session holds alone, plus
+    # what they share counted once (the source's shared part: it reaches every shared
+    # storage), is the manager's total; and each session's kinds add up to its bytes.
+    pool = KVPool(16, block_tokens=4, token_shape=(2,), name="kv")
+    m = SessionStateManager(pools=(pool,))
+    handle = pool.append(pool.empty(), torch.arange(12.0).view(6, 2))
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.arange(8.0))
+    kv = KVCache(name="kv").allocate().commit(handle)
+    m.put("a", SessionState(objects={"kv": kv, "h": history}, attrs={"x": torch.zeros(4)}))
+    del handle, history, kv
+    m.fork("a", "b", "c")
+    for i, sid in enumerate("bc"):
+        state = m.require(sid)
+        grown = pool.append(state.object("kv", KVCache).view(), torch.full((1, 2), float(i)))
+        state = state.update_object("kv", lambda c, h=grown: c.commit(h))
+        m.put(sid, state.update_object("h", lambda b, v=i: b.commit(torch.full((2,), float(v)))))
+    del grown, state
+    total = m.stats()["nbytes:cpu"]
+    per = {sid: m.session_stats(sid) for sid in m.session_ids()}
+    alone = sum(s["nbytes"]["cpu"] - s["nbytes_shared"].get("cpu", 0) for s in per.values())
+    shared_once = per["a"]["nbytes_shared"]["cpu"]
+    assert shared_once > 0
+    assert alone > 0
+    assert alone + shared_once == total
+    for s in per.values():
+        kinds = s["nbytes_by_kind"]
+        assert sum(part.get("cpu", 0) for part in kinds.values()) == s["nbytes"]["cpu"]
+        assert kinds["engine"] == s["engine_nbytes"]
+        assert kinds["attrs"] == {"cpu": 16}  # `x`, shared by all three
+    assert per["a"]["nbytes_by_kind"]["objects"] == {"cpu": 8 * 4}
+    assert per["b"]["nbytes_by_kind"]["objects"] == {"cpu": 8 * 4 + 2 * 4}
 
 
 def test_events_reach_the_callback_and_the_log(caplog: pytest.LogCaptureFixture) -> None:

@@ -632,7 +632,10 @@ class SessionStateManager(Generic[SessionT]):
         Keys: ``resident`` (no object parked), ``parked`` (the parked objects' names),
         ``nbytes_parked`` (bytes its tiers hold, by tier), ``nbytes`` and ``engine_nbytes``
         (resident bytes by device, each storage the session reaches once; engine blocks also
-        on their own), ``nbytes_shared`` (the part of ``nbytes`` other sessions reach too: a
+        on their own), ``nbytes_by_kind`` (``nbytes`` split into ``engine`` blocks, state
+        ``objects`` and ``attrs``, the attributes and a subclass's fields; a storage both an
+        object and an attribute reach counts as the object's), ``nbytes_shared`` (the part of
+        ``nbytes`` other sessions reach too: a
         fork's history; what the session holds alone is the difference) and ``shared_with``
         (those sessions, least recently used first), ``blocks`` (blocks held per pool the
         manager was given, by the pool's name), ``prefetching`` and ``lru_rank`` (0: the most
@@ -660,16 +663,25 @@ class SessionStateManager(Generic[SessionT]):
                 raise SessionStateLostError(msg)
             seen = self._storages_of(session_id)
             own: dict[Hashable, int] = {}  # references from this session's own leaves
-            for entry in entries_of(self._ledger.held(session_id)):
-                own[entry[1]] = own.get(entry[1], 0) + 1
+            kinds: dict[Hashable, str] = {}  # the kind of value that reaches it first
+            for key, item in self._ledger.held(session_id).items():
+                kind = "objects" if key[0] == "o" else "attrs"
+                for entry in item.entries:
+                    own[entry[1]] = own.get(entry[1], 0) + 1
+                    kinds.setdefault(entry[1], kind)
             nbytes: dict[str, int] = {}
             engine: dict[str, int] = {}
             shared: dict[str, int] = {}
+            by_kind: dict[str, dict[str, int]] = {"engine": {}, "objects": {}, "attrs": {}}
             shared_ids: set[Hashable] = set()
             for device, identity, _, size, _ in seen.values():
                 nbytes[device] = nbytes.get(device, 0) + size
+                kind = kinds[identity]
                 if isinstance(identity, EngineBlock):
                     engine[device] = engine.get(device, 0) + size
+                    kind = "engine"
+                part = by_kind[kind]
+                part[device] = part.get(device, 0) + size
                 if self._ledger.references(identity) > own[identity]:  # another session's too
                     shared[device] = shared.get(device, 0) + size
                     shared_ids.add(identity)
@@ -693,6 +705,9 @@ class SessionStateManager(Generic[SessionT]):
                 "nbytes_shared": {d: n for d, n in shared.items() if n},
                 "shared_with": sharers,
                 "engine_nbytes": {d: n for d, n in engine.items() if n},
+                "nbytes_by_kind": {
+                    kind: {d: n for d, n in part.items() if n} for kind, part in by_kind.items()
+                },
                 "blocks": {
                     pool.name: sum(map(pool.owns_entry, seen.values())) for pool in self._pools
                 },
