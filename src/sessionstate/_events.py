@@ -1,12 +1,20 @@
 """What a manager reports as it works: events, their timings, and profiler ranges.
 
-Parks, unparks, prefetches, evictions and refusals are `SessionEvent`s: each is logged on the
-``sessionstate`` logger (at DEBUG; the first eviction of a manager at WARNING, as its
-eviction warning always was) and passed to the manager's ``on_event`` callback, if any, so a
-server can attach them to its own tracing. Park and unpark times are kept as histograms
-(`Timings`) for a metrics collector to read without walking anything. Parks, unparks,
-prefetches and a managed step are `torch.profiler.record_function` ranges while a profiler
-runs (`span`), and cost one flag read otherwise.
+Parks, unparks, prefetches, forks, evictions, refusals and migrations are `SessionEvent`s:
+each is logged on the ``sessionstate`` logger and passed to the manager's ``on_event``
+callback, if any, so a server can attach them to its own tracing. Park, unpark and migration
+times are kept as histograms (`Timings`) for a metrics collector to read without walking
+anything. Parks, unparks, prefetches and a managed step are `torch.profiler.record_function`
+ranges while a profiler runs (`span`), and cost one flag read otherwise.
+
+Log levels. Every event is a DEBUG line, except evictions: a session evicted is state lost,
+so an eviction is a WARNING line, at most one per manager every `WARN_EVERY` seconds (the
+first eviction of a manager is its eviction warning, which says what to do), the evictions in
+between at DEBUG and counted in the next WARNING line. A per-eviction WARNING would flood a
+log under pressure, when the cap evicts on every new session; once a minute with a count says
+the same. Refusals stay at DEBUG: each is raised to its caller (`SessionAdmissionError`, a
+budget error), whose handler decides what to log; a second report here would double every
+refusal, and a refusing manager never warns (pinned by ``tests/manager/test_upstream_parity``).
 """
 
 from __future__ import annotations
@@ -15,18 +23,26 @@ import bisect
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
 import torch
 
-__all__ = ["BUCKETS", "EventHook", "Reporter", "SessionEvent", "Timings", "span"]
+__all__ = ["BUCKETS", "WARN_EVERY", "EventHook", "Reporter", "SessionEvent", "Timings", "span"]
 
 logger = logging.getLogger("sessionstate")
 
 BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
-"""Upper bounds (seconds) of the park and unpark time histograms; a last bucket is unbounded."""
+"""Upper bounds (seconds) of the park, unpark and migration time histograms; a last bucket is
+unbounded."""
+
+WARN_EVERY = 60.0
+"""Seconds between two WARNING lines of evictions of one manager (see the module's text)."""
+
+_TIMED = ("park", "unpark", "migrate")
+_now = time.monotonic
 
 
 @attrs.frozen
@@ -34,13 +50,15 @@ class SessionEvent:
     """One thing a manager did to a session.
 
     Attributes:
-        kind: ``"park"``, ``"unpark"``, ``"prefetch"``, ``"evict"`` or ``"refuse"``.
+        kind: ``"park"``, ``"unpark"``, ``"prefetch"``, ``"fork"``, ``"evict"``,
+            ``"refuse"`` or ``"migrate"``.
         session_id: The session.
-        nbytes: The bytes moved (parked, unparked, prefetched) or lost (evicted); 0 for a
-            refusal.
-        seconds: How long it took (parks and unparks; 0 otherwise).
+        nbytes: The bytes moved (parked, unparked, prefetched, migrated) or lost (evicted); 0
+            for a refusal or a fork.
+        seconds: How long it took (parks, unparks and migrations; 0 otherwise).
         tier: The park tier (``"host"`` or ``"disk"``), where one was involved.
         reason: Why (an eviction's or refusal's cause), else None.
+        direction: A migration's: ``"out"`` (exported by a worker) or ``"in"`` (imported).
 
     >>> SessionEvent("park", "a", nbytes=16, seconds=0.001, tier="host").kind
     'park'
@@ -52,6 +70,7 @@ class SessionEvent:
     seconds: float = 0.0
     tier: str | None = None
     reason: str | None = None
+    direction: str | None = None
 
 
 EventHook = Callable[[SessionEvent], None]
@@ -95,27 +114,55 @@ class Reporter:
         self.hook = hook
         self.timings = Timings()
         self.counts: dict[str, int] = {}
+        self._warned_at: float | None = None  # the last eviction WARNING
+        self._quiet = 0  # evictions logged at DEBUG since
 
-    def emit(self, event: SessionEvent, *, level: int = logging.DEBUG) -> None:
+    def emit(self, event: SessionEvent, *, warned: bool = False) -> None:
+        """Count, time, log and pass on ``event``; ``warned``: the caller just warned of it."""
         self.counts[event.kind] = self.counts.get(event.kind, 0) + 1
-        if event.kind in ("park", "unpark") and event.tier is not None:
-            self.timings.observe(f"{event.kind}:{event.tier}", event.seconds)
+        timed = event.tier or event.direction
+        if event.kind in _TIMED and timed is not None:
+            self.timings.observe(f"{event.kind}:{timed}", event.seconds)
+        level, more = logging.DEBUG, ""
+        if event.kind == "evict":
+            level, more = self._eviction_level(warned)
         if logger.isEnabledFor(level):
+            where = f" ({event.tier} tier)" if event.tier else ""
+            if event.direction:
+                where = f" ({event.direction})"
             logger.log(
                 level,
-                "%s session %r: %d bytes%s in %.6f s%s",
+                "%s session %r: %d bytes%s in %.6f s%s%s",
                 event.kind,
                 event.session_id,
                 event.nbytes,
-                f" ({event.tier} tier)" if event.tier else "",
+                where,
                 event.seconds,
                 f"; {event.reason}" if event.reason else "",
+                more,
             )
         if self.hook is not None:
             try:
                 self.hook(event)
             except Exception:  # a callback's failure never fails the manager's work
                 logger.exception("The manager's `on_event` callback raised on %r", event)
+
+    def _eviction_level(self, warned: bool) -> tuple[int, str]:
+        # WARNING at most once every WARN_EVERY seconds, counting the DEBUG ones in between.
+        now = _now()
+        if warned or (self._warned_at is not None and now - self._warned_at < WARN_EVERY):
+            if warned:
+                self._warned_at = now
+            else:
+                self._quiet += 1
+            return logging.DEBUG, ""
+        self._warned_at, quiet, self._quiet = now, self._quiet, 0
+        if not quiet:
+            return logging.WARNING, ""
+        return logging.WARNING, (
+            f" ({quiet} more evicted since the last warning, logged at DEBUG; "
+            "`stats()['evictions']` counts them all)"
+        )
 
 
 def span(name: str) -> contextlib.AbstractContextManager[Any]:

@@ -13,8 +13,10 @@ Gauges: ``<prefix>_sessions`` (by ``state``: resident, parked_host, parked_disk,
 ``device``), ``_pool_blocks`` and ``_pool_free_blocks`` (by ``pool``). Counters:
 ``_lookups_total`` and ``_hits_total``, ``_evictions_total``, ``_refusals_total``,
 ``_parks_total`` and ``_unparks_total`` (by ``tier``), ``_kv_parks_total``,
-``_prefetches_total`` (by ``outcome``: started, hit, dropped). Histograms:
-``_park_seconds`` and ``_unpark_seconds`` (by ``tier``). The Observability page has the table.
+``_prefetches_total`` (by ``outcome``: started, hit, dropped), ``_migrations_total`` (by
+``direction``: out, in; a `SessionWorker`'s exports and imports). Histograms:
+``_park_seconds`` and ``_unpark_seconds`` (by ``tier``), ``_migration_seconds`` (by
+``direction``). The Observability page has the table.
 
 >>> from prometheus_client import CollectorRegistry, generate_latest
 >>> from sessionstate import SessionStateManager
@@ -88,61 +90,65 @@ class SessionStateCollector:
         self.manager = manager
         self.prefix = prefix
         self.labels = labels
+        self._label_cache: dict[tuple[str, str], dict[str, str]] = {}
+        self._histograms: dict[tuple[str, str], tuple[list[int], float, list[Any]]] = {}
 
     def describe(self) -> list[Any]:
         """Nothing up front: the devices, tiers and pools are known only at a scrape."""
         return []
 
     def collect(self) -> Iterator[Any]:
-        """One scrape: the manager's snapshot, as metric families."""
-        core, p, constant = self._core, self.prefix, self.labels
+        """One scrape: the manager's snapshot, as metric families.
+
+        Built as plain ``Metric``s and ``Sample``s (both public in ``prometheus_client.core``)
+        rather than through the ``*MetricFamily`` helpers, which zip and copy the label names
+        for every sample: a scrape is a handful of families, and this keeps it near the cost
+        of the snapshot (``benchmarks/scrape.py``). Label dicts are cached per value, and a
+        histogram's samples until its observations change. Samples are immutable tuples,
+        so two scrapes may share them.
+        """
+        p, sample = self.prefix, self._core.Sample
         snap = self.manager.metrics_snapshot()
         stats: dict[str, int] = snap["stats"]
-        names = list(constant)
-        values = [constant[k] for k in names]
+        family, labels = self._family, self._labels
+        none = self.labels
 
-        def gauge(name: str, doc: str, label: str | None = None) -> Any:
-            return core.GaugeMetricFamily(
-                f"{p}_{name}", doc, labels=[*names, *([label] if label else [])]
-            )
-
-        def counter(name: str, doc: str, label: str | None = None) -> Any:
-            return core.CounterMetricFamily(
-                f"{p}_{name}", doc, labels=[*names, *([label] if label else [])]
-            )
-
-        sessions = gauge("sessions", "Sessions held, by state.", "state")
-        for state, n in snap["sessions"].items():
-            sessions.add_metric([*values, state.replace(":", "_")], n)
+        sessions = family("sessions", "Sessions held, by state.", "gauge")
+        sessions.samples = [
+            sample(f"{p}_sessions", labels("state", state.replace(":", "_")), n)
+            for state, n in snap["sessions"].items()
+        ]
         yield sessions
-        cap = gauge("max_sessions", "The session cap.")
-        cap.add_metric(values, stats["max_sessions"])
+        cap = family("max_sessions", "The session cap.", "gauge")
+        cap.samples = [sample(f"{p}_max_sessions", none, stats["max_sessions"])]
         yield cap
 
-        by_key = [
-            ("resident_bytes", "nbytes:", "Resident bytes, each storage once.", "device"),
-            ("engine_bytes", "engine_nbytes:", "Resident engine-block bytes.", "device"),
-            ("parked_bytes", "nbytes_parked:", "Bytes the park tiers hold.", "tier"),
-            ("budget_bytes", "max_bytes:", "The byte budget per device.", "device"),
+        by_key: dict[str, list[tuple[str, int]]] = {key: [] for key, *_ in _BY_KEY}
+        for k, v in stats.items():
+            key, sep, rest = k.partition(":")
+            if sep and key in by_key:
+                by_key[key].append((rest, v))
+        for key, name, doc, label in _BY_KEY:
+            gauge = family(name, doc, "gauge")
+            gauge.samples = [sample(f"{p}_{name}", labels(label, k), v) for k, v in by_key[key]]
+            yield gauge
+        usage = family("budget_usage_ratio", "Resident bytes over the budget.", "gauge")
+        usage.samples = [
+            sample(
+                f"{p}_budget_usage_ratio",
+                labels("device", device),
+                stats.get(f"nbytes:{device}", 0) / budget,
+            )
+            for device, budget in by_key["max_bytes"]
+            if budget
         ]
-        for name, key, doc, label in by_key:
-            family = gauge(name, doc, label)
-            for k, v in stats.items():
-                if k.startswith(key):
-                    family.add_metric([*values, k[len(key) :]], v)
-            yield family
-        usage = gauge("budget_usage_ratio", "Resident bytes over the budget.", "device")
-        for k, budget in stats.items():
-            if k.startswith("max_bytes:") and budget:
-                device = k[len("max_bytes:") :]
-                usage.add_metric([*values, device], stats.get(f"nbytes:{device}", 0) / budget)
         yield usage
 
-        blocks = gauge("pool_blocks", "Blocks of each engine pool.", "pool")
-        free = gauge("pool_free_blocks", "Free blocks of each engine pool.", "pool")
+        blocks = family("pool_blocks", "Blocks of each engine pool.", "gauge")
+        free = family("pool_free_blocks", "Free blocks of each engine pool.", "gauge")
         for pool, total, nfree in snap["pools"]:
-            blocks.add_metric([*values, pool], total)
-            free.add_metric([*values, pool], nfree)
+            blocks.samples.append(sample(f"{p}_pool_blocks", labels("pool", pool), total))
+            free.samples.append(sample(f"{p}_pool_free_blocks", labels("pool", pool), nfree))
         yield blocks
         yield free
 
@@ -154,34 +160,83 @@ class SessionStateCollector:
             ("kv_parks", stats.get("kv_parks", 0), "Parks that moved KV blocks."),
         ]
         for name, value, doc in plain:
-            family = counter(name, doc)
-            family.add_metric(values, value)
-            yield family
+            counter = family(name, doc, "counter")
+            counter.samples = [sample(f"{p}_{name}_total", none, value)]
+            yield counter
 
         timings: dict[str, tuple[list[int], float, int]] = snap["timings"]
-        for kind in ("park", "unpark"):
-            total = counter(f"{kind}s", f"{kind.capitalize()}s, by tier.", "tier")
-            seconds = core.HistogramMetricFamily(
-                f"{p}_{kind}_seconds",
-                f"Time to {kind} a session's objects.",
-                labels=[*names, "tier"],
-            )
-            for tier in ("host", "disk"):
-                counts, spent, n = timings.get(f"{kind}:{tier}", ([0] * (len(BUCKETS) + 1), 0.0, 0))
-                total.add_metric([*values, tier], n)
-                cumulative, running = [], 0
-                for bound, count in zip([*map(str, BUCKETS), "+Inf"], counts, strict=True):
-                    running += count
-                    cumulative.append((bound, running))
-                seconds.add_metric([*values, tier], buckets=cumulative, sum_value=spent)
+        for kind, stem, label, values, doc in _TIMED:
+            total = family(f"{stem}s", f"{stem.capitalize()}s, by {label}.", "counter")
+            seconds = family(f"{stem}_seconds", doc, "histogram")
+            for value in values:
+                counts, spent, n = timings.get(f"{kind}:{value}", _NO_TIMINGS)
+                total.samples.append(sample(f"{p}_{stem}s_total", labels(label, value), n))
+                seconds.samples += self._histogram(stem, label, value, counts, spent)
             yield total
             yield seconds
 
-        prefetches = counter("prefetches", "Prefetches by outcome.", "outcome")
-        for outcome, key in (
-            ("started", "prefetches"),
-            ("hit", "prefetch_hits"),
-            ("dropped", "prefetches_dropped"),
-        ):
-            prefetches.add_metric([*values, outcome], stats.get(key, 0))
+        prefetches = family("prefetches", "Prefetches by outcome.", "counter")
+        prefetches.samples = [
+            sample(f"{p}_prefetches_total", labels("outcome", outcome), stats.get(key, 0))
+            for outcome, key in (
+                ("started", "prefetches"),
+                ("hit", "prefetch_hits"),
+                ("dropped", "prefetches_dropped"),
+            )
+        ]
         yield prefetches
+
+    def _family(self, name: str, doc: str, kind: str) -> Any:
+        return self._core.Metric(f"{self.prefix}_{name}", doc, kind)
+
+    def _labels(self, label: str, value: str) -> dict[str, str]:
+        # The constant labels and one more, the same dict at every scrape (nobody writes to it).
+        key = (label, value)
+        cached = self._label_cache.get(key)
+        if cached is None:
+            cached = self._label_cache[key] = {**self.labels, label: value}
+        return cached
+
+    def _histogram(
+        self, stem: str, label: str, value: str, counts: list[int], spent: float
+    ) -> list[Any]:
+        # One histogram's samples (cumulative buckets, count, sum), rebuilt only when its
+        # observations changed since the last scrape: between two scrapes most do not.
+        key = (stem, value)
+        cached = self._histograms.get(key)
+        if cached is not None and cached[0] == counts and cached[1] == spent:
+            return cached[2]
+        sample, name = self._core.Sample, f"{self.prefix}_{stem}_seconds"
+        own = self._labels(label, value)
+        out, running = [], 0
+        for bound, count in zip([*map(str, BUCKETS), "+Inf"], counts, strict=True):
+            running += count
+            out.append(sample(f"{name}_bucket", {**own, "le": bound}, running))
+        out += [sample(f"{name}_count", own, running), sample(f"{name}_sum", own, spent)]
+        self._histograms[key] = (counts, spent, out)
+        return out
+
+
+_BY_KEY = [
+    ("nbytes", "resident_bytes", "Resident bytes, each storage once.", "device"),
+    ("engine_nbytes", "engine_bytes", "Resident engine-block bytes.", "device"),
+    ("nbytes_parked", "parked_bytes", "Bytes the park tiers hold.", "tier"),
+    ("max_bytes", "budget_bytes", "The byte budget per device.", "device"),
+]
+"""The `stats()` keys read per device or tier: key, metric name, help, label."""
+
+_TIMED = [
+    ("park", "park", "tier", ("host", "disk"), "Time to park a session's objects."),
+    ("unpark", "unpark", "tier", ("host", "disk"), "Time to unpark a session's objects."),
+    (
+        "migrate",
+        "migration",
+        "direction",
+        ("out", "in"),
+        "Time to export (out) or import (in) a session for a migration.",
+    ),
+]
+"""The timed events (kind, metric stem, label, its values, help): a ``_total`` counter and a
+``_seconds`` histogram each."""
+
+_NO_TIMINGS: tuple[list[int], float, int] = ([0] * (len(BUCKETS) + 1), 0.0, 0)

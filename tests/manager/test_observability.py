@@ -21,6 +21,7 @@ import torch
 from sessionstate import (
     KVCache,
     KVPool,
+    LatentBuffer,
     SessionAdmissionError,
     SessionState,
     SessionStateLostError,
@@ -185,6 +186,41 @@ def test_session_stats_sum_to_the_managers_totals() -> None:
         m.session_stats("z")
 
 
+def test_session_stats_of_forks_sum_to_the_totals_with_shared_bytes_once() -> None:
+    # A source with a KV cache, a history and a tensor attribute, forked twice; each branch
+    # steps (its own chunk, a copy of the partial block). What each session holds alone, plus
+    # what they share counted once (the source's shared part: it reaches every shared
+    # storage), is the manager's total; and each session's kinds add up to its bytes.
+    pool = KVPool(16, block_tokens=4, token_shape=(2,), name="kv")
+    m = SessionStateManager(pools=(pool,))
+    handle = pool.append(pool.empty(), torch.arange(12.0).view(6, 2))
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.arange(8.0))
+    kv = KVCache(name="kv").allocate().commit(handle)
+    m.put("a", SessionState(objects={"kv": kv, "h": history}, attrs={"x": torch.zeros(4)}))
+    del handle, history, kv
+    m.fork("a", "b", "c")
+    for i, sid in enumerate("bc"):
+        state = m.require(sid)
+        grown = pool.append(state.object("kv", KVCache).view(), torch.full((1, 2), float(i)))
+        state = state.update_object("kv", lambda c, h=grown: c.commit(h))
+        m.put(sid, state.update_object("h", lambda b, v=i: b.commit(torch.full((2,), float(v)))))
+    del grown, state
+    total = m.stats()["nbytes:cpu"]
+    per = {sid: m.session_stats(sid) for sid in m.session_ids()}
+    alone = sum(s["nbytes"]["cpu"] - s["nbytes_shared"].get("cpu", 0) for s in per.values())
+    shared_once = per["a"]["nbytes_shared"]["cpu"]
+    assert shared_once > 0
+    assert alone > 0
+    assert alone + shared_once == total
+    for s in per.values():
+        kinds = s["nbytes_by_kind"]
+        assert sum(part.get("cpu", 0) for part in kinds.values()) == s["nbytes"]["cpu"]
+        assert kinds["engine"] == s["engine_nbytes"]
+        assert kinds["attrs"] == {"cpu": 16}  # `x`, shared by all three
+    assert per["a"]["nbytes_by_kind"]["objects"] == {"cpu": 8 * 4}
+    assert per["b"]["nbytes_by_kind"]["objects"] == {"cpu": 8 * 4 + 2 * 4}
+
+
 def test_events_reach_the_callback_and_the_log(caplog: pytest.LogCaptureFixture) -> None:
     events: list[SessionEvent] = []
 
@@ -255,3 +291,60 @@ def test_the_collector_refuses_bad_names_and_managers() -> None:
         SessionStateCollector(SessionStateManager(), prefix="9lives")
     with pytest.raises(TypeError, match="must be a SessionStateManager"):
         SessionStateCollector(object())  # type: ignore[arg-type]
+
+
+def test_a_migration_is_counted_and_timed_on_both_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A worker's export and import are "migrate" events of its manager: the collector shows
+    # them as `migrations_total` and `migration_seconds` by direction. In-process, no Ray.
+    from sessionstate.distributed import DreamZeroFactory, SessionWorker
+
+    src = SessionWorker("w0", DreamZeroFactory(preset="tiny"))
+    dst = SessionWorker("w1", DreamZeroFactory(preset="tiny"))
+    ((sid, obs),) = scripted_episode(DreamZeroConfig.preset("tiny"), steps=1, sessions=1, seed=0)
+    src.step(sid, obs, epoch=1, create=True)
+    with caplog.at_level(logging.DEBUG, logger="sessionstate"):
+        data, _ = src.export_session(sid, epoch=1)
+        dst.import_session(sid, data, epoch=2)
+    for worker, direction in ((src, "out"), (dst, "in")):
+        families = {f.name: f for f in SessionStateCollector(worker.manager).collect()}
+        counts = {
+            s.labels["direction"]: s.value for s in families["sessionstate_migrations"].samples
+        }
+        assert counts == {"out": direction == "out", "in": direction == "in"}
+        seconds = {
+            s.name: s.value
+            for s in families["sessionstate_migration_seconds"].samples
+            if s.labels["direction"] == direction
+        }
+        assert seconds["sessionstate_migration_seconds_count"] == 1
+        assert seconds["sessionstate_migration_seconds_sum"] > 0
+    assert f"migrate session {sid!r}: {data.nbytes} bytes (out) in" in caplog.text
+    assert f"migrate session {sid!r}: {data.nbytes} bytes (in) in" in caplog.text
+
+
+def test_evictions_warn_once_a_minute_with_a_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sessionstate import _events
+
+    now = [0.0]
+    monkeypatch.setattr(_events, "_now", lambda: now[0])
+    m = SessionStateManager(1)
+    with caplog.at_level(logging.WARNING, logger="sessionstate"):
+        for i in range(5):  # the first: the manager's eviction warning; three more quiet
+            m.put(f"s{i}", SessionState())
+        now[0] = _events.WARN_EVERY
+        m.put("s5", SessionState())  # a minute on: one line, with the count
+        m.put("s6", SessionState())
+    lines = [r.getMessage() for r in caplog.records if r.name == "sessionstate"]
+    assert len(lines) == 2
+    assert lines[0].startswith("Session 's0' was evicted by the session cap")
+    assert lines[1] == (
+        "evict session 's4': 0 bytes in 0.000000 s; evicted by the session cap "
+        "(max_sessions=1) (3 more evicted since the last warning, logged at DEBUG; "
+        "`stats()['evictions']` counts them all)"
+    )
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert m.stats()["evictions"] == 6

@@ -426,3 +426,24 @@ def test_a_steps_output_is_a_pytree_on_both_paths(model: Model) -> None:
         torch.equal(x, y * 2) for x, y in zip(tree_leaves(doubled), tree_leaves(a), strict=True)
     )
     assert not tree_equal(a, attrs.evolve(a, reset=None if a.reset else "session"))
+
+
+# -- a footprint per session ---------------------------------------------------------------------
+
+
+def test_the_managed_path_returns_a_sessions_footprint(model: Model) -> None:
+    bespoke, managed = pipes = _pair(model)
+    _both(model, pipes, model.inputs(1, seed=0)[0], "a")
+    stats = managed.session_stats("a")
+    assert stats == managed.manager.session_stats("a")
+    assert stats["resident"]
+    assert stats["nbytes"]
+    msg = (
+        "`session_stats('a')` reads the session-state manager's ledger; this pipeline runs the "
+        "bespoke path, which keeps none. Enable the manager (OMNI_DIFFUSION_SESSION_STATE_"
+        "MANAGER=1), or use `session_values` and `nbytes_by_device` for a session's bytes."
+    )
+    with pytest.raises(RuntimeError, match=re.escape(msg)):
+        bespoke.session_stats("a")
+    with pytest.raises(SessionStateLostError, match="No stats for session 'z'"):
+        managed.session_stats("z")

@@ -225,15 +225,6 @@ class Parking:
                 need[device] = need.get(device, 0) + nbytes
         return need
 
-    def parked_sessions_by_tier(self) -> dict[str, int]:
-        """Parked sessions per tier (a session with objects on both tiers counts as disk)."""
-        out: dict[str, int] = {}
-        for objects in self._parked.values():
-            tiers = {obj.handle.tier for obj in objects.values()}
-            tier = "disk" if "disk" in tiers else "host"
-            out[tier] = out.get(tier, 0) + 1
-        return out
-
     def prefetching_sessions(self) -> int:
         """Sessions with a prefetch started and not yet taken or dropped."""
         return len(self._reserved)
@@ -390,13 +381,24 @@ class Parking:
         (bytes page-locked for it: its size when pinned, exactly) and ``host_pool_spills``
         (parks it could not hold that went to disk).
         """
+        return self.summary()[0]
+
+    def summary(self) -> tuple[dict[str, int], dict[str, int]]:
+        """`stats`, and the parked sessions per tier (one with objects on both tiers counts as
+        disk), from one walk of the parked sessions."""
         parked = {"host": 0, "disk": 0}
-        handles = {
-            id(o.handle): o.handle for objects in self._parked.values() for o in objects.values()
-        }
-        for handle in handles.values():  # each once: forks hold parked bytes together
-            parked[handle.tier] += handle.nbytes
-        return {
+        by_tier: dict[str, int] = {}
+        seen: set[int] = set()  # each handle once: forks hold parked bytes together
+        for objects in self._parked.values():
+            tier = "host"
+            for handle in _handles_of(objects.values()):
+                if id(handle) not in seen:
+                    seen.add(id(handle))
+                    parked[handle.tier] += handle.nbytes
+                if handle.tier == "disk":
+                    tier = "disk"
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+        stats = {
             "parked_sessions": len(self._parked),
             "parks": self._parks,
             "unparks": self._unparks,
@@ -409,6 +411,7 @@ class Parking:
             "prefetches_dropped": self._prefetches_dropped,
             **self.host_pool_stats(),
         }
+        return stats, by_tier
 
     def host_pool_stats(self) -> dict[str, int]:
         """The host pool's keys of `stats` (none without a pool)."""

@@ -134,10 +134,10 @@ class SessionStateManager(Generic[SessionT]):
             spills it to the disk tier (into the spool directory; ``host_pool_spills`` counts
             them), ``"refuse"`` leaves that session resident, as one with nothing parkable
             (the budget parks others, then applies ``on_full``).
-        on_event: Called with each `SessionEvent` (park, unpark, prefetch, evict, refuse),
+        on_event: Called with each `SessionEvent` (park, unpark, prefetch, fork, evict, refuse),
             under the manager's lock: it must not call the manager, and what it raises is
             logged, never raised. Every event is also logged on the ``sessionstate`` logger at
-            DEBUG.
+            DEBUG, evictions at WARNING (at most one line a minute, with a count).
         pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
             e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
             other sessions' objects holding a pool's blocks until the step's room is free,
@@ -606,25 +606,31 @@ class SessionStateManager(Generic[SessionT]):
          'total_nbytes': 0}
         """
         with self._lock:
-            out = {
-                "sessions": len(self._table),
-                "max_sessions": self._max_sessions,
-                "hits": self._hits,
-                "misses": self._misses,
-                "evictions": self._evictions,
-            }
-            totals = self._ledger.totals()
-            out["total_nbytes"] = sum(totals.values())
-            for device, nbytes in totals.items():
-                out[f"nbytes:{device}"] = nbytes
-            for device, nbytes in self._ledger.engine_totals().items():
-                out[f"engine_nbytes:{device}"] = nbytes
-            if self._policy is not None:
-                for device in sorted(self._policy.max_bytes):
-                    out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
-            if self._policy is not None or self._parking.used:
-                out.update(self._parking.stats())
-            return out
+            return self._stats_locked()[0]
+
+    def _stats_locked(self) -> tuple[dict[str, int], dict[str, int]]:
+        # `stats()`, and the parked sessions by tier from the same walk of the parked ones.
+        out = {
+            "sessions": len(self._table),
+            "max_sessions": self._max_sessions,
+            "hits": self._hits,
+            "misses": self._misses,
+            "evictions": self._evictions,
+        }
+        totals = self._ledger.totals()
+        out["total_nbytes"] = sum(totals.values())
+        for device, nbytes in totals.items():
+            out[f"nbytes:{device}"] = nbytes
+        for device, nbytes in self._ledger.engine_totals().items():
+            out[f"engine_nbytes:{device}"] = nbytes
+        if self._policy is not None:
+            for device in sorted(self._policy.max_bytes):
+                out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
+        by_tier: dict[str, int] = {}
+        if self._policy is not None or self._parking.used:
+            parking, by_tier = self._parking.summary()
+            out.update(parking)
+        return out, by_tier
 
     def session_stats(self, session_id: Hashable, /) -> dict[str, Any]:
         """One session's footprint, from what the manager keeps (no record is walked).
@@ -632,7 +638,10 @@ class SessionStateManager(Generic[SessionT]):
         Keys: ``resident`` (no object parked), ``parked`` (the parked objects' names),
         ``nbytes_parked`` (bytes its tiers hold, by tier), ``nbytes`` and ``engine_nbytes``
         (resident bytes by device, each storage the session reaches once; engine blocks also
-        on their own), ``nbytes_shared`` (the part of ``nbytes`` other sessions reach too: a
+        on their own), ``nbytes_by_kind`` (``nbytes`` split into ``engine`` blocks, state
+        ``objects`` and ``attrs``, the attributes and a subclass's fields; a storage both an
+        object and an attribute reach counts as the object's), ``nbytes_shared`` (the part of
+        ``nbytes`` other sessions reach too: a
         fork's history; what the session holds alone is the difference) and ``shared_with``
         (those sessions, least recently used first), ``blocks`` (blocks held per pool the
         manager was given, by the pool's name), ``prefetching`` and ``lru_rank`` (0: the most
@@ -660,16 +669,25 @@ class SessionStateManager(Generic[SessionT]):
                 raise SessionStateLostError(msg)
             seen = self._storages_of(session_id)
             own: dict[Hashable, int] = {}  # references from this session's own leaves
-            for entry in entries_of(self._ledger.held(session_id)):
-                own[entry[1]] = own.get(entry[1], 0) + 1
+            kinds: dict[Hashable, str] = {}  # the kind of value that reaches it first
+            for key, item in self._ledger.held(session_id).items():
+                kind = "objects" if key[0] == "o" else "attrs"
+                for entry in item.entries:
+                    own[entry[1]] = own.get(entry[1], 0) + 1
+                    kinds.setdefault(entry[1], kind)
             nbytes: dict[str, int] = {}
             engine: dict[str, int] = {}
             shared: dict[str, int] = {}
+            by_kind: dict[str, dict[str, int]] = {"engine": {}, "objects": {}, "attrs": {}}
             shared_ids: set[Hashable] = set()
             for device, identity, _, size, _ in seen.values():
                 nbytes[device] = nbytes.get(device, 0) + size
+                kind = kinds[identity]
                 if isinstance(identity, EngineBlock):
                     engine[device] = engine.get(device, 0) + size
+                    kind = "engine"
+                part = by_kind[kind]
+                part[device] = part.get(device, 0) + size
                 if self._ledger.references(identity) > own[identity]:  # another session's too
                     shared[device] = shared.get(device, 0) + size
                     shared_ids.add(identity)
@@ -693,6 +711,9 @@ class SessionStateManager(Generic[SessionT]):
                 "nbytes_shared": {d: n for d, n in shared.items() if n},
                 "shared_with": sharers,
                 "engine_nbytes": {d: n for d, n in engine.items() if n},
+                "nbytes_by_kind": {
+                    kind: {d: n for d, n in part.items() if n} for kind, part in by_kind.items()
+                },
                 "blocks": {
                     pool.name: sum(map(pool.owns_entry, seen.values())) for pool in self._pools
                 },
@@ -705,15 +726,14 @@ class SessionStateManager(Generic[SessionT]):
 
         ``stats`` (as `stats`), ``sessions`` by state (``resident``, ``parked:host``,
         ``parked:disk``, ``prefetching``), ``pools`` (per pool given: name, blocks, free
-        blocks), ``events`` (counts by `SessionEvent` kind) and ``timings`` (park and unpark
-        seconds, as `Timings.snapshot` gives them).
+        blocks), ``events`` (counts by `SessionEvent` kind) and ``timings`` (park, unpark and
+        migration seconds, as `Timings.snapshot` gives them).
 
         >>> SessionStateManager().metrics_snapshot()["sessions"]
         {'resident': 0, 'parked:host': 0, 'parked:disk': 0, 'prefetching': 0}
         """
         with self._lock:
-            stats = self.stats()
-            parked = self._parking.parked_sessions_by_tier()
+            stats, parked = self._stats_locked()
             sessions = {
                 "resident": len(self._table) - sum(parked.values()),
                 "parked:host": parked.get("host", 0),
@@ -729,6 +749,22 @@ class SessionStateManager(Generic[SessionT]):
             "events": events,
             "timings": self._reporter.timings.snapshot(),
         }
+
+    def report(self, event: SessionEvent, /) -> None:
+        """Count, time, log and pass on ``event``, done to a session outside the manager.
+
+        For what moves sessions beside the manager (a `SessionWorker`'s exports and imports
+        are ``"migrate"`` events): the event reaches the log, the ``on_event`` callback and
+        `metrics_snapshot` (counts and timings) as the manager's own do.
+
+        >>> from sessionstate import SessionEvent
+        >>> m = SessionStateManager()
+        >>> m.report(SessionEvent("migrate", "a", 16, 0.002, direction="in"))
+        >>> m.metrics_snapshot()["timings"]["migrate:in"][2]
+        1
+        """
+        with self._lock:
+            self._reporter.emit(event)
 
     def nbytes_by_session(self) -> dict[Hashable, dict[str, int]]:
         """Bytes per session and device; each session counted on its own (no cross-dedup).
@@ -1205,8 +1241,10 @@ class SessionStateManager(Generic[SessionT]):
             nbytes += sum(self._parking.parked_need(session_id).values())
         self._forget(session_id)
         self._evictions += 1
+        first = not self._warned_eviction  # its warning is this eviction's WARNING line
         self._warn_evicted(session_id, by)
-        self._reporter.emit(SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}"))
+        event = SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}")
+        self._reporter.emit(event, warned=first)
 
     def _refused(self, session_id: Hashable, error: Exception) -> None:
         self._reporter.emit(SessionEvent("refuse", session_id, reason=str(error)))

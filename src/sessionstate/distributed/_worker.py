@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ import torch
 
 from sessionstate._config import ENV_ENABLE, OmniDiffusionConfig
 from sessionstate._errors import SessionStateLostError
+from sessionstate._events import SessionEvent
 from sessionstate._manager import SessionStateManager
 from sessionstate._storage import SnapshotParts, recorded_devices
 from sessionstate.distributed._outcomes import StaleEpochError
@@ -252,6 +254,7 @@ class SessionWorker:
             )
             raise SessionStateLostError(msg)
         self._fence(session_id, epoch, "export_session", steps=False)
+        start = time.perf_counter()
         # A record with parked objects travels resident: the bytes of its tier stay here. They
         # are read into host memory (no device memory, no pool block taken), and the parts
         # record the devices they came from.
@@ -265,7 +268,9 @@ class SessionWorker:
                 raise SessionStateLostError(msg)
             data = encode_record(state)
         self._handed_off.add(session_id)
-        return data, digest(data)
+        sha = digest(data)
+        self._migrated(session_id, data, "out", start)
+        return data, sha
 
     def reclaim_session(self, session_id: str, *, epoch: int) -> bool:
         """End a failed migration's hand-off: steps at ``epoch`` run here again.
@@ -303,10 +308,13 @@ class SessionWorker:
                 "overwrites a live record. Drop it there first, or migrate to another worker."
             )
             raise ValueError(msg)
+        start = time.perf_counter()
         self.manager.put(session_id, decode_record(data))
         self._epochs[session_id] = epoch
         self._handed_off.discard(session_id)
-        return ImportAck(session_id, self.name, digest(data), data.nbytes)
+        ack = ImportAck(session_id, self.name, digest(data), data.nbytes)
+        self._migrated(session_id, data, "in", start)
+        return ack
 
     def drop_session(self, session_id: str, *, epoch: int) -> bool:
         """Forget the session held at ``epoch``; returns whether it was held.
@@ -358,6 +366,12 @@ class SessionWorker:
             max_bytes=self.manager.max_bytes,
             room=self._room(stats),
         )
+
+    def _migrated(self, session_id: str, data: SnapshotParts, direction: str, start: float) -> None:
+        # An export or import is a "migrate" event of the manager: its metrics count and time it.
+        seconds = time.perf_counter() - start
+        event = SessionEvent("migrate", session_id, data.nbytes, seconds, direction=direction)
+        self.manager.report(event)
 
     def _room(self, stats: dict[str, int]) -> bool:
         budget = self.manager.max_bytes or {}

@@ -463,6 +463,36 @@ class TwoPathPipeline(Generic[R]):
         storage once, state kept outside the sessions included)."""
         return self._path.stats()
 
+    def session_stats(self, session_id: Hashable, /) -> dict[str, Any]:
+        """One session's footprint: the manager's `SessionStateManager.session_stats`.
+
+        For a server that returns it with a step's output: ``pipe.forward(x, sid)``, then
+        ``pipe.session_stats(sid)``; it leaves the LRU order and the counters alone.
+
+        Raises:
+            RuntimeError: on the bespoke path, which keeps no ledger to read it from.
+            SessionStateLostError: if the session is not held.
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
+        >>> env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"}
+        >>> from sessionstate.models.dreamzero.episode import scripted_episode
+        >>> pipe = DreamZeroPipeline(DreamZeroConfig.preset("tiny"), environ=env)
+        >>> (sid, obs), = scripted_episode(pipe.cfg, steps=1, sessions=1, seed=0)
+        >>> _ = pipe.forward(obs, sid)
+        >>> pipe.session_stats(sid)["resident"]
+        True
+        """
+        check_session_id(session_id)
+        if self._managed is None:
+            msg = (
+                f"`session_stats({session_id!r})` reads the session-state manager's ledger; "
+                "this pipeline runs the bespoke path, which keeps none. Enable the manager "
+                "(OMNI_DIFFUSION_SESSION_STATE_MANAGER=1), or use `session_values` and "
+                "`nbytes_by_device` for a session's bytes."
+            )
+            raise RuntimeError(msg)
+        return self._managed.manager.session_stats(session_id)
+
 
 def device_key(device: torch.device) -> str:
     """How a budget names ``device``: as its tensors report it (CUDA with its index).
