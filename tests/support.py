@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -11,6 +12,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,6 +37,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 DATA = ROOT / "tests" / "data"
 """Committed test data: the golden snapshot files and the script that wrote them."""
+
+
+def load_module(path: Path, name: str, *, register: bool = False) -> ModuleType:
+    """The module in the file ``path``, run under ``name``: a script, a tool, a test module.
+
+    With ``register``, it is in `sys.modules` while it runs (dataclasses look their module
+    up there). Under a name of its own, pytest does not collect a test module a second time.
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def clone_tree(tree: Any) -> Any:

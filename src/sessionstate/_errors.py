@@ -2,6 +2,7 @@
 
 Each one subclasses the builtin a caller would already catch for that kind of mistake, so
 ``except ValueError`` keeps working, while the library's own class lets a caller be precise.
+Every class here is public: `sessionstate`'s table of public names lists them, once.
 """
 
 from __future__ import annotations
@@ -9,23 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-
-__all__ = [
-    "HostPoolFullError",
-    "ImmutabilityViolationError",
-    "ImmutableRecordError",
-    "IncompleteStateError",
-    "KVPoolExhaustedError",
-    "MissingKeyError",
-    "NotAllocatedError",
-    "ParkedError",
-    "ParkingError",
-    "SessionAdmissionError",
-    "SessionStateLostError",
-    "SnapshotError",
-    "StaleKVHandleError",
-    "UnsupportedTensorError",
-]
 
 
 class NotAllocatedError(RuntimeError):

@@ -8,22 +8,16 @@ render, so a page cannot drift from its data (run `python docs/gen_tables.py` an
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import re
 from types import ModuleType
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, load_module
 
 
 def _tables() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_tables", ROOT / "docs" / "gen_tables.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(ROOT / "docs" / "gen_tables.py", "gen_tables")
 
 
 def test_the_report_is_embedded_without_its_title_and_one_level_down() -> None:

@@ -8,29 +8,17 @@ of its ``.py`` source, committed executed), so a new notebook cannot go unrun.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, load_module
 
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def _load_notebook_tests() -> ModuleType:
-    # Loaded under a private name, so pytest does not collect its tests a second time here.
-    path = Path(__file__).with_name("test_notebooks.py")
-    spec = importlib.util.spec_from_file_location("_notebook_checks", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_checks = _load_notebook_tests()
+# Loaded under a private name, so pytest does not collect its tests a second time here.
+_checks = load_module(Path(__file__).with_name("test_notebooks.py"), "_notebook_checks")
 ALL = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 OTHERS = [name for name in ALL if name not in _checks.NAMES]
 

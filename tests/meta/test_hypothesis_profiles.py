@@ -6,12 +6,11 @@ but the share must grow with the profile, or the heavier ``ci`` profile has no e
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from hypothesis import settings
 
-from tests.support import ROOT
+from tests.support import ROOT, load_module
 
 FAULT_FUZZ = ROOT / "tests" / "models" / "dreamzero" / "test_reliability_stateful.py"
 
@@ -20,11 +19,7 @@ def _fault_fuzz_budget(profile: str) -> tuple[int, int]:
     """Import a fresh copy of the fault-fuzz module with ``profile`` loaded."""
     settings.load_profile(profile)
     try:
-        spec = importlib.util.spec_from_file_location(f"_fault_fuzz_under_{profile}", FAULT_FUZZ)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_module(FAULT_FUZZ, f"_fault_fuzz_under_{profile}")
     finally:
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
     chosen = module.TestFaultFuzz.settings

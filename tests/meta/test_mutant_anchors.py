@@ -8,27 +8,14 @@ it must exist.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, load_module
 
-
-def _mutants() -> Any:
-    spec = importlib.util.spec_from_file_location("mutants", ROOT / "tools" / "mutants.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-TOOL = _mutants()
+TOOL = load_module(ROOT / "tools" / "mutants.py", "mutants", register=True)
 
 
 @pytest.mark.parametrize("mutant", TOOL.MUTANTS, ids=lambda m: m.name)

@@ -11,7 +11,6 @@ committed ``.ipynb`` must be the jupytext pairing of its percent-format source
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import os
 import re
 import subprocess
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, load_module
 
 NOTEBOOKS = ROOT / "notebooks"
 NAMES = ["01_state_evolution.ipynb", "02_manager.ipynb", "03_accounting.ipynb"]
@@ -59,13 +58,7 @@ def _body(percent: str) -> list[str]:
 
 
 def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_under_test_{path.stem}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, f"_under_test_{path.stem}", register=True)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import unittest
 from typing import Any
+
+import pytest
 
 from tests.support import ROOT
 
@@ -20,7 +23,12 @@ def _run_page() -> dict[str, Any]:
     return namespace
 
 
-def test_the_page_runs_and_its_contract_machine_passes() -> None:
+def test_the_page_runs_and_its_contract_machine_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As a reader runs it: from the clone's root (its last section reads `configs/`), with no
+    # `OMNI_DIFFUSION_*` variable set (it asserts the flag's default).
+    monkeypatch.chdir(ROOT)
+    for var in [v for v in os.environ if v.startswith("OMNI_DIFFUSION_")]:
+        monkeypatch.delenv(var)
     ns = _run_page()
     # The page's own asserts ran; its machine, against the page's records, passes too.
     suite = unittest.defaultTestLoader.loadTestsFromTestCase(ns["TestRunningMeanSessions"])

@@ -16,7 +16,6 @@ format.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -28,21 +27,12 @@ import torch
 from safetensors import safe_open
 
 import sessionstate as ss
-from tests.support import DATA
+from tests.support import DATA, load_module
 
 GOLDEN = sorted((DATA / "snapshots").glob("*/*.safetensors"))
 
 
-def _make_golden() -> Any:
-    spec = importlib.util.spec_from_file_location("make_golden", DATA / "make_golden.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_golden = _make_golden()
+make_golden = load_module(DATA / "make_golden.py", "make_golden")
 
 
 def _document(path: Path) -> dict[str, Any]:

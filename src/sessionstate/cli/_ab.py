@@ -32,7 +32,7 @@ from sessionstate.cli._common import (
     with_budget,
 )
 from sessionstate.cli._sizes import progress_columns
-from sessionstate.models._registry import DEFAULT_MODEL, MODELS, ModelSpec, get_model
+from sessionstate.models._registry import DEFAULT_MODEL, MODELS, Lazy, ModelSpec, get_model
 
 # The counters each path reports under a byte budget or a KV pool size (0 on the bespoke path).
 _PARKING_KEYS = ("parks", "unparks", "kv_parks", "kv_unparks", "evictions", "parked_sessions")
@@ -290,6 +290,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     if args.max_sessions is None:
         args.max_sessions = DEFAULT_MAX_SESSIONS
     spec = get_model(args.model)
+    if isinstance(spec.pipeline, Lazy):  # a missing extra: one line here, not one per child
+        spec.pipeline.load()
     overrides = _overrides(args)
     deploy, cfg = load_model_config(args.config, args.preset, spec.name, overrides)  # fail here
     warning = deploy_on_cpu_warning(cfg.name, args.device)

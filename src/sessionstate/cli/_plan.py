@@ -64,7 +64,7 @@ ASSUMPTION = (
 )
 
 _KV_MODULES = {"dreamzero": "sessionstate.models.dreamzero.kv"}
-_CONFIGS = {"dreamzero": "sessionstate.models.dreamzero:DreamZeroConfig"}
+_CONFIGS = {"dreamzero": "sessionstate.models.dreamzero.config:DreamZeroConfig"}
 
 GIB = 1024**3
 

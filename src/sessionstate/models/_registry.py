@@ -15,7 +15,7 @@ import attrs
 
 from sessionstate import MissingKeyError
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "Lazy", "ModelSpec", "get_model"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "Lazy", "ModelSpec", "get_model", "lazy_exports"]
 
 Row = tuple[str, str, str, str]
 
@@ -86,6 +86,36 @@ class Lazy:
         for part in attr.split("."):
             found = getattr(found, part)
         return found  # type: ignore[no-any-return]
+
+
+def lazy_exports(
+    package: str, where: Mapping[str, tuple[str, ...]]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package face's PEP 562 ``__getattr__`` and ``__dir__`` over ``where``.
+
+    ``where`` names each submodule of ``package`` and the names it exports; a name is imported
+    from its submodule on first use and then kept in the package. So a reader of one small
+    part (the plan reads a config's KV geometry) does not import the pipeline and diffusers.
+
+    >>> getattr_, dir_ = lazy_exports("sessionstate.models", {"_registry": ("get_model",)})
+    >>> getattr_("get_model") is get_model, "get_model" in dir_()
+    (True, True)
+    """
+    modules = {name: f"{package}.{module}" for module, names in where.items() for name in names}
+    namespace = vars(importlib.import_module(package))
+
+    def getattr_(name: str) -> Any:
+        if name not in modules:
+            msg = f"module {package!r} has no attribute {name!r}"
+            raise AttributeError(msg)
+        value = getattr(importlib.import_module(modules[name]), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(namespace) | set(modules))
+
+    return getattr_, dir_
 
 
 # -- size table footers: formatting of a size table, no model imported ---------------------

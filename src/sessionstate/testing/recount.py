@@ -126,14 +126,17 @@ class EagerLedger:
 
     >>> import torch
     >>> from sessionstate._accounting import storage_entries
-    >>> x = torch.zeros(8)
+    >>> x, m = torch.zeros(8), torch.empty(4, device="meta")
     >>> ledger = EagerLedger()
-    >>> ledger.add(storage_entries(x)); ledger.add(storage_entries(x[2:]))
+    >>> for t in (x, x[2:], m, m):
+    ...     ledger.add(storage_entries(t))
     >>> ledger.totals()
-    {'cpu': 32}
-    >>> ledger.remove(storage_entries(x)); ledger.totals()
-    {'cpu': 32}
-    >>> ledger.remove(storage_entries(x[2:])); ledger.totals()
+    {'cpu': 32, 'meta': 16}
+    >>> ledger.remove(storage_entries(x)); ledger.total("cpu")
+    32
+    >>> for t in (x[2:], m, m):
+    ...     ledger.remove(storage_entries(t))
+    >>> ledger.totals()
     {}
     """
 

@@ -8,15 +8,26 @@ context chunks and every generated chunk. The networks are small seeded stand-in
 `Cosmos3Config`) for size tables on the meta device.
 """
 
-from sessionstate.models.cosmos3.config import MAX_COSMOS3_SESSIONS, PRESETS, Cosmos3Config
-from sessionstate.models.cosmos3.pipeline import Cosmos3Output, Cosmos3Pipeline, Cosmos3Request
-from sessionstate.models.cosmos3.state import (
-    BRANCHES,
-    BUCKETS,
-    Cosmos3Session,
-    Cosmos3State,
-    new_session,
-)
+# The names load on first use (PEP 562), as DreamZero's: reading the config imports no
+# pipeline. Type checkers read the imports below.
+from typing import TYPE_CHECKING
+
+from sessionstate.models._registry import lazy_exports
+
+if TYPE_CHECKING:
+    from sessionstate.models.cosmos3.config import MAX_COSMOS3_SESSIONS, PRESETS, Cosmos3Config
+    from sessionstate.models.cosmos3.pipeline import (
+        Cosmos3Output,
+        Cosmos3Pipeline,
+        Cosmos3Request,
+    )
+    from sessionstate.models.cosmos3.state import (
+        BRANCHES,
+        BUCKETS,
+        Cosmos3Session,
+        Cosmos3State,
+        new_session,
+    )
 
 __all__ = [
     "BRANCHES",
@@ -31,3 +42,12 @@ __all__ = [
     "Cosmos3State",
     "new_session",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "config": ("MAX_COSMOS3_SESSIONS", "PRESETS", "Cosmos3Config"),
+        "pipeline": ("Cosmos3Output", "Cosmos3Pipeline", "Cosmos3Request"),
+        "state": ("BRANCHES", "BUCKETS", "Cosmos3Session", "Cosmos3State", "new_session"),
+    },
+)
