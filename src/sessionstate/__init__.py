@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sessionstate._accounting import nbytes_by_device as nbytes_by_device
     from sessionstate._accounting import nbytes_by_key as nbytes_by_key
+    from sessionstate._batch import Batch as Batch
+    from sessionstate._batch import stack as stack
+    from sessionstate._batch import unstack as unstack
+    from sessionstate._batch import vmap as vmap
     from sessionstate._config import OmniDiffusionConfig as OmniDiffusionConfig
     from sessionstate._config import SessionStateSettings as SessionStateSettings
     from sessionstate._config import resolve_session_state_config as resolve_session_state_config
@@ -107,6 +111,13 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "tree_leaves",
         "tree_map",
         "tree_unflatten",
+    ),
+    # -- batches: many records, one forward -----------------------------------------------
+    "sessionstate._batch": (
+        "Batch",
+        "stack",
+        "unstack",
+        "vmap",
     ),
     # -- sessions and state objects ------------------------------------------------------
     "sessionstate._session": (

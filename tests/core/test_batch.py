@@ -1,0 +1,135 @@
+"""Batches: `stack`, `vmap` and `unstack` of records.
+
+A batch stepped by `vmap` gives, record by record, what the step gives each record on its
+own (`torch.equal` here: the twenty-line model's kernels do not depend on the batch); what
+the records share stays one tensor and is shared again after `unstack`; records that cannot
+be stacked are refused naming the first difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import sessionstate as ss
+
+
+class Session(ss.SessionState):
+    steps = ss.SessionAttr(0, coerce=int, doc="Completed steps.")
+
+
+def new_session() -> Session:
+    ring = ss.LatentBuffer(name="latents", dim=0).allocate(maxlen=3)
+    return Session(objects={"latents": ring})
+
+
+def step(state: Session, x: torch.Tensor) -> tuple[Session, torch.Tensor]:
+    # The README's twenty-line model, with a linear map to give the kernels some work.
+    state = state.update_object("latents", lambda ring: ring.commit(x))
+    out = state.object("latents", ss.LatentBuffer).concat().mean(dim=0) @ WEIGHT
+    return state.with_attrs(steps=state.steps + 1), out
+
+
+WEIGHT = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+
+
+def _forked(n: int) -> list[Session]:
+    # A shared history of two chunks, then one chunk of each record's own.
+    source = new_session()
+    for t in range(2):
+        source, _ = step(source, torch.full((1, 4), float(t)))
+    return [step(source, torch.full((1, 4), 10.0 + i))[0] for i in range(n)]
+
+
+def test_a_vmapped_batch_steps_as_each_record_on_its_own() -> None:
+    records = _forked(4)
+    batch = ss.stack(records)
+    assert batch.size == 4
+    assert batch.shared == 2  # the two history chunks every record holds
+    xs = torch.randn(4, 1, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        batch, outs = ss.vmap(step)(batch, xs)
+        expected = [step(r, xs[i]) for i, r in enumerate(records)]
+        records = [state for state, _ in expected]
+        for i, (_, out) in enumerate(expected):
+            assert torch.equal(outs[i], out)
+        xs = xs + 1.0
+    back = ss.unstack(batch)
+    for got, want in zip(back, records, strict=True):
+        assert ss.tree_equal(got, want)
+        assert got.steps == want.steps == 5
+
+
+def test_what_the_records_share_stays_one_tensor_and_is_shared_again() -> None:
+    records = _forked(3)
+    history = records[0].object("latents", ss.LatentBuffer).view()[1]  # kept by the ring
+    batch, _ = ss.vmap(step)(ss.stack(records), torch.zeros(3, 1, 4))
+    back = ss.unstack(batch)
+    # The oldest chunk was left as it was: one storage for all three, the records' own.
+    firsts = [r.object("latents", ss.LatentBuffer).view()[0] for r in back]
+    assert {t.untyped_storage().data_ptr() for t in firsts} == {
+        history.untyped_storage().data_ptr()
+    }
+    total = ss.nbytes_by_device(back)["cpu"]
+    alone = sum(ss.nbytes_by_device(r)["cpu"] for r in back)
+    assert total < alone
+    # Batched leaves are each record's own, not views into the stacked tensor.
+    newest = [r.object("latents", ss.LatentBuffer).view()[-1] for r in back]
+    assert len({t.untyped_storage().data_ptr() for t in newest}) == 3
+    assert all(t.untyped_storage().nbytes() == 16 for t in newest)
+
+
+def test_unstack_of_a_stack_is_the_records() -> None:
+    records = _forked(3)
+    for copy in (True, False):
+        back = ss.unstack(ss.stack(records), copy=copy)
+        assert all(ss.tree_equal(a, b) for a, b in zip(back, records, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        (lambda s: s.with_attrs(steps=9), r"attrs.*steps.*is 3 in record 0 but 9 in record 1"),
+        (
+            lambda s: s.update_object("latents", lambda r: r.reset().commit(torch.zeros(1, 4))),
+            r"structures differ",
+        ),
+        (
+            lambda s: Session(
+                objects={"latents": ss.LatentBuffer(name="latents", dim=0).allocate(maxlen=5)}
+            ),
+            r"structures differ",
+        ),
+        (
+            lambda s: s.update_object(
+                "latents", lambda r: r.reset().commit(torch.zeros(1, 4, dtype=torch.float64))
+            ),
+            r"structures differ|float64",
+        ),
+    ],
+)
+def test_records_that_cannot_be_stacked_are_refused_naming_the_difference(
+    other: Any, match: str
+) -> None:
+    record = _forked(1)[0]
+    with pytest.raises(ValueError, match=match):
+        ss.stack([record, other(record)])
+
+
+def test_a_leaf_of_another_shape_is_named_with_its_path() -> None:
+    a = ss.SessionState(attrs={"x": torch.zeros(2)})
+    b = ss.SessionState(attrs={"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"x.*is \(2,\) torch.float32 on cpu in record 0 but "):
+        ss.stack([a, b])
+    with pytest.raises(ValueError, match="at least one record"):
+        ss.stack([])
+
+
+def test_engine_handles_are_not_batched_yet() -> None:
+    pool = ss.KVPool(4, block_tokens=2, token_shape=())
+    h = pool.append(pool.empty(), torch.arange(3.0))
+    state = ss.SessionState(objects={"kv": ss.KVCache(name="kv").allocate().commit(h)})
+    with pytest.raises(TypeError, match=r"KVHandle.*not batched yet"):
+        ss.stack([state, state])
