@@ -530,7 +530,14 @@ CORE_MESSAGES = {
     # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5,  # + forks: test_fork*_messages
+    "_manager/_table.py": 9
+    + 2
+    + 2
+    + 1
+    + 2
+    + 4
+    + 5
+    + 3,  # + forks, batches: test_fork*, test_batch_io
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -709,4 +716,30 @@ def test_family_snapshot_messages(tmp_path: Path) -> None:
     assert str(one.value) == (
         f"{str(single)!r} does not hold a family of session records (a list, as `snapshot_many` "
         "writes); load a one-session file with `restore`."
+    )
+
+
+def test_batch_io_messages() -> None:
+    from sessionstate import SessionAdmissionError, SessionState, SessionStateLostError
+    from sessionstate import SessionStateManager as Manager
+
+    m: Manager[SessionState] = Manager(max_sessions=2, on_full="refuse")
+    m.put("a", SessionState())
+    with pytest.raises(SessionStateLostError) as lost:
+        m.get_many(["a", "x"])
+    assert str(lost.value) == (
+        "Cannot get the batch ['a', 'x']: this manager does not hold ['x'] (never created, "
+        "dropped, or evicted). Nothing changed; create them first."
+    )
+    with pytest.raises(ValueError, match="distinct") as twice:
+        m.put_many([("a", SessionState()), ("a", SessionState())])
+    assert str(twice.value) == (
+        "`put_many` needs distinct session ids, got ['a', 'a']; name each session once."
+    )
+    with pytest.raises(SessionAdmissionError) as cap:
+        m.put_many({"b": SessionState(), "c": SessionState()})
+    assert str(cap.value) == (
+        "Cannot store the batch ['b', 'c']: 2 new sessions beside 1 held, and the cap "
+        "(max_sessions=2, `on_full='refuse'`) cannot hold the batch. Store a smaller batch, "
+        "drop finished sessions, or raise `max_sessions`."
     )

@@ -337,6 +337,141 @@ class SessionStateManager(Generic[SessionT]):
             self._table.move_to_end(session_id)
             return state
 
+    def get_many(self, session_ids: Sequence[Hashable], /) -> list[SessionT]:
+        """The latest records of ``session_ids``, all resident at once, for one batched step.
+
+        One room check for the whole batch: the parked ones' bytes are checked, then the
+        least recently used sessions outside the batch are parked (or, per ``on_full``,
+        evicted) until every one of them fits with the others, then each is unparked; no
+        session of the batch is parked to make room for another. Each counts as a hit, and
+        they become the most recently used, in the order given.
+
+        Raises:
+            SessionStateLostError: if any is not held (nothing changes).
+            ValueError: if no id is given, or one twice.
+            SessionAdmissionError: if the budget cannot hold the whole batch; no session is
+                lost (those unparked before the refusal stay resident). Split the batch.
+
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> for sid in "abc": m.put(sid, SessionState(attrs={"n": sid}))
+        >>> [r.attrs["n"] for r in m.get_many(["c", "a"])], m.session_ids()
+        (['c', 'a'], ['b', 'c', 'a'])
+        """
+        ids = self._batch_ids(session_ids, "get_many")
+        for session_id in ids:
+            self._await_prefetch(session_id)
+        with self._lock:
+            missing = [sid for sid in ids if sid not in self._table]
+            if missing:
+                msg = (
+                    f"Cannot get the batch {ids!r}: this manager does not hold {missing!r} "
+                    "(never created, dropped, or evicted). Nothing changed; create them first."
+                )
+                raise SessionStateLostError(msg)
+            parking = self._parking
+            need: dict[str, int] = {}
+            parked = [sid for sid in ids if parking.is_parked(sid)]
+            for session_id in parked:
+                self._verify(session_id, self._table[session_id])
+                try:
+                    for device, nbytes in parking.check(session_id).items():
+                        need[device] = need.get(device, 0) + nbytes
+                except BaseException:
+                    parking.discard(session_id)
+                    raise
+                parking.unreserve(session_id)
+            if parked:
+                self._make_room(parked[0], need, keep=ids)
+            out: list[SessionT] = []
+            for session_id in ids:
+                state = self._table[session_id]
+                if parking.is_parked(session_id):
+                    try:
+                        state = self._unpark(session_id, state, keep=ids)
+                    except BaseException:
+                        parking.discard(session_id)
+                        raise
+                    self._table[session_id] = state
+                    self._ledger.set(session_id, self._ledger.values_for(session_id, state))
+                    self._record_versions(session_id, state)
+                else:
+                    self._verify(session_id, state)
+                out.append(state)
+            for session_id in ids:
+                self._hits += 1
+                self._table.move_to_end(session_id)
+            return out
+
+    def put_many(
+        self, items: Mapping[Hashable, SessionT] | Sequence[tuple[Hashable, SessionT]], /
+    ) -> None:
+        """Store the records of a batched step, all or nothing.
+
+        Like `put` for each, in order, except that no session of the batch is parked or
+        evicted to make room for another, and a refusal of any (the cap, the budget, a record
+        that cannot be counted) puts every session of the batch back as it was.
+
+        Raises:
+            TypeError: if a record is not a `SessionState`.
+            ValueError: if an id is given twice.
+            SessionAdmissionError: as `put`; nothing of the batch changes.
+
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put_many({"a": SessionState(attrs={"n": 1}), "b": SessionState(attrs={"n": 2})})
+        >>> m.session_ids(), m.stats()["sessions"]
+        (['a', 'b'], 2)
+        """
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        ids = self._batch_ids([sid for sid, _ in pairs], "put_many")
+        for session_id, state in pairs:
+            _check_state(state, session_id)
+        with self._lock:
+            fresh = sum(sid not in self._table for sid in ids)
+            room = self._max_sessions - len(self._table)
+            if len(ids) > self._max_sessions or (self._on_full == "refuse" and fresh > room):
+                msg = (
+                    f"Cannot store the batch {ids!r}: {fresh} new sessions beside "
+                    f"{len(self._table)} held, and the cap (max_sessions="
+                    f"{self._max_sessions}, `on_full={self._on_full!r}`) cannot hold the batch. "
+                    "Store a smaller batch, drop finished sessions, or raise `max_sessions`."
+                )
+                error = SessionAdmissionError(msg)
+                self._refused(ids[0], error)
+                try:
+                    raise error
+                finally:
+                    del error
+            before = {sid: self._table.get(sid) for sid in ids}
+            order = list(self._table)
+            done: list[Hashable] = []
+            try:
+                for session_id, state in pairs:
+                    self._put_locked(session_id, state, touch=True, keep=ids)
+                    done.append(session_id)
+            except BaseException:
+                for session_id in reversed(done):
+                    previous = before[session_id]
+                    if previous is None:
+                        self._forget(session_id)
+                    else:
+                        self._put_locked(session_id, previous, touch=False, keep=ids)
+                # The LRU order as it was, for the sessions still held.
+                for session_id in order:
+                    if session_id in self._table:
+                        self._table.move_to_end(session_id)
+                raise
+
+    def _batch_ids(self, session_ids: Sequence[Hashable], method: str) -> list[Hashable]:
+        ids = list(session_ids)
+        for session_id in ids:
+            check_session_id(session_id)
+        if not ids or len(set(ids)) != len(ids):
+            msg = f"`{method}` needs distinct session ids, got {ids!r}; name each session once."
+            raise ValueError(msg)
+        return ids
+
     def peek(self, session_id: Hashable, /, *, on_host: bool = False) -> SessionT | None:
         """The latest record of ``session_id``, or None, for inspection only.
 
@@ -1179,6 +1314,7 @@ class SessionStateManager(Generic[SessionT]):
         *,
         touch: bool,
         like: Hashable | None = None,
+        keep: Collection[Hashable] = (),
     ) -> None:
         # Nothing changes unless the whole put succeeds, except that other sessions may have
         # been parked (losslessly) or evicted to make room. `like`: a session whose stored
@@ -1207,8 +1343,8 @@ class SessionStateManager(Generic[SessionT]):
                 if touch:
                     self._table.move_to_end(session_id)
             else:
-                self._admit(session_id)
-            self._make_room(session_id, {})
+                self._admit(session_id, keep)
+            self._make_room(session_id, {}, keep)
         except BaseException:
             self._ledger.set(session_id, previous)
             raise
@@ -1216,8 +1352,9 @@ class SessionStateManager(Generic[SessionT]):
         self._parking.track(session_id, state)
         self._record_versions(session_id, state)
 
-    def _admit(self, session_id: Hashable) -> None:
-        # `session_id` is new: at the cap, evict the least recently used or refuse.
+    def _admit(self, session_id: Hashable, keep: Collection[Hashable] = ()) -> None:
+        # `session_id` is new: at the cap, evict the least recently used (not in `keep`, a
+        # batch being stored) or refuse.
         if len(self._table) < self._max_sessions:
             return
         if self._on_full == "refuse":
@@ -1232,7 +1369,8 @@ class SessionStateManager(Generic[SessionT]):
                 raise error
             finally:
                 del error  # not kept in this frame: see `_make_room`
-        evicted = next(iter(self._table))
+        # A batch no larger than the cap (`put_many` checks) leaves one outside it.
+        evicted = next(sid for sid in self._table if sid not in keep)
         self._evict(evicted, f"the session cap (max_sessions={self._max_sessions})")
 
     def _evict(self, session_id: Hashable, by: str) -> None:
@@ -1263,7 +1401,9 @@ class SessionStateManager(Generic[SessionT]):
             by,
         )
 
-    def _make_room(self, session_id: Hashable, extra: Mapping[str, int]) -> None:
+    def _make_room(
+        self, session_id: Hashable, extra: Mapping[str, int], keep: Collection[Hashable] = ()
+    ) -> None:
         # Bring the ledger plus `extra` plus the other sessions' prefetches within the budget:
         # park the least recently used sessions' parkable objects, oldest first and never
         # `session_id`'s; then drop the prefetches; then apply `on_full`. The policy decides
@@ -1277,16 +1417,17 @@ class SessionStateManager(Generic[SessionT]):
             reserved = parking.reserved(besides=session_id)
             return {d: extra.get(d, 0) + reserved.get(d, 0) for d in {*extra, *reserved}}
 
-        over = self._park_others(session_id, charged())
+        kept = {session_id, *keep}  # a batch's other sessions are not parked for it
+        over = self._park_others(session_id, charged(), kept)
         if not over:
             return
-        if parking.drop_prefetches(keep=(session_id,)):
+        if parking.drop_prefetches(keep=kept):
             over = policy.over(self._ledger, extra)
             if not over:
                 return
         if self._on_full == "evict":
             for other in list(self._table):
-                if other == session_id or not policy.holds_on(self._ledger.held(other), over):
+                if other in kept or not policy.holds_on(self._ledger.held(other), over):
                     continue
                 self._evict(other, "the byte budget (`max_bytes`)")
                 over = policy.over(self._ledger, extra)
@@ -1302,7 +1443,12 @@ class SessionStateManager(Generic[SessionT]):
         finally:
             del shortfall
 
-    def _park_others(self, session_id: Hashable, extra: Mapping[str, int]) -> list[str]:
+    def _park_others(
+        self,
+        session_id: Hashable,
+        extra: Mapping[str, int],
+        kept: Collection[Hashable] = (),
+    ) -> list[str]:
         # Park the least recently used other sessions' parkable objects until the ledger plus
         # `extra` fits; return the devices still over (none: it fits).
         policy = self._policy
@@ -1311,7 +1457,7 @@ class SessionStateManager(Generic[SessionT]):
         if not over:
             return over
         for other in list(self._table):
-            if other == session_id:
+            if other == session_id or other in kept:
                 continue
             names = policy.parkable(self._ledger.held(other), self._table[other].objects, over)
             if names and self._park(other, names):
@@ -1458,7 +1604,9 @@ class SessionStateManager(Generic[SessionT]):
             )
             raise ParkingError(msg) from exc
 
-    def _unpark(self, session_id: Hashable, state: SessionT) -> SessionT:
+    def _unpark(
+        self, session_id: Hashable, state: SessionT, keep: Collection[Hashable] = ()
+    ) -> SessionT:
         # Unpark; a `KVPool` short of the blocks to take the session's KV back gets them from
         # the least recently used other sessions' parkable KV (then from their prefetches),
         # pool by pool, before the shortage is the caller's.
@@ -1473,7 +1621,7 @@ class SessionStateManager(Generic[SessionT]):
                 tried.add(id(pool))
                 done = functools.partial(_has_free_blocks, pool, needed)
                 try:
-                    made = self.park_until(done, frees=pool.owns_entry, keep=(session_id,))
+                    made = self.park_until(done, frees=pool.owns_entry, keep=(session_id, *keep))
                 except ParkingError as failed:
                     # Another session could not be parked for the room: the shortage is
                     # still this session's, and the failed park its cause.
