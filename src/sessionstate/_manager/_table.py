@@ -425,8 +425,8 @@ class SessionStateManager(Generic[SessionT]):
         """
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         ids = self._batch_ids([sid for sid, _ in pairs], "put_many")
-        for session_id, state in pairs:
-            _check_state(state, session_id)
+        for sid, record in pairs:  # every record checked before anything is stored
+            _check_state(record, sid)
         with self._lock:
             fresh = sum(sid not in self._table for sid in ids)
             room = self._max_sessions - len(self._table)
