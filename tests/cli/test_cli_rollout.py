@@ -1,0 +1,52 @@
+"""`sessionstate rollout`: planning with forks on both paths, outputs compared, bytes reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sessionstate.cli import main
+from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline, Cosmos3Request
+from sessionstate.models.planning import rollout
+
+
+@pytest.mark.parametrize("model", ["cosmos3", "dreamzero"])
+def test_rollout_keeps_the_same_branch_on_both_paths_and_forks_hold_less(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["rollout", "--model", model, "--history", "2", "--branches", "3", "--horizon", "2"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] is True
+    assert report["best"] == max(range(3), key=lambda i: report["scores"][i])
+    assert report["sessions_after"] == ["session"]
+    managed, copies = report["nbytes"]["managed"], report["nbytes"]["bespoke (deep copies)"]
+    assert len(managed) == len(copies) == 2 + 1
+    # While the branches live, the forks hold less than the deep copies; once the best is
+    # kept, both hold one session.
+    assert all(a < b for a, b in zip(managed[:-1], copies[:-1], strict=True))
+    assert managed[-1] == copies[-1]
+
+
+def test_rollout_keeps_the_best_branch_as_the_session() -> None:
+    cfg = Cosmos3Config.preset("tiny")
+    pipe = Cosmos3Pipeline(cfg, environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"})
+
+    def move(v: float) -> Cosmos3Request:
+        return Cosmos3Request(prompt="a red cube", control=torch.full((cfg.control_dim,), v))
+
+    pipe.forward(move(0.0), "s")
+    plan = rollout(pipe, "s", [[move(-1.0)], [move(2.0)]], lambda outs: 1.0 if outs else 0.0)
+    assert plan.best == 0  # equal scores: the first
+    # The session continues from branch 0: as a twin stepped the same way would.
+    twin = Cosmos3Pipeline(cfg, environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"})
+    twin.forward(move(0.0), "s")
+    twin.forward(move(-1.0), "s")
+    a, b = pipe.forward(move(0.5), "s"), twin.forward(move(0.5), "s")
+    assert torch.equal(a.video_latents, b.video_latents)
+    assert pipe.session_ids() == ["s"]
+    with pytest.raises(ValueError, match="one positive length"):
+        rollout(pipe, "s", [[move(1.0)], []], lambda outs: 0.0)
+    assert pipe.session_ids() == ["s"]
