@@ -744,7 +744,7 @@ MUTANTS = (
                 "        return False and any(\n            obj.handle is handle for objects",
             ),
         ),
-        ("tests/manager/test_fork.py",),
+        ("tests/manager/test_fork.py", "tests/manager/test_fork_stateful.py"),
     ),
     Mutant(
         "fork-family-parks-per-branch",
