@@ -740,8 +740,9 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "        return any(\n            obj.handle is handle for objects",
-                "        return False and any(\n            obj.handle is handle for objects",
+                "        return any(obj.handle is handle for obj in self.storing) or any(",
+                "        return False and any(obj.handle is handle for obj in self.storing) "
+                "or False and any(",
             ),
         ),
         ("tests/manager/test_fork.py", "tests/manager/test_fork_stateful.py"),

@@ -297,3 +297,96 @@ def test_a_diverged_branch_parks_only_what_it_no_longer_shares(tmp_path: Path) -
     assert back_b is not None
     assert back_a.object("h") is back_b.object("h")
     assert_stats_equal_a_recount(m)
+
+
+# -- found by an adversarial review of forks ---------------------------------------------------
+
+
+def test_records_the_caller_parked_itself_read_back_their_own_bytes() -> None:
+    # A handle the manager did not make is never remembered for sharing: a later handle at
+    # the same address must not hand back an earlier session's object.
+    m: SessionStateManager[SessionState] = SessionStateManager()
+    for i in range(30):
+        cache = TensorCache(name="cache").allocate().commit(torch.full((2,), float(i)))
+        m.put(i, SessionState(objects={"cache": cache}).park("host"))
+        got = m.get(i)
+        assert got is not None
+        assert got.object("cache", TensorCache).view()[0].item() == i
+
+
+def test_a_branch_takes_a_siblings_parked_bytes_only_if_it_holds_all_of_them() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 200}, park_tier="host"
+    )
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(4))  # 16 bytes
+    cache = TensorCache(name="c").allocate().commit(torch.ones(45))  # 180 bytes
+    m.put("s", SessionState(objects={"h": history, "c": cache}))
+    m.fork("s", "t")
+    m.put("t", m.require("t").update_object("c", lambda c: c.commit(torch.ones(4))))
+    m.put("y", SessionState(attrs={"x": torch.zeros(45)}))  # parks "t"
+    m.drop("s")
+    m.drop("y")
+    assert m.stats()["nbytes_parked:host"] == 32  # "t"'s own two objects, nothing of "s"
+    back = m.get("t")
+    assert back is not None
+    assert m.stats()["nbytes:cpu"] == 32
+
+
+def test_a_record_put_by_hand_keeps_parked_bytes_whose_holder_is_evicted() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_sessions=2, max_bytes={"cpu": 100}, park_tier="host"
+    )
+    m.put("a", _cache_record(16, 1.0))
+    m.put("x", _cache_record(16, 2.0))  # parks "a"
+    m.put("b", m.peek("a"))  # a fork by hand; the cap evicts "a"
+    assert m.session_ids() == ["x", "b"]
+    back = m.get("b")
+    assert back is not None
+    assert back.object("cache", TensorCache).view()[0].item() == 1.0
+
+
+def test_dropping_a_prefetched_fork_gives_its_restores_blocks_back() -> None:
+    pool = KVPool(8, block_tokens=2, token_shape=(2,))
+    m: SessionStateManager[SessionState] = SessionStateManager(pools=(pool,))
+    handle = pool.append(pool.empty(), torch.arange(8.0).view(4, 2))
+    m.put("a", SessionState(objects={"kv": KVCache(name="kv").allocate().commit(handle)}))
+    del handle
+    m.park_until(lambda: pool.free_blocks == 8, frees=pool.owns_entry)
+    m.fork("a", "b")
+    assert m.prefetch("a")
+    m.drop("a")
+    assert pool.free_blocks == 8  # "b" is parked: nothing holds a block
+    back = m.get("b")
+    assert back is not None
+    assert torch.equal(back.object("kv", KVCache).view().read(), torch.arange(8.0).view(4, 2))
+
+
+def test_the_immutability_guard_sees_a_siblings_write_in_place() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 100}, park_tier="disk", check_immutable=True
+    )
+    m.put("a", _cache_record(16, 1.0))
+    m.put("x", _cache_record(16, 2.0))
+    m.fork("a", "b")
+    m.drop("x")
+    a = m.get("a")
+    assert a is not None
+    a.object("cache", TensorCache).view().fill_(666.0)  # illegal: a write into a record
+    b = m.get("b")  # its own copy of the parked bytes, not the written object
+    assert b is not None
+    assert b.object("cache", TensorCache).view()[0].item() == 1.0
+
+
+def test_a_family_the_cap_cannot_hold_is_refused_before_anything_is_stored(
+    tmp_path: Path,
+) -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager()
+    ids = _family(m, 2)
+    path = tmp_path / "family.safetensors"
+    m.snapshot_many(ids, path)
+    small: SessionStateManager[SessionState] = SessionStateManager(max_sessions=2)
+    small.put("z", _history(2))
+    with pytest.raises(SessionAdmissionError, match="cannot hold it"):
+        small.restore_many(path)
+    assert small.session_ids() == ["z"]
+    assert small.stats()["evictions"] == 0

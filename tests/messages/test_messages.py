@@ -530,14 +530,9 @@ CORE_MESSAGES = {
     # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
-    "_manager/_table.py": 9
-    + 2
-    + 2
-    + 1
-    + 2
-    + 4
-    + 5
-    + 3,  # + forks, batches: test_fork*, test_batch_io
+    # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*) and batches (3:
+    # test_batch_io_messages).
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -742,4 +737,37 @@ def test_batch_io_messages() -> None:
         "Cannot store the batch ['b', 'c']: 2 new sessions beside 1 held, and the cap "
         "(max_sessions=2, `on_full='refuse'`) cannot hold the batch. Store a smaller batch, "
         "drop finished sessions, or raise `max_sessions`."
+    )
+
+
+def test_family_snapshot_refusals(tmp_path: Path) -> None:
+    from sessionstate import SessionAdmissionError, SessionState, save_state
+    from sessionstate import SessionStateManager as Manager
+
+    m: Manager[SessionState] = Manager()
+    m.put(1, SessionState())
+    m.put("1", SessionState())
+    with pytest.raises(ValueError, match="stores ids as text") as collide:
+        m.snapshot_many([1, "1"], tmp_path / "x.safetensors")
+    assert str(collide.value) == (
+        "`snapshot_many` stores ids as text, and [1, '1'] would store two as one (['1', '1']); "
+        "snapshot them to separate files, or use distinct str ids."
+    )
+    bad = tmp_path / "bad.safetensors"
+    save_state([SessionState()], bad, metadata={"session_ids": "not json"})
+    with pytest.raises(ss.SnapshotError) as listed:
+        Manager().restore_many(bad)
+    assert str(listed.value) == (
+        f"{str(bad)!r} lists its session ids as 'not json', not a JSON list of strings as "
+        "`snapshot_many` writes; pass `session_ids=`."
+    )
+    family = tmp_path / "family.safetensors"
+    m.snapshot_many(["1"], family)
+    small: Manager[SessionState] = Manager(max_sessions=1, on_full="refuse")
+    small.put("z", SessionState())
+    with pytest.raises(SessionAdmissionError) as cap:
+        small.restore_many(family)
+    assert str(cap.value) == (
+        "Cannot restore the family ['1']: the cap (max_sessions=1, `on_full='refuse'`, 1 held) "
+        "cannot hold it. Drop finished sessions, or raise `max_sessions`."
     )

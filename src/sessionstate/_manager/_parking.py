@@ -95,6 +95,15 @@ class Parking:
         self._parked_as: dict[int, tuple[weakref.ref[StateObject], ParkedObject]] = {}
         self._restored: dict[tuple[int, str | None], weakref.ref[StateObject]] = {}
         self._kv_handles: set[int] = set()  # handles holding K/V (never shared so)
+        # Per handle parked here, the ids of the objects parked into it together: a sibling
+        # takes the handle only if it holds every one of them (else it would hold, and bring
+        # back, bytes it no longer has).
+        self._groups: dict[int, frozenset[int]] = {}
+        # Parked objects of a record being stored (not tracked yet): their bytes are held.
+        self.storing: tuple[ParkedObject, ...] = ()
+        # Whether an object a sibling unparked is handed to the next (off under the
+        # immutability guard, whose versions are per session).
+        self.share_restored = True
         self._parks = 0
         self._unparks = 0
         self._kv_parks = 0  # parks that moved K/V (see `_holds_kv`)
@@ -117,14 +126,18 @@ class Parking:
     def track(self, session_id: Hashable, state: SessionState, /) -> None:
         """``state`` is now stored for ``session_id``: keep its parked objects' handles."""
         parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
+        prefetched = session_id in self._reserved
         self._unreserve(session_id, dropped=True)
         if not parked and session_id not in self._parked:  # resident before and after
             self._kv_parked.discard(session_id)
             return
         kept = {id(handle) for handle in _handles_of(parked.values())}
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
-            if id(handle) not in kept and not self._held_elsewhere(handle):
-                _drop_prefetch(handle)
+            if id(handle) in kept:
+                continue
+            if prefetched or not self._held_elsewhere(handle):
+                _drop_prefetch(handle)  # its background restore went with its reservation
+            if not self._held_elsewhere(handle):
                 self._release(handle)
         if parked:
             self._parked[session_id] = parked
@@ -139,10 +152,13 @@ class Parking:
 
     def untrack(self, session_id: Hashable, /) -> None:
         """``session_id`` is gone from the table: release the handles it held."""
+        prefetched = session_id in self._reserved
         self._unreserve(session_id, dropped=True)
         for handle in _handles_of(self._parked.pop(session_id, {}).values()):
-            if not self._held_elsewhere(handle):  # a fork's sibling still needs it
-                _drop_prefetch(handle)
+            held = self._held_elsewhere(handle)  # a fork's sibling still needs it
+            if prefetched or not held:
+                _drop_prefetch(handle)  # its background restore went with its reservation
+            if not held:
                 self._release(handle)
         self._kv_parked.discard(session_id)
 
@@ -191,19 +207,24 @@ class Parking:
         seconds = time.perf_counter() - start
         if shared:
             new = new._replace({**new.objects, **shared}, dict(new._attrs))
+        made = _handles_of(
+            [o for n in names if isinstance(o := new.objects[n], ParkedObject)]
+        )  # the handles this park created: the manager's to release (not a caller's own)
         if moves_kv:
-            self._kv_handles.update(
-                id(new.objects[name].handle)  # type: ignore[attr-defined]
-                for name in names
-            )
+            self._kv_handles.update(id(handle) for handle in made)
         else:
+            for handle in made:
+                self._groups[id(handle)] = frozenset(
+                    id(state.objects[n])
+                    for n in names
+                    if getattr(new.objects[n], "handle", None) is handle
+                )
             for name in names:
                 self._remember_parked(state.objects[name], new.objects[name])
         parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
         moved = 0
-        for handle in _handles_of(parked.values()):
-            if id(handle) not in self._handles:
-                moved += handle.nbytes
+        for handle in made:
+            moved += handle.nbytes
             self._handles[id(handle)] = handle
         self._parked[session_id] = parked
         self._parks += 1
@@ -335,7 +356,7 @@ class Parking:
         prefetched = any(handle.prefetching for handle in handles)
         # What a sibling unparked from the same parked bytes and still holds comes back as
         # that very object: the sessions share it again instead of holding a copy each.
-        again = self._restored_already(state)
+        again = self._restored_already(state) if self.share_restored else {}
         start = time.perf_counter()
         try:
             with span("sessionstate::unpark"):
@@ -345,8 +366,13 @@ class Parking:
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
         for name, obj in state.objects.items():
-            if isinstance(obj, ParkedObject) and id(obj.handle) not in self._kv_handles:
-                self._remember_restored(obj, new.objects[name])
+            handle_id = id(obj.handle) if isinstance(obj, ParkedObject) else None
+            if (
+                self.share_restored
+                and handle_id in self._handles
+                and handle_id not in self._kv_handles
+            ):
+                self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
         seconds = time.perf_counter() - start
         if prefetched and any(handle.last_restore_prefetched for handle in handles):
             self._prefetch_hits += 1
@@ -453,11 +479,18 @@ class Parking:
             )
         return self._spool_dir
 
+    def abandon(self, objects: Iterable[ParkedObject], /) -> None:
+        """A record holding ``objects`` was not stored: release what no stored record holds."""
+        for handle in _handles_of(objects):
+            if id(handle) in self._handles and not self._held_elsewhere(handle):
+                _drop_prefetch(handle)
+                self._release(handle)
+
     def _held_elsewhere(self, handle: ParkedBytes) -> bool:
         # Whether a stored record still holds ``handle`` (forks share their parked bytes);
         # the caller already took the session that let it go out of `_parked`. A walk of the
         # parked objects: releases are as rare as parks.
-        return any(
+        return any(obj.handle is handle for obj in self.storing) or any(
             obj.handle is handle for objects in self._parked.values() for obj in objects.values()
         )
 
@@ -470,13 +503,22 @@ class Parking:
 
     def _parked_already(self, state: SessionState, names: list[str]) -> dict[str, StateObject]:
         # The objects among `names` another session parked (the same objects, still alive),
-        # as the parked objects that session holds.
-        out: dict[str, StateObject] = {}
+        # as the parked objects that session holds: a handle only when this session holds
+        # every object parked into it, so it holds and brings back exactly its own bytes.
+        found: dict[str, ParkedObject] = {}
         for name in names:
             obj = state.objects[name]
             known = self._parked_as.get(id(obj))
             if known is not None and known[0]() is obj and id(known[1].handle) in self._handles:
-                out[name] = known[1]
+                found[name] = known[1]
+        if not found:
+            return {}
+        mine = {id(state.objects[name]) for name in names}
+        out: dict[str, StateObject] = {}
+        for name, parked in found.items():
+            group = self._groups.get(id(parked.handle))
+            if group is not None and group <= mine:
+                out[name] = parked
         return out
 
     def _remember_parked(self, obj: StateObject, parked: StateObject) -> None:
@@ -516,6 +558,7 @@ class Parking:
         for obj_id in [k for k, (_, p) in self._parked_as.items() if p.handle is handle]:
             del self._parked_as[obj_id]
         self._kv_handles.discard(id(handle))
+        self._groups.pop(id(handle), None)
 
 
 def _holds_kv(obj: StateObject) -> bool:

@@ -200,6 +200,9 @@ class SessionStateManager(Generic[SessionT]):
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
         self._check_immutable = check_immutable
         self._guard = ImmutabilityGuard() if check_immutable else None
+        # Under the guard, versions are per session: an object a sibling unparked (and might
+        # have written into) is not handed to another session.
+        self._parking.share_restored = self._guard is None
         self._warned_eviction = False
         self._lock = threading.RLock()
         self._hits = 0
@@ -1224,6 +1227,12 @@ class SessionStateManager(Generic[SessionT]):
             )
             raise ValueError(msg)
         names = [sid if isinstance(sid, str) else repr(sid) for sid in ids]
+        if len(set(names)) != len(names):
+            msg = (
+                f"`snapshot_many` stores ids as text, and {ids!r} would store two as one "
+                f"({names!r}); snapshot them to separate files, or use distinct str ids."
+            )
+            raise ValueError(msg)
         with recorded_devices():
             records = []
             with self._lock:
@@ -1277,7 +1286,21 @@ class SessionStateManager(Generic[SessionT]):
                 "`snapshot_many` writes); load a one-session file with `restore`."
             )
             raise SnapshotError(msg)
-        ids = list(session_ids) if session_ids is not None else json.loads(listed or "[]")
+        ids: list[Hashable]
+        if session_ids is not None:
+            ids = list(session_ids)
+        else:
+            try:
+                parsed = json.loads(listed or "[]")
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, list) or not all(isinstance(i, str) for i in parsed):
+                msg = (
+                    f"{os.fspath(path)!r} lists its session ids as {listed!r}, not a JSON "
+                    "list of strings as `snapshot_many` writes; pass `session_ids=`."
+                )
+                raise SnapshotError(msg)
+            ids = list(parsed)
         if len(ids) != len(records):
             msg = (
                 f"{os.fspath(path)!r} holds {len(records)} records but {len(ids)} session ids "
@@ -1294,10 +1317,18 @@ class SessionStateManager(Generic[SessionT]):
                     "already held. Drop them first, or pass other `session_ids`."
                 )
                 raise ValueError(msg)
+            room = self._max_sessions - len(self._table)
+            if len(ids) > self._max_sessions or (self._on_full == "refuse" and len(ids) > room):
+                msg = (
+                    f"Cannot restore the family {ids!r}: the cap (max_sessions="
+                    f"{self._max_sessions}, `on_full={self._on_full!r}`, {len(self._table)} "
+                    "held) cannot hold it. Drop finished sessions, or raise `max_sessions`."
+                )
+                raise SessionAdmissionError(msg)
             added: list[Hashable] = []
             try:
                 for session_id, state in zip(ids, records, strict=True):
-                    self._put_locked(session_id, cast(SessionT, state), touch=True)
+                    self._put_locked(session_id, cast(SessionT, state), touch=True, keep=ids)
                     added.append(session_id)
             except BaseException:
                 for session_id in added:
@@ -1327,6 +1358,10 @@ class SessionStateManager(Generic[SessionT]):
         # per-session totals this put just moved (the cost of what changed, not a walk of the
         # record); a refusal moves the ledger back.
         previous = self._ledger.set(session_id, values)
+        # Parked bytes this record holds are held from now on: a session evicted to admit it
+        # (a caller's fork by hand: `put("b", m.peek("a"))`) does not release them.
+        storing = tuple(o for o in state.objects.values() if isinstance(o, ParkedObject))
+        self._parking.storing = storing
         try:
             if self._policy is not None:
                 refused = self._policy.refusal(session_id, self._ledger)
@@ -1347,7 +1382,10 @@ class SessionStateManager(Generic[SessionT]):
             self._make_room(session_id, {}, keep)
         except BaseException:
             self._ledger.set(session_id, previous)
+            self._parking.storing = ()
+            self._parking.abandon(storing)
             raise
+        self._parking.storing = ()
         self._table[session_id] = state
         self._parking.track(session_id, state)
         self._record_versions(session_id, state)
