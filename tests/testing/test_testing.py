@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import attrs
@@ -601,22 +602,22 @@ class _SummingStatsManager(SessionStateManager):
 class _MutatingManager(SessionStateManager):
     """Zeroes the tensors of a record it evicts (as if recycling their memory)."""
 
-    def _admit(self, session_id: str) -> None:
+    def _admit(self, session_id: str, keep: Collection[Hashable] = ()) -> None:
         if len(self._table) >= self._max_sessions and self._on_full == "evict":
             _, evicted = next(iter(self._table.items()))
             for t in _tensors_of(evicted):
                 if t.device.type == "cpu" and t.numel():
                     t.zero_()
-        super()._admit(session_id)
+        super()._admit(session_id, keep)
 
 
 class _RefuseLeaksManager(SessionStateManager):
     """Refuses a new session, but only after dropping the oldest one."""
 
-    def _admit(self, session_id: str) -> None:
+    def _admit(self, session_id: str, keep: Collection[Hashable] = ()) -> None:
         if len(self._table) >= self._max_sessions and self._on_full == "refuse":
             self._table.popitem(last=False)
-        super()._admit(session_id)
+        super()._admit(session_id, keep)
 
 
 _CPU_STATES = session_states(pools=tensor_pools(devices=("cpu",), allow_empty=False))
