@@ -390,3 +390,24 @@ def test_a_family_the_cap_cannot_hold_is_refused_before_anything_is_stored(
         small.restore_many(path)
     assert small.session_ids() == ["z"]
     assert small.stats()["evictions"] == 0
+
+
+def test_a_sibling_that_takes_a_prefetch_leaves_no_reservation_behind() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 200}, park_tier="host"
+    )
+    for sid, fill in (("a", 1.0), ("x", 2.0), ("y", 3.0), ("z", 4.0)):
+        m.put(sid, _cache_record(16, fill))  # "a" parks
+    m.fork("a", "b")
+    m.drop("x")
+    m.drop("y")
+    assert m.prefetch("a")
+    back = m.get("b")  # takes the background restore of the bytes both hold
+    assert back is not None
+    assert not m.session_stats("a")["prefetching"]
+    before = m.stats()["parks"]
+    m.put("w", _cache_record(16, 5.0))  # fits beside "b" and "z": nothing parks
+    assert m.stats()["parks"] == before
+    again = m.get("a")
+    assert again is not None
+    assert again.object("cache", TensorCache).view()[0].item() == 1.0

@@ -377,6 +377,11 @@ class Parking:
         if prefetched and any(handle.last_restore_prefetched for handle in handles):
             self._prefetch_hits += 1
         del self._parked[session_id]
+        # A sibling's prefetch of the same parked bytes was taken by this unpark: its
+        # reservation has nothing behind it any more.
+        for other in [o for o in self._reserved if o in self._parked]:
+            if not any(h.prefetching for h in _handles_of(self._parked[other].values())):
+                self._unreserve(other, dropped=True)
         for tier in sorted({handle.tier for handle in handles}):
             nbytes = sum(h.nbytes for h in handles if h.tier == tier)
             self.reporter.emit(SessionEvent("unpark", session_id, nbytes, seconds, tier))
