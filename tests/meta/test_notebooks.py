@@ -30,17 +30,27 @@ MAX_NOTEBOOK_BYTES = 600_000
 
 
 def _text_outputs(nb: Any) -> list[list[str]]:
-    """Per code cell, the text of its stream and plain-text outputs (figures left out)."""
+    """Per code cell, the text of its stream and plain-text outputs (figures left out).
+
+    Consecutive stream outputs are joined: how the kernel splits printed text into messages
+    depends on timing (a loaded machine splits it more), never on what was printed.
+    """
     cells = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        texts = []
+        texts: list[str] = []
+        streaming = False
         for out in cell.outputs:
             if out.output_type == "stream":
-                texts.append(out.text)
+                if streaming:
+                    texts[-1] += out.text
+                else:
+                    texts.append(out.text)
+                streaming = True
             elif "data" in out and "image/png" not in out["data"]:
                 texts.append(out["data"].get("text/plain", ""))
+                streaming = False
         cells.append(texts)
     return cells
 
