@@ -531,8 +531,8 @@ CORE_MESSAGES = {
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
     # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*) and batches (3:
-    # test_batch_io_messages).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3,
+    # test_batch_io_messages), and a batched step's count of records (1: test_step_many.py).
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,

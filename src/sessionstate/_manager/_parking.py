@@ -295,6 +295,10 @@ class Parking:
             return []
         return [h for h in _handles_of(self._parked[session_id].values()) if h.prefetching]
 
+    def pending_all(self, *, besides: Collection[Hashable] = ()) -> list[ParkedBytes]:
+        """The handles with a background restore started, of every session but ``besides``."""
+        return [h for sid in self._reserved if sid not in besides for h in self.pending(sid)]
+
     def drop_prefetches(self, *, keep: Collection[Hashable] = ()) -> bool:
         """Drop every prefetch but ``keep``'s; return whether any was dropped.
 

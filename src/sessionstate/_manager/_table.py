@@ -1031,7 +1031,7 @@ class SessionStateManager(Generic[SessionT]):
         """
         check_session_id(session_id)
         try:
-            self._make_step_room(session_id)
+            self._make_step_room((session_id,))
             state = None if begin else self.get(session_id)
             if state is None:
                 if begin is False:
@@ -1046,8 +1046,81 @@ class SessionStateManager(Generic[SessionT]):
         except KVPoolExhaustedError as exc:
             if not any(exc.pool is pool for pool in self._pools):
                 raise
-            raise self._step_shortfall(session_id, exc.pool) from exc
+            raise self._step_shortfall((session_id,), exc.pool) from exc
         return out
+
+    def step_many(
+        self,
+        session_ids: Sequence[Hashable],
+        fn: Callable[[list[SessionT]], tuple[Sequence[SessionT], Sequence[OutT]]],
+        /,
+        *,
+        new: Callable[[], SessionT],
+        begin: bool | None = None,
+        lost: Callable[[Hashable], str] | None = None,
+    ) -> list[OutT]:
+        """One batched step of ``session_ids``: make the batch's room, read every record,
+        ``fn(states) -> (states, outs)`` once, and publish all of them only if it succeeded.
+
+        `step` for a batch: the room for every session's step is made at once (in each pool,
+        the blocks all their steps can take, parking least recently used sessions outside
+        the batch; the byte budget as `get_many` and `put_many` make it), the records are
+        read with `get_many` (a session not held starts from ``new()``, unless ``begin`` is
+        False), ``fn`` runs once inside every pool's transaction, and its records are stored
+        with `put_many`. All or nothing: a step or a store that fails gives back what the
+        step took and leaves every session of the batch as it was.
+
+        Args:
+            session_ids: The sessions, each once; ``fn`` gets their records in this order.
+            fn: The pure batched step: a list of records in, as many records and outputs out.
+            new: Makes a new session's record.
+            begin: As `step`, for every session of the batch.
+            lost: The message of a continuation of a session not held.
+
+        Raises:
+            ValueError: if no id is given, or one twice, or ``fn`` returns a different
+                number of records or outputs than it was given.
+            SessionStateLostError: if ``begin`` is False and a session is not held (nothing
+                changes).
+            KVPoolExhaustedError: if a pool lacks the blocks the batch's steps can take with
+                nothing left to park: step a smaller batch.
+            SessionAdmissionError: as `put_many`; nothing of the batch changes.
+
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> def count(states):
+        ...     new = [s.with_attrs(n=s.attrs.get("n", 0) + 1) for s in states]
+        ...     return new, [s.attrs["n"] for s in new]
+        >>> m.step_many(["a", "b"], count, new=SessionState), m.step_many(["b"], count, new=SessionState)
+        ([1, 1], [2])
+        """  # noqa: E501 - a doctest line
+        ids = self._batch_ids(session_ids, "step_many")
+        try:
+            self._make_step_room(ids)
+            with self._lock:
+                held = [sid for sid in ids if sid in self._table] if not begin else []
+            if begin is False and len(held) < len(ids):
+                missing = next(sid for sid in ids if sid not in held)
+                raise SessionStateLostError(lost(missing) if lost is not None else _lost(missing))
+            records = dict(zip(held, self.get_many(held), strict=True)) if held else {}
+            states = [records[sid] if sid in records else new() for sid in ids]
+            with self._transactions(), span("sessionstate::step_many"):
+                stepped, outs = fn(states)
+                stepped, outs = list(stepped), list(outs)
+                if len(stepped) != len(ids) or len(outs) != len(ids):
+                    msg = (
+                        f"The batched step returned {len(stepped)} records and {len(outs)} "
+                        f"outputs for {len(ids)} sessions; return one record and one output "
+                        "per session, in the order given."
+                    )
+                    raise ValueError(msg)
+                # Published only after the whole batch succeeded.
+                self.put_many(list(zip(ids, stepped, strict=True)))
+        except KVPoolExhaustedError as exc:
+            if not any(exc.pool is pool for pool in self._pools):
+                raise
+            raise self._step_shortfall(ids, exc.pool) from exc
+        return outs
 
     def park_until(
         self,
@@ -1592,29 +1665,49 @@ class SessionStateManager(Generic[SessionT]):
         # The pool's blocks the session's stored record holds resident.
         return sum(map(pool.owns_entry, self._storages_of(session_id).values()))
 
-    def _make_step_room(self, session_id: Hashable) -> None:
-        # Before a step (outside its transaction): while a pool lacks the blocks the step can
-        # take, park the least recently used other sessions' objects holding its blocks. A
-        # pool with the room to spare costs two calls; only one under pressure reads the
-        # session's entries.
+    def _make_step_room(self, session_ids: Sequence[Hashable]) -> None:
+        # Before a step (outside its transaction): while a pool lacks the blocks the steps
+        # can take, park the least recently used sessions' objects holding its blocks (never
+        # the stepping ones'). A pool with the room to spare costs two calls; only one under
+        # pressure reads the sessions' entries.
         for pool in self._pools:
             most = pool.blocks_for_step(0)
-            if most == 0 or pool.free_blocks >= most:
+            if most == 0:
                 continue
+            # Another session's prefetch takes its blocks when its background restore gets to
+            # them, maybe while these steps run: count a whole handle for each, and under
+            # pressure wait for them, so the free blocks counted are the ones the steps find.
             with self._lock:
-                need = pool.blocks_for_step(self._held_blocks(session_id, pool))
+                running = self._parking.pending_all(besides=session_ids)
+            later = len({id(h) for h in running}) * (pool.session_blocks or 0)
+            if pool.free_blocks >= most * len(session_ids) + later:
+                continue
+            for handle in running:
+                handle.wait_prefetch()
+            with self._lock:
+                need = self._step_blocks(session_ids, pool)
                 done = functools.partial(_has_free_blocks, pool, need)
-                self.park_until(done, frees=pool.owns_entry, keep=(session_id,))
+                self.park_until(done, frees=pool.owns_entry, keep=session_ids)
 
-    def _step_shortfall(self, session_id: Hashable, pool: EnginePool) -> KVPoolExhaustedError:
+    def _step_blocks(self, session_ids: Sequence[Hashable], pool: EnginePool) -> int:
+        # The pool's blocks the sessions' steps can take, less what they hold.
+        return sum(pool.blocks_for_step(self._held_blocks(sid, pool)) for sid in session_ids)
+
+    def _step_shortfall(
+        self, session_ids: Sequence[Hashable], pool: EnginePool
+    ) -> KVPoolExhaustedError:
         with self._lock:
-            need = pool.blocks_for_step(self._held_blocks(session_id, pool))
+            need = self._step_blocks(session_ids, pool)
+        named: object = session_ids[0]
+        label, fix = "Session", ""
+        if len(session_ids) > 1:
+            named, label, fix = list(session_ids), "Batch", "step a smaller batch, or "
         return kv_shortfall(
             pool,
             max(need, 1),
-            session_id,
-            label="Session",
-            fix="build the pool with at least {nbytes} bytes",
+            named,
+            label=label,
+            fix=fix + "build the pool with at least {nbytes} bytes",
         )
 
     def _read_parked(
