@@ -395,12 +395,31 @@ MUTANTS = (
         "sessionstate/models/cosmos3/_managed.py",
         (
             (
-                "super().__init__(model, settings, Cosmos3Session, unknown_session)",
+                "super().__init__(model, settings, Cosmos3Session, unknown_session, lost=",
                 'super().__init__(model, __import__("attrs").evolve(settings, max_bytes=None), '
-                "Cosmos3Session, unknown_session)",
+                "Cosmos3Session, unknown_session, lost=",
             ),
         ),
         ("tests/models/test_two_model_contract.py",),
+    ),
+    Mutant(
+        "batch-invariant-runs-the-batch-kernel",
+        "a batch-invariant DreamZero batch runs its denoiser on the whole batch anyway",
+        "sessionstate/models/dreamzero/networks.py",
+        (("                if batch_invariant:\n", "                if False:\n"),),
+        ("tests/models/test_batch_models.py",),
+    ),
+    Mutant(
+        "batched-chunks-keep-the-batch-alive",
+        "a batched Cosmos3 step hands each session a view into the batch's latents",
+        "sessionstate/models/cosmos3/_model.py",
+        (
+            (
+                "        return [latents[i : i + 1].clone() for i in range(size)]\n",
+                "        return [latents[i : i + 1] for i in range(size)]\n",
+            ),
+        ),
+        ("tests/models/test_batch_models.py",),
     ),
     Mutant(
         "cosmos3-bespoke-table-always-evicts",
@@ -449,7 +468,7 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "            if most == 0 or pool.free_blocks >= most:\n",
+                "            if pool.free_blocks >= most * len(session_ids) + later:\n",
                 "            if True:\n",
             ),
         ),

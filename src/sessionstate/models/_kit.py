@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -31,7 +31,14 @@ from sessionstate import (
     nbytes_by_device,
     resolve_session_state_config,
 )
-from sessionstate._checks import an_int, check_session_id, is_int, one_of, positive_int
+from sessionstate._checks import (
+    an_int,
+    check_bool,
+    check_session_id,
+    is_int,
+    one_of,
+    positive_int,
+)
 from sessionstate._env import ENV_KV_POOL_BYTES
 from sessionstate._kv._pool import kv_shortfall, session_blocks
 
@@ -44,7 +51,9 @@ __all__ = [
     "SessionTable",
     "TwoPathPipeline",
     "an_int",
+    "buckets",
     "build_manager",
+    "check_batch",
     "check_session_id",
     "device_key",
     "is_int",
@@ -253,6 +262,10 @@ class SessionTable(Generic[S]):
 class SessionPath(Protocol):
     """What each session path of a reference model provides, bespoke or managed."""
 
+    def forward(self, inputs: Any, session_id: Hashable, begin: bool | None, /) -> Any:
+        """One step of ``session_id``."""
+        ...
+
     def drop_session(self, session_id: Hashable, /) -> bool:
         """End a session; returns whether it was held."""
         ...
@@ -318,12 +331,38 @@ class ManagedPathBase(Generic[R]):
         unknown: Callable[[Hashable], str],
         *,
         pools: tuple[EnginePool, ...] = (),
+        lost: Callable[[Hashable], str] | None = None,
     ) -> None:
         self.model = model
         self.manager: SessionStateManager[R] = build_manager(
             record, settings, model.device, pools=pools
         )
         self._unknown = unknown
+        self._lost = lost
+
+    def new_session(self) -> R:
+        """An empty session for this model's geometry (the model's path defines it)."""
+        raise NotImplementedError
+
+    def step_batch(
+        self, states: Sequence[R], inputs: Sequence[Any], *, batch_invariant: bool = False
+    ) -> tuple[list[R], list[Any]]:
+        """The model's pure batched step (the model's path defines it)."""
+        raise NotImplementedError
+
+    def forward_many(
+        self, inputs: Mapping[Hashable, Any], begin: bool | None, batch_invariant: bool
+    ) -> dict[Hashable, Any]:
+        """One batched step of every session in ``inputs`` (`SessionStateManager.step_many`
+        over the model's `step_batch`): all of them stepped and published, or none."""
+        ids = list(inputs)
+        xs = [inputs[sid] for sid in ids]
+
+        def run(states: list[R]) -> tuple[list[R], list[Any]]:
+            return self.step_batch(states, xs, batch_invariant=batch_invariant)
+
+        outs = self.manager.step_many(ids, run, new=self.new_session, begin=begin, lost=self._lost)
+        return dict(zip(ids, outs, strict=True))
 
     def drop_session(self, session_id: Hashable) -> bool:
         """End a session; returns whether it was held."""
@@ -412,6 +451,53 @@ class TwoPathPipeline(Generic[R]):
         'refuse'
         """
         return self.settings.on_full
+
+    def forward_many(
+        self,
+        inputs: Mapping[Hashable, Any],
+        /,
+        *,
+        begin: bool | None = None,
+        batch_invariant: bool = False,
+    ) -> dict[Hashable, Any]:
+        """Step many sessions at once: ``{session_id: input}`` in, ``{session_id: output}`` out.
+
+        On the managed path the sessions are one batch (`SessionStateManager.step_many`): one
+        room check for all of them, their records read together, the model's pure
+        ``step_batch`` run once (its networks once per shape bucket: sessions whose tensors
+        have one shape, such as the same position in a window), and every record published
+        only if the whole batch succeeded; a failure leaves every session of the batch at
+        its previous record. With ``batch_invariant`` each output equals ``forward`` of the
+        session alone, bit for bit; without it outputs agree to within rounding (the
+        Batches page states by how much). The bespoke path steps the sessions one by one,
+        in the order given (a failure stops there; the sessions before it are stepped).
+
+        Args:
+            inputs: Each session's input, in the order to step them.
+            begin: As `forward`, for every session.
+            batch_invariant: Run the networks' non-invariant kernels once per session.
+
+        Raises:
+            ValueError: for no session.
+            TypeError: for a ``batch_invariant`` or ``begin`` of the wrong type.
+            SessionStateLostError: if ``begin=False`` and a session is not held.
+            KVPoolExhaustedError: if the pools cannot hold the batch's steps: step fewer
+                sessions at a time.
+        """
+        if not isinstance(inputs, Mapping) or not inputs:
+            msg = (
+                f"`forward_many` takes a non-empty mapping of session id to input, got "
+                f"{inputs!r}; pass `{{session_id: input, ...}}`."
+            )
+            raise ValueError(msg)
+        for session_id in inputs:
+            check_session_id(session_id)
+        check_bool(batch_invariant, "batch_invariant")
+        if begin is not None:
+            check_bool(begin, "begin")
+        if self._managed is None:
+            return {sid: self._path.forward(x, sid, begin) for sid, x in inputs.items()}
+        return self._managed.forward_many(inputs, begin, batch_invariant)
 
     def drop_session(self, session_id: Hashable) -> bool:
         """End a session on either path; returns whether it was held."""
@@ -559,6 +645,35 @@ def prefetch(
     if manager is None:
         return False
     return manager.prefetch(session_id, make_room=make_room)
+
+
+def check_batch(states: Sequence[Any], inputs: Sequence[Any]) -> None:
+    """Refuse a batched step given a different number of records and inputs.
+
+    >>> check_batch([1, 2], ["x"])
+    Traceback (most recent call last):
+    ValueError: A batched step got 2 records and 1 inputs; pass one input per record, in order.
+    """
+    if len(states) != len(inputs):
+        msg = (
+            f"A batched step got {len(states)} records and {len(inputs)} inputs; pass one "
+            "input per record, in order."
+        )
+        raise ValueError(msg)
+
+
+def buckets(items: Sequence[S], *, key: Callable[[S], Hashable]) -> list[list[int]]:
+    """The positions of ``items`` grouped by ``key``, groups in order of first appearance.
+
+    A batched step runs each group through its networks as one batch (a shape bucket).
+
+    >>> buckets(["a", "bb", "c", "dd", "eee"], key=len)
+    [[0, 2], [1, 3], [4]]
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return list(groups.values())
 
 
 def managed_forward(

@@ -9,11 +9,12 @@ read back by the step's own denoising loop, committed when the step succeeded).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 
-from sessionstate import KVPair, SessionStateSettings
-from sessionstate.models._kit import ManagedPathBase, managed_forward
+from sessionstate import EncodeOnceKV, KVPair, SessionStateSettings
+from sessionstate.models._kit import ManagedPathBase, buckets, check_batch, managed_forward
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
@@ -46,7 +47,7 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
     model: Cosmos3Model
 
     def __init__(self, model: Cosmos3Model, settings: SessionStateSettings) -> None:
-        super().__init__(model, settings, Cosmos3Session, unknown_session)
+        super().__init__(model, settings, Cosmos3Session, unknown_session, lost=lost_continuation)
 
     def forward(
         self, request: Cosmos3Request, session_id: Hashable, begin: bool | None
@@ -79,6 +80,51 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
         staged; the step's own later denoising steps read it back with
         ``include_staged=True``; it is committed only once the chunk is generated.
         """
+        prep = self._prepare(state, request)
+        latents = self.model.denoise(
+            prep.chunk_index, prep.context, request.control, prep.rope, prep.kv_for
+        )
+        return self._finish(prep, latents)
+
+    def step_batch(
+        self,
+        states: Sequence[Cosmos3Session],
+        requests: Sequence[Cosmos3Request],
+        *,
+        batch_invariant: bool = False,
+    ) -> tuple[list[Cosmos3Session], list[Cosmos3Output]]:
+        """`step` of many sessions, their networks run once per shape bucket: pure.
+
+        Each session is prepared as `step` prepares it (reset, encode-once K/V, context);
+        sessions whose contexts have one shape are denoised as one batch
+        (`Cosmos3Model.denoise_batch`); each then commits its own chunk. With
+        ``batch_invariant`` every record and output equals `step`'s bit for bit; without it
+        the latents agree to within rounding (see the Batches page).
+
+        Raises:
+            ValueError: if ``states`` and ``requests`` differ in length.
+        """
+        check_batch(states, requests)
+        preps = [self._prepare(s, r) for s, r in zip(states, requests, strict=True)]
+        latents: list[torch.Tensor | None] = [None] * len(preps)
+        for group in buckets(preps, key=lambda p: tuple(p.context.shape)):
+            done = self.model.denoise_batch(
+                [preps[i].chunk_index for i in group],
+                [preps[i].context for i in group],
+                [requests[i].control for i in group],
+                preps[group[0]].rope,
+                [preps[i].kv_for for i in group],
+                batch_invariant=batch_invariant,
+            )
+            for i, out in zip(group, done, strict=True):
+                latents[i] = out
+        pairs = zip(preps, latents, strict=True)
+        finished = [self._finish(p, cast(torch.Tensor, x)) for p, x in pairs]
+        return [f[0] for f in finished], [f[1] for f in finished]
+
+    def _prepare(self, state: Cosmos3Session, request: Cosmos3Request) -> _Prepared:
+        # Everything a step does before its denoising loop: the reset, the RoPE tables, the
+        # K/V source (encoding on first read, staged) and the context.
         model = self.model
         nets, cfg = model.nets, model.cfg
         texts = model.texts(request)
@@ -89,36 +135,58 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
             reason = "session"
             state = self.new_session()
         rope = state.rope_freqs if state.rope_freqs is not None else nets.rope()
-
         kv = state.text_kv
         if not kv.is_allocated:  # evicted: the prompt tokens are the recompute source
             kv = kv.allocate(num_layers=cfg.num_layers, branches=BRANCHES)
-
-        def kv_for(branch: str) -> Sequence[KVPair]:
-            nonlocal kv
-            if kv.missing_layers(branch, include_staged=True):
-                for i, pair in enumerate(model.encode_branch(texts[branch])):
-                    kv = kv.stage({branch: {i: pair}})
-            pairs: tuple[KVPair, ...] = kv.view(branch, include_staged=True)
-            return pairs
-
         ring = state.context_latents
         context = ring.concat() if len(ring) else nets.empty_context()
-        latents = model.denoise(state.chunk_count, context, request.control, rope, kv_for)
+        return _Prepared(model, state, texts, reason, rope, kv, context)
+
+    def _finish(
+        self, prep: _Prepared, latents: torch.Tensor
+    ) -> tuple[Cosmos3Session, Cosmos3Output]:
+        # What the step changed, in one transition.
+        kv = prep.kv
         if kv.has_staged:
             kv = kv.commit()
-        host = latents.detach().to(model.host_device, copy=True)
-        # What the step changed, in one transition.
+        state = prep.state
+        host = latents.detach().to(self.model.host_device, copy=True)
         objects = {
             "text_kv": kv,
-            "context_latents": ring.commit(latents),
+            "context_latents": state.context_latents.commit(latents),
             "video_latents": state.video_latents.commit(host),
         }
         state = state.with_values(
             objects,
-            prompt_tokens=texts["cond"],
-            negative_tokens=texts["uncond"],
-            rope_freqs=rope,
+            prompt_tokens=prep.texts["cond"],
+            negative_tokens=prep.texts["uncond"],
+            rope_freqs=prep.rope,
             chunk_count=state.chunk_count + 1,
         )
-        return state, Cosmos3Output(video_latents=latents, reset=reason)
+        return state, Cosmos3Output(video_latents=latents, reset=prep.reason)
+
+
+class _Prepared:
+    """One session's step up to its denoising loop; `kv_for` stages what it encodes."""
+
+    def __init__(
+        self,
+        model: Cosmos3Model,
+        state: Cosmos3Session,
+        texts: dict[str, torch.Tensor],
+        reason: str | None,
+        rope: torch.Tensor,
+        kv: EncodeOnceKV,
+        context: torch.Tensor,
+    ) -> None:
+        self.model, self.state, self.texts, self.reason = model, state, texts, reason
+        self.rope, self.kv, self.context = rope, kv, context
+        self.chunk_index = state.chunk_count
+
+    def kv_for(self, branch: str) -> Sequence[KVPair]:
+        """Every layer's K/V of ``branch``: encoded and staged on its first read."""
+        if self.kv.missing_layers(branch, include_staged=True):
+            for i, pair in enumerate(self.model.encode_branch(self.texts[branch])):
+                self.kv = self.kv.stage({branch: {i: pair}})
+        pairs: tuple[KVPair, ...] = self.kv.view(branch, include_staged=True)
+        return pairs

@@ -132,3 +132,56 @@ class Cosmos3Model:
             v = nets.guided_velocity(latents, sigma, context, control, rope, cond, uncond)
             latents = latents + (sigma_next - sigma) * v
         return latents
+
+    def denoise_batch(
+        self,
+        chunk_indices: Sequence[int],
+        contexts: Sequence[torch.Tensor],
+        controls: Sequence[torch.Tensor],
+        rope: torch.Tensor,
+        kv_fors: Sequence[KVSource],
+        *,
+        batch_invariant: bool = False,
+    ) -> list[torch.Tensor]:
+        """`denoise` of a batch of sessions whose contexts have one shape, in one loop.
+
+        Each session's noise, context, control and K/V are its own (K/V read once, before
+        the loop, each branch encoded where missing); the Euler updates run on the whole
+        batch. Returns each session's latents, its own tensor (1, C, T, H, W).
+
+        With ``batch_invariant``, the transformer runs once per session inside the batched
+        loop (its matrix products and softmax may round differently when a kernel is given
+        more rows): each session's latents then equal its own `denoise`, bit for bit. Without
+        it the transformer runs once on the whole batch, and the latents agree with the
+        per-session ones to within rounding.
+        """
+        nets = self.nets
+        size = len(chunk_indices)
+        latents = torch.cat([nets.noise(i) for i in chunk_indices])
+        context = torch.cat(list(contexts))
+        control = torch.stack([c.to(device=self.device, dtype=nets.dtype) for c in controls])
+        kv = [(kv_for("cond"), kv_for("uncond")) for kv_for in kv_fors]
+        if not batch_invariant:
+            cond, uncond = (_stacked([pairs[b] for pairs in kv]) for b in (0, 1))
+        for sigma, sigma_next in zip(nets.sigmas[:-1], nets.sigmas[1:], strict=True):
+            if batch_invariant:
+                v = torch.cat(
+                    [
+                        nets.guided_velocity(
+                            latents[i : i + 1], sigma, context[i : i + 1], control[i], rope, *kv[i]
+                        )
+                        for i in range(size)
+                    ]
+                )
+            else:
+                v = nets.guided_velocity(latents, sigma, context, control, rope, cond, uncond)
+            latents = latents + (sigma_next - sigma) * v
+        return [latents[i : i + 1].clone() for i in range(size)]
+
+
+def _stacked(sessions: Sequence[Sequence[KVPair]]) -> list[KVPair]:
+    # Every layer's K/V of a batch of sessions: each session's pair joined along the batch.
+    return [
+        KVPair(torch.cat([p.key for p in layer]), torch.cat([p.value for p in layer]))
+        for layer in zip(*sessions, strict=True)
+    ]

@@ -63,14 +63,14 @@ class GenerationBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv: KVPair) -> torch.Tensor:
         cfg = self.cfg
-        n = x.shape[1]
-        q = self.to_q(x).view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        b, n = x.shape[0], x.shape[1]
+        q = self.to_q(x).view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         q = apply_rope(q, rope)
         group = cfg.num_heads // cfg.num_kv_heads
         k = kv.key.repeat_interleave(group, dim=1)
         v = kv.value.repeat_interleave(group, dim=1)
         weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim), dim=-1)
-        attn = (weights @ v).transpose(1, 2).reshape(1, n, cfg.model_dim)
+        attn = (weights @ v).transpose(1, 2).reshape(b, n, cfg.model_dim)
         out: torch.Tensor = x + self.to_out(attn)
         return out
 
@@ -109,8 +109,10 @@ class GenerationTransformer(nn.Module):
         rope: torch.Tensor,
         kv: Sequence[KVPair],
     ) -> torch.Tensor:
+        # A batch of B sessions: latents, context (B, C, T, H, W), control (B, D) or (D,) for
+        # one, K/V (B, heads, L, d); sigma and the rotary tables are the batch's.
         x = self.proj_in(patchify(latents, self.cfg.patch))
-        cond = self.time(sigma.reshape(1, 1)) + self.control(control.reshape(1, -1))
+        cond = self.time(sigma.reshape(1, 1)) + self.control(control.reshape(x.shape[0], -1))
         cond = cond + self.context(patchify(context, self.cfg.patch).mean(dim=1))
         x = torch.nn.functional.silu(x + cond[:, None])
         for block, pair in zip(self.blocks, kv, strict=True):
@@ -119,17 +121,17 @@ class GenerationTransformer(nn.Module):
 
 
 def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
-    """(1, C, T, H, W) -> (1, T * H/p * W/p, C * p * p)."""
-    _, c, t, h, w = latents.shape
-    x = latents.reshape(1, c, t, h // p, p, w // p, p)
-    return x.permute(0, 2, 3, 5, 1, 4, 6).reshape(1, t * (h // p) * (w // p), c * p * p)
+    """(B, C, T, H, W) -> (B, T * H/p * W/p, C * p * p)."""
+    b, c, t, h, w = latents.shape
+    x = latents.reshape(b, c, t, h // p, p, w // p, p)
+    return x.permute(0, 2, 3, 5, 1, 4, 6).reshape(b, t * (h // p) * (w // p), c * p * p)
 
 
 def unpatchify(tokens: torch.Tensor, shape: torch.Size, p: int) -> torch.Tensor:
     """The inverse of `patchify` for a latent of ``shape``."""
-    _, c, t, h, w = shape
-    x = tokens.reshape(1, t, h // p, w // p, c, p, p)
-    return x.permute(0, 4, 1, 2, 5, 3, 6).reshape(1, c, t, h, w)
+    b, c, t, h, w = shape
+    x = tokens.reshape(b, t, h // p, w // p, c, p, p)
+    return x.permute(0, 4, 1, 2, 5, 3, 6).reshape(b, c, t, h, w)
 
 
 def rope_freqs(num_tokens: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -140,7 +142,7 @@ def rope_freqs(num_tokens: int, head_dim: int, device: torch.device) -> torch.Te
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (1, heads, N, d) by the tables of `rope_freqs`."""
+    """Rotate (B, heads, N, d) by the tables of `rope_freqs`."""
     cos, sin = rope[0].to(x.dtype), rope[1].to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)

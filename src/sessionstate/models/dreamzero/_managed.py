@@ -11,7 +11,8 @@ moved to the park tier and back to the pool.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 
@@ -24,7 +25,13 @@ from sessionstate import (
     StateObject,
     TensorCache,
 )
-from sessionstate.models._kit import ManagedPathBase, kv_shortfall, managed_forward
+from sessionstate.models._kit import (
+    ManagedPathBase,
+    buckets,
+    check_batch,
+    kv_shortfall,
+    managed_forward,
+)
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._model import (
     BODY_FRAMES,
@@ -72,7 +79,14 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         if nbytes is None:
             nbytes = kv_cache.default_pool_bytes(model.cfg, settings.max_sessions)
         self.kv_pool: KVPool = kv_cache.build_kv_pool(model.cfg, model.device, nbytes)
-        super().__init__(model, settings, DreamZeroSession, unknown_session, pools=(self.kv_pool,))
+        super().__init__(
+            model,
+            settings,
+            DreamZeroSession,
+            unknown_session,
+            pools=(self.kv_pool,),
+            lost=lost_continuation,
+        )
 
     def forward(
         self, obs: Observation, session_id: Hashable, begin: bool | None
@@ -143,6 +157,51 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         What the step changes is gathered and applied in two transitions (`with_values`):
         one before the denoiser runs, one with what it produced.
         """
+        prep = self._prepare(state, obs)
+        video, out = self.model.generate(*prep.inputs(), prep.csf, obs, prep.kv)
+        return self._finish(prep, video, out)
+
+    def step_batch(
+        self,
+        states: Sequence[DreamZeroSession],
+        observations: Sequence[Observation],
+        *,
+        batch_invariant: bool = False,
+    ) -> tuple[list[DreamZeroSession], list[DreamZeroOutput]]:
+        """`step` of many sessions, the denoiser run once per shape bucket: pure.
+
+        Each session is prepared as `step` prepares it (reset, observation encode, the KV
+        append to its own handle); sessions whose denoiser inputs have one shape (the same
+        place in a window) are denoised as one batch (`DreamZeroModel.generate_batch`); each
+        then commits its own latents and decodes its own frames. With ``batch_invariant``
+        every record and output equals `step`'s bit for bit; without it they agree to within
+        rounding (see the Batches page).
+
+        Raises:
+            ValueError: if ``states`` and ``observations`` differ in length.
+        """
+        check_batch(states, observations)
+        preps = [self._prepare(s, o) for s, o in zip(states, observations, strict=True)]
+        results: list[tuple[torch.Tensor, DreamZeroOutput] | None] = [None] * len(preps)
+        for group in buckets(preps, key=_Prepared.shapes):
+            done = self.model.generate_batch(
+                [preps[i].inputs() for i in group],
+                [preps[i].csf for i in group],
+                [observations[i] for i in group],
+                [preps[i].kv for i in group],
+                batch_invariant=batch_invariant,
+            )
+            for i, result in zip(group, done, strict=True):
+                results[i] = result
+        finished = [
+            self._finish(p, *cast(tuple[torch.Tensor, DreamZeroOutput], r))
+            for p, r in zip(preps, results, strict=True)
+        ]
+        return [f[0] for f in finished], [f[1] for f in finished]
+
+    def _prepare(self, state: DreamZeroSession, obs: Observation) -> _Prepared:
+        # Everything a step does before the denoiser: the reset, the observation's encode,
+        # the KV append, applied in one transition.
         model = self.model
         nets, cfg = model.nets, model.cfg
         stitched = stitch_views(obs, cfg).to(model.device)
@@ -183,12 +242,13 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
         objects["kv_cache"] = state.object("kv_cache", KVCache).commit(handle)
         state = state.with_values(objects, **values)
-        assert state.ys is not None
-        assert state.clip_feas is not None
-        assert state.prompt_embeds is not None
-        video, out = model.generate(
-            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read()
-        )
+        return _Prepared(state, ref, csf, handle.read(), reason)
+
+    def _finish(
+        self, prep: _Prepared, video: torch.Tensor, out: DreamZeroOutput
+    ) -> tuple[DreamZeroSession, DreamZeroOutput]:
+        # What the denoiser produced: the latents' history and the decoded frames.
+        model, state = self.model, prep.state
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(model.host_device, copy=True)
         produced: dict[str, StateObject] = {
@@ -199,8 +259,12 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
             produced["vae_dec_feat_map"] = state.object("vae_dec_feat_map", TensorCache).commit(
                 dec_map
             )
-        state = state.with_values(produced, current_start_frame=csf + cfg.num_frame_per_block)
-        return state, DreamZeroOutput(out.actions, out.video_latents, reset=reason, frames=pixels)
+        state = state.with_values(
+            produced, current_start_frame=prep.csf + model.cfg.num_frame_per_block
+        )
+        return state, DreamZeroOutput(
+            out.actions, out.video_latents, reset=prep.reason, frames=pixels
+        )
 
     def _stream_seed(
         self,
@@ -242,3 +306,30 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         objects["vae_enc_feat_map"] = state.object("vae_enc_feat_map", TensorCache).commit(feat_map)
         values["vae_pending_body_frames"] = pending
         return encoder_out
+
+
+class _Prepared:
+    """One session's step up to the denoiser: its record so far and the denoiser's inputs."""
+
+    def __init__(
+        self,
+        state: DreamZeroSession,
+        ref: torch.Tensor,
+        csf: int,
+        kv: torch.Tensor,
+        reason: str | None,
+    ) -> None:
+        self.state, self.ref, self.csf, self.kv, self.reason = state, ref, csf, kv, reason
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ref, ys, clip_feas, prompt_embeds)``, as `DreamZeroModel.generate` takes them."""
+        state = self.state
+        assert state.ys is not None
+        assert state.clip_feas is not None
+        assert state.prompt_embeds is not None
+        return self.ref, state.ys, state.clip_feas, state.prompt_embeds
+
+    def shapes(self) -> tuple[object, ...]:
+        """What must be equal for sessions to share one denoiser batch."""
+        ref, ys, clip, prompt = self.inputs()
+        return self.csf == 1, ref.shape, ys.shape, clip.shape, prompt.shape, self.kv.shape

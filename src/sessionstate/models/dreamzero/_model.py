@@ -6,6 +6,8 @@ comes back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from sessionstate import record, static_field
@@ -114,6 +116,46 @@ class DreamZeroModel:
             reset=None,
         )
         return video, out
+
+    def generate_batch(
+        self,
+        inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+        csfs: Sequence[int],
+        observations: Sequence[Observation],
+        kvs: Sequence[torch.Tensor],
+        *,
+        batch_invariant: bool = False,
+    ) -> list[tuple[torch.Tensor, DreamZeroOutput]]:
+        """`generate` of a batch of sessions whose denoiser inputs have one shape.
+
+        ``inputs`` holds each session's ``(ref, ys, clip_feas, prompt_embeds)``; the denoiser
+        runs in one loop over the batch (`DreamZeroNetworks.diffuse_batch`; bit for bit each
+        session's own `generate` with ``batch_invariant``). Returns each session's
+        ``(video, output)``, as `generate` returns them.
+        """
+        n = self.cfg.num_frame_per_block
+        refs = [x[0] for x in inputs]
+        videos, actions = self.nets.diffuse_batch(
+            refs,
+            [_ys_slice(x[1], csf, n) for x, csf in zip(inputs, csfs, strict=True)],
+            [x[2] for x in inputs],
+            [x[3] for x in inputs],
+            kvs,
+            batch_invariant=batch_invariant,
+        )
+        results = []
+        for ref, video, raw, csf, obs in zip(
+            refs, videos, actions, csfs, observations, strict=True
+        ):
+            if csf == 1:  # the window's first block carries its conditioning latent in front
+                video = torch.cat([ref, video], dim=2)
+            out = DreamZeroOutput(
+                actions=self.nets.postprocess_actions(raw, obs.state.to(self.device)),
+                video_latents=video,
+                reset=None,
+            )
+            results.append((video, out))
+        return results
 
     def decode(
         self, video: torch.Tensor, feat_map: FeatMap | None

@@ -117,6 +117,49 @@ class Denoiser(nn.Module):
         up = delta.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
         return hidden + up
 
+    def forward_batch(
+        self,
+        latents: torch.Tensor,
+        actions: torch.Tensor,
+        t: torch.Tensor,
+        ref: torch.Tensor,
+        ys: torch.Tensor,
+        clip_feas: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` over a batch: every argument with a leading batch dimension B (``kv``
+        ``(B, tokens, *kv_token_shape)``), the same arithmetic per session.
+
+        A separate method so that `forward`, the one-session step both paths run, keeps its
+        kernels (and so its bits) exactly; batched kernels round differently.
+        """
+        b = latents.shape[0]
+        ref_b = ref.mean(dim=2, keepdim=True).expand_as(latents)
+        x = self.inp(torch.cat([latents, ref_b, ys], dim=1))
+        cond = (
+            self.text(prompt_embeds.mean(dim=1))
+            + self.clip(clip_feas.mean(dim=1))
+            + self.time(t.reshape(1, 1).to(latents.dtype) / 1000)
+        )
+        hidden = torch.nn.functional.silu(x + cond[:, :, None, None, None])
+        layers, _, heads, dim = self.kv_token_shape
+        tokens = _patch_tokens_batch(hidden)
+        start = tokens
+        for layer in range(layers):
+            q = self.q_proj(tokens).view(b, -1, heads, dim).transpose(1, 2)
+            k = kv[:, :, layer, 0].transpose(1, 2)
+            v = kv[:, :, layer, 1].transpose(1, 2)
+            read = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            tokens = tokens + self.o_proj(read.transpose(1, 2).reshape(b, -1, heads * dim))
+        _, h, t_, lh, lw = hidden.shape
+        delta = (tokens - start).transpose(1, 2).reshape(b, h, t_, lh // 2, lw // 2)
+        hidden = hidden + delta.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
+        video = self.out(hidden)
+        pooled = hidden.mean(dim=(2, 3, 4))
+        act = self.action_out(torch.nn.functional.silu(self.action_in(actions) + pooled[:, None]))
+        return video, act
+
     def forward(
         self,
         latents: torch.Tensor,
@@ -314,6 +357,73 @@ class DreamZeroNetworks:
                 actions = action_sched.step(v_action, t, actions).prev_sample
         return latents, actions[0]
 
+    @torch.no_grad()
+    def diffuse_batch(
+        self,
+        refs: Sequence[torch.Tensor],
+        ys: Sequence[torch.Tensor],
+        clip_feas: Sequence[torch.Tensor],
+        prompt_embeds: Sequence[torch.Tensor],
+        kvs: Sequence[torch.Tensor],
+        *,
+        batch_invariant: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`diffuse` of a batch of sessions whose inputs have one shape, in one loop.
+
+        Returns each session's video latents (1, z, F, h, w) and raw actions, its own
+        tensors. The schedulers' updates (elementwise) run on the whole batch. With
+        ``batch_invariant`` the denoiser runs once per session, as `diffuse` runs it, and
+        each session's results equal its own `diffuse` bit for bit; without it the denoiser
+        runs once on the batch (`Denoiser.forward_batch`).
+        """
+        cfg = self.cfg
+        size = len(refs)
+        shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
+        generator = torch.Generator().manual_seed(cfg.seed)
+        latents = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
+        actions = torch.randn(
+            (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
+        ).to(self.device)
+        latents = latents.repeat(size, 1, 1, 1, 1)
+        actions = actions.repeat(size, 1, 1)
+        if not batch_invariant:
+            ref, y, clip, prompt = (
+                torch.cat(list(x)) for x in (refs, ys, clip_feas, prompt_embeds)
+            )
+            kv = torch.stack(list(kvs))
+        video_sched = copy.copy(self._scheduler)
+        action_sched = copy.copy(self._scheduler)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for t in video_sched.timesteps:
+                step = t.to(self.device)
+                if batch_invariant:
+                    each = [
+                        self.denoiser(
+                            latents[i : i + 1],
+                            actions[i : i + 1],
+                            step,
+                            refs[i],
+                            ys[i],
+                            clip_feas[i],
+                            prompt_embeds[i],
+                            kvs[i],
+                        )
+                        for i in range(size)
+                    ]
+                    v_video = torch.cat([v for v, _ in each])
+                    v_action = torch.cat([a for _, a in each])
+                else:
+                    v_video, v_action = self.denoiser.forward_batch(
+                        latents, actions, step, ref, y, clip, prompt, kv
+                    )
+                latents = video_sched.step(v_video, t, latents).prev_sample
+                actions = action_sched.step(v_action, t, actions).prev_sample
+        return (
+            [latents[i : i + 1].clone() for i in range(size)],
+            [actions[i].clone() for i in range(size)],
+        )
+
     def postprocess_actions(self, actions: torch.Tensor, joint_state: torch.Tensor) -> torch.Tensor:
         """Denormalise from [-1, 1] with q01/q99; joints (first 7 dims) relative to absolute."""
         a = actions.float()
@@ -431,6 +541,15 @@ def _patch_tokens(x: torch.Tensor) -> torch.Tensor:
     else:
         pooled = torch.nn.functional.avg_pool3d(x, kernel_size=(1, 2, 2))
     return pooled.flatten(2)[0].transpose(0, 1).contiguous()
+
+
+def _patch_tokens_batch(x: torch.Tensor) -> torch.Tensor:
+    # (B, C, T, h, w) -> (B, T * h/2 * w/2, C): `_patch_tokens` of each session, batched.
+    if x.device.type == "cpu" and x.dtype in _NO_CPU_POOL:
+        pooled = torch.nn.functional.avg_pool3d(x.float(), kernel_size=(1, 2, 2)).to(x.dtype)
+    else:
+        pooled = torch.nn.functional.avg_pool3d(x, kernel_size=(1, 2, 2))
+    return pooled.flatten(2).transpose(1, 2).contiguous()
 
 
 def _chunk_bounds(num_frames: int) -> list[tuple[int, int]]:
