@@ -97,6 +97,9 @@ def _steps(
     from sessionstate import SessionAdmissionError
 
     spec = get_model(args.model)
+    if getattr(args, "batch", None):
+        _batched_steps(args, pipe, episode, records, times, total)
+        return
     for i, (sid, obs) in enumerate(episode):
         start = time.perf_counter()
         if args.prefetch and i + 1 < len(episode) and episode[i + 1][0] != sid:
@@ -115,6 +118,54 @@ def _steps(
 
 
 _NO_RANGE = contextlib.nullcontext()
+
+
+def batches(episode: list[tuple[Any, Any]], size: int) -> list[dict[Any, Any]]:
+    """The episode's steps in order, cut into batches of at most ``size`` distinct sessions.
+
+    A batch ends where it is full or where a session would step twice in it.
+
+    >>> [list(b) for b in batches([("a", 1), ("b", 2), ("a", 3), ("c", 4)], 3)]
+    [['a', 'b'], ['a', 'c']]
+    """
+    out: list[dict[Any, Any]] = []
+    for sid, x in episode:
+        if not out or len(out[-1]) == size or sid in out[-1]:
+            out.append({})
+        out[-1][sid] = x
+    return out
+
+
+def _batched_steps(
+    args: argparse.Namespace,
+    pipe: Any,
+    episode: list[tuple[Any, Any]],
+    records: list[dict[str, Any]],
+    times: list[float],
+    total: int,
+) -> None:
+    # `--batch N`: every path steps the episode N sessions at a time with `forward_many`
+    # (the bespoke path one by one, the managed one as a batch, batch-invariant).
+    from sessionstate import SessionAdmissionError
+
+    spec = get_model(args.model)
+    groups = batches(episode, args.batch)
+    done = 0
+    for i, group in enumerate(groups):
+        start = time.perf_counter()
+        if args.prefetch and i + 1 < len(groups):
+            following = next(iter(groups[i + 1]))
+            if following not in group:
+                pipe.prefetch(following, make_room=True)
+        try:
+            outs = pipe.forward_many(group, batch_invariant=True)
+        except SessionAdmissionError as exc:
+            records.extend({"session": sid, "refused": True, "reason": str(exc)} for sid in group)
+        else:
+            times.append((time.perf_counter() - start) / len(group))
+            records.extend({"session": sid, **spec.outputs(outs[sid])} for sid in group)
+        done += len(group)
+        print(f"{_PROGRESS}{done} {total}", file=sys.stderr, flush=True)
 
 
 def merge_traces(parts: dict[str, Path], out: str) -> None:
@@ -162,6 +213,8 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
         cmd += ["--prefetch"]
     if getattr(args, "decode_frames", False):
         cmd += ["--decode-frames"]
+    if getattr(args, "batch", None):
+        cmd += ["--batch", str(args.batch)]
     if getattr(args, "trace", None):
         cmd += ["--trace", str(out.with_suffix(".trace.json"))]
     return cmd
@@ -394,6 +447,8 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         report["kv_pool_bytes"] = args.kv_pool_bytes
     if args.prefetch:
         report["prefetch"] = True
+    if args.batch:
+        report["batch"] = args.batch
     if getattr(cfg, "decode_frames", False):
         report["decode_frames"] = True
     if args.json:
@@ -523,6 +578,14 @@ def add_parsers(sub: Any) -> None:
         help="DreamZero: decode every step's latents to pixel frames with each session's "
         "streaming decode state (on in the deploy preset); the frames are compared too",
     )
+    ab.add_argument(
+        "--batch",
+        type=positive_int,
+        metavar="N",
+        help="step the episode N sessions at a time with `forward_many`: the managed path "
+        "as one batch (its networks once per shape bucket, batch-invariant), the bespoke "
+        "path one by one; the outputs must not change",
+    )
     ab.add_argument("--json", action="store_true", help="print one JSON object")
     ab.set_defaults(func=_cmd_ab)
 
@@ -545,5 +608,6 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--prefetch", action="store_true")
     episode.add_argument("--decode-frames", action="store_true")
     episode.add_argument("--trace")
+    episode.add_argument("--batch", type=int)
     episode.set_defaults(func=run_episode, command="_episode")
     return episode
