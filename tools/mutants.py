@@ -269,7 +269,7 @@ MUTANTS = (
         "migration-ack-unchecked",
         "the router never compares the destination's digest with the source's",
         "sessionstate/distributed/_router.py",
-        (("                if ack.digest != expected:", "                if False:"),),
+        (("    if ack.digest != expected:", "    if False:"),),
         (
             "tests/distributed/test_distributed_faults.py::"
             "test_a_wrong_digest_fails_the_migration_at_the_acknowledge_stage",
@@ -308,6 +308,37 @@ MUTANTS = (
             ),
         ),
         ("tests/distributed/test_distributed_fencing.py",),
+    ),
+    Mutant(
+        "family-import-unshares",
+        "a worker imports a migrated family as separate copies, its sharing lost",
+        "sessionstate/distributed/_worker.py",
+        (
+            (
+                "        records = decode_family(data)\n",
+                "        records = [decode_record(encode_record(r))"
+                " for r in decode_family(data)]\n",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_family.py::"
+            "test_a_dreamzero_family_migrates_as_one_payload_and_keeps_its_sharing",
+        ),
+    ),
+    Mutant(
+        "failed-migration-keeps-import",
+        "a failed migration leaves the destination's imported copies in place",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                '            if stage != "export" and destination not in dead:',
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_family.py::"
+            "test_a_failed_family_migration_leaves_every_session_on_the_source",
+        ),
     ),
     Mutant(
         "placement-ignores-room",

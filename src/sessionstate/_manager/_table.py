@@ -1234,27 +1234,59 @@ class SessionStateManager(Generic[SessionT]):
             )
             raise ValueError(msg)
         with recorded_devices():
-            records = []
-            with self._lock:
-                trees: dict[int, Any] = {}  # a handle parked sessions share is read once
-                for session_id in ids:
-                    state = self._table.get(session_id)
-                    if state is None:
-                        msg = (
-                            f"Cannot snapshot session {session_id!r}: this manager does not "
-                            "hold it (never created, dropped, or evicted). Nothing was written; "
-                            "`session_ids()` lists the held ones."
-                        )
-                        raise SessionStateLostError(msg)
-                    self._verify(session_id, state)
-                    if state.parked:
-                        state = self._read_parked(session_id, state, trees)
-                    records.append(state)
+            records = self._read_family(ids, "snapshot")
             save_state(
                 records,
                 path,
                 metadata={**(metadata or {}), "session_ids": json.dumps(names)},
             )
+
+    def peek_many(self, session_ids: Sequence[Hashable], /) -> list[SessionT]:
+        """The latest records of ``session_ids``, readable, for moving a family elsewhere.
+
+        As `peek` with ``on_host=True`` for each, read under the lock at once, except that
+        parked bytes the sessions hold together are read once: the records share them as the
+        stored ones do, so encoding the list (`dumps_parts`) holds each shared storage once.
+        Read and encode within `recorded_devices` for the parts to record the devices parked
+        bytes came from. The LRU order and the counters are left alone.
+
+        Raises:
+            SessionStateLostError: if a session is not held (nothing is read).
+            ValueError: if no id is given, or one twice.
+
+        >>> import torch
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(attrs={"x": torch.zeros(4)})); m.fork("a", "b")
+        >>> a, b = m.peek_many(["a", "b"])
+        >>> a is b, m.stats()["hits"]
+        (True, 0)
+        """
+        ids = self._batch_ids(session_ids, "peek_many")
+        return self._read_family(ids, "read")
+
+    def _read_family(self, ids: list[Hashable], what: str) -> list[SessionT]:
+        # The records of `ids` under the lock, parked ones read into host memory, a handle
+        # they share read once (so are its bytes); `what` names the refused verb.
+        records = []
+        with self._lock:
+            trees: dict[int, Any] = {}
+            for session_id in ids:
+                if session_id not in self._table:
+                    msg = (
+                        f"Cannot {what} session {session_id!r}: this manager does not hold it "
+                        "(never created, dropped, or evicted). Nothing was "
+                        f"{'written' if what == 'snapshot' else 'read'}; `session_ids()` "
+                        "lists the held ones."
+                    )
+                    raise SessionStateLostError(msg)
+            for session_id in ids:
+                state = self._table[session_id]
+                self._verify(session_id, state)
+                if state.parked:
+                    state = self._read_parked(session_id, state, trees)
+                records.append(state)
+        return records
 
     def restore_many(
         self,
