@@ -341,6 +341,21 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "sharing-counts-own-aliases",
+        "stats()'s shared_sessions counts a session that reaches a storage only itself holds",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "count += any(references(identity) > n for identity, n in own.items())",
+                "count += any(references(identity) >= n for identity, n in own.items())",
+            ),
+        ),
+        (
+            "tests/manager/test_observability.py::"
+            "test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go",
+        ),
+    ),
+    Mutant(
         "placement-ignores-room",
         "the router places a new session on a worker that reported no room",
         "sessionstate/distributed/_router.py",

@@ -208,6 +208,7 @@ class SessionStateManager(Generic[SessionT]):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._forks = 0
 
     @property
     def max_sessions(self) -> int:
@@ -673,6 +674,7 @@ class SessionStateManager(Generic[SessionT]):
                 for branch_id in added:
                     self._forget(branch_id)
                 raise
+            self._forks += len(added)
 
     def _admit_branches(self, source_id: Hashable, n: int) -> None:
         # A fork's room in the cap, checked before anything changes.
@@ -733,7 +735,9 @@ class SessionStateManager(Generic[SessionT]):
         with a parked object), ``parks`` and ``unparks`` (times a session's objects were
         parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
         a `KVHandle`'s blocks too), and ``nbytes_parked:host`` and ``nbytes_parked:disk``
-        (bytes the tiers hold).
+        (bytes the tiers hold). Once `fork` made a branch: ``forks`` (branches made) and
+        ``shared_sessions`` (sessions holding a resident storage another session holds too:
+        a family's members until they let its history go).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
         block once; parking an object moves its handles' blocks to the tier with it (the pool
@@ -761,6 +765,9 @@ class SessionStateManager(Generic[SessionT]):
             out[f"nbytes:{device}"] = nbytes
         for device, nbytes in self._ledger.engine_totals().items():
             out[f"engine_nbytes:{device}"] = nbytes
+        if self._forks:
+            out["forks"] = self._forks
+            out["shared_sessions"] = self._sharing_sessions()
         if self._policy is not None:
             for device in sorted(self._policy.max_bytes):
                 out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
@@ -769,6 +776,18 @@ class SessionStateManager(Generic[SessionT]):
             parking, by_tier = self._parking.summary()
             out.update(parking)
         return out, by_tier
+
+    def _sharing_sessions(self) -> int:
+        # Sessions reaching a storage that other sessions reach too, from the ledger's
+        # references (a storage a session reaches twice on its own is not shared).
+        count = 0
+        for session_id in self._table:
+            own: dict[Hashable, int] = {}
+            for entry in entries_of(self._ledger.held(session_id)):
+                own[entry[1]] = own.get(entry[1], 0) + 1
+            references = self._ledger.references
+            count += any(references(identity) > n for identity, n in own.items())
+        return count
 
     def session_stats(self, session_id: Hashable, /) -> dict[str, Any]:
         """One session's footprint, from what the manager keeps (no record is walked).
