@@ -519,15 +519,12 @@ MUTANTS = (
     ),
     Mutant(
         "refused-put-keeps-a-cycle",
-        "a put refused for a record over the whole budget keeps its error in the frame",
+        "a refusal (a record over the whole budget, the cap, no room) keeps its error in the frame",
         "sessionstate/_manager/_table.py",
         (
             (
-                "                    try:\n"
-                "                        raise refused\n"
-                "                    finally:\n"
-                "                        del refused\n",
-                "                    raise refused\n",
+                "        try:\n            raise error\n        finally:\n            del error\n",
+                "        raise error\n",
             ),
         ),
         (

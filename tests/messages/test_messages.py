@@ -689,7 +689,7 @@ def test_family_snapshot_messages(tmp_path: Path) -> None:
         m.snapshot_many(["a", "b"], path)
     assert str(lost.value) == (
         "Cannot snapshot session 'b': this manager does not hold it (never created, dropped, "
-        "or evicted). Nothing was written; `session_ids()` lists the held ones."
+        "or evicted). Nothing was written. `session_ids()` lists the held ones."
     )
     m.snapshot_many(["a"], path)
     with pytest.raises(ValueError, match="already held") as held:
@@ -724,7 +724,7 @@ def test_batch_io_messages() -> None:
         m.get_many(["a", "x"])
     assert str(lost.value) == (
         "Cannot get the batch ['a', 'x']: this manager does not hold ['x'] (never created, "
-        "dropped, or evicted). Nothing changed; create them first."
+        "dropped, or evicted). Nothing changed. `session_ids()` lists the held ones."
     )
     with pytest.raises(ValueError, match="distinct") as twice:
         m.put_many([("a", SessionState()), ("a", SessionState())])

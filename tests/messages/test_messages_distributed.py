@@ -121,7 +121,7 @@ def test_manager_peek_many_of_a_session_it_does_not_hold() -> None:
     manager.put("a", SessionState())
     msg = (
         "Cannot read session 'x': this manager does not hold it (never created, dropped, or "
-        "evicted). Nothing was read; `session_ids()` lists the held ones."
+        "evicted). Nothing was read. `session_ids()` lists the held ones."
     )
     with pytest.raises(SessionStateLostError, match=re.escape(msg)):
         manager.peek_many(["a", "x"])

@@ -368,10 +368,7 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             missing = [sid for sid in ids if sid not in self._table]
             if missing:
-                msg = (
-                    f"Cannot get the batch {ids!r}: this manager does not hold {missing!r} "
-                    "(never created, dropped, or evicted). Nothing changed; create them first."
-                )
+                msg = _not_held(f"Cannot get the batch {ids!r}", missing, then="Nothing changed.")
                 raise SessionStateLostError(msg)
             parking = self._parking
             need: dict[str, int] = {}
@@ -432,40 +429,45 @@ class SessionStateManager(Generic[SessionT]):
         for sid, record in pairs:  # every record checked before anything is stored
             _check_state(record, sid)
         with self._lock:
-            fresh = sum(sid not in self._table for sid in ids)
-            room = self._max_sessions - len(self._table)
-            if len(ids) > self._max_sessions or (self._on_full == "refuse" and fresh > room):
+            if not self._batch_fits(ids):
+                fresh = sum(sid not in self._table for sid in ids)
                 msg = (
                     f"Cannot store the batch {ids!r}: {fresh} new sessions beside "
                     f"{len(self._table)} held, and the cap (max_sessions="
                     f"{self._max_sessions}, `on_full={self._on_full!r}`) cannot hold the batch. "
                     "Store a smaller batch, drop finished sessions, or raise `max_sessions`."
                 )
-                error = SessionAdmissionError(msg)
-                self._refused(ids[0], error)
-                try:
-                    raise error
-                finally:
-                    del error
-            before = {sid: self._table.get(sid) for sid in ids}
-            order = list(self._table)
-            done: list[Hashable] = []
-            try:
-                for session_id, state in pairs:
-                    self._put_locked(session_id, state, touch=True, keep=ids)
-                    done.append(session_id)
-            except BaseException:
-                for session_id in reversed(done):
-                    previous = before[session_id]
-                    if previous is None:
-                        self._forget(session_id)
-                    else:
-                        self._put_locked(session_id, previous, touch=False, keep=ids)
-                # The LRU order as it was, for the sessions still held.
-                for session_id in order:
-                    if session_id in self._table:
-                        self._table.move_to_end(session_id)
-                raise
+                self._refuse(ids[0], SessionAdmissionError(msg))
+            self._store_batch(pairs, ids)
+
+    def _batch_fits(self, ids: list[Hashable]) -> bool:
+        # Whether the cap holds the batch: no larger than the cap, and with
+        # `on_full="refuse"` no more new sessions than free places.
+        fresh = sum(sid not in self._table for sid in ids)
+        room = self._max_sessions - len(self._table)
+        return len(ids) <= self._max_sessions and (self._on_full != "refuse" or fresh <= room)
+
+    def _store_batch(self, pairs: Sequence[tuple[Hashable, SessionT]], ids: list[Hashable]) -> None:
+        # Under the lock, once the batch fits the cap: each put, no member parked or evicted
+        # for another; a refusal of any puts every member back as it was, and the LRU order.
+        before = {sid: self._table.get(sid) for sid in ids}
+        order = list(self._table)
+        done: list[Hashable] = []
+        try:
+            for session_id, state in pairs:
+                self._put_locked(session_id, state, touch=True, keep=ids)
+                done.append(session_id)
+        except BaseException:
+            for session_id in reversed(done):
+                previous = before[session_id]
+                if previous is None:
+                    self._forget(session_id)
+                else:
+                    self._put_locked(session_id, previous, touch=False, keep=ids)
+            for session_id in order:
+                if session_id in self._table:
+                    self._table.move_to_end(session_id)
+            raise
 
     def _batch_ids(self, session_ids: Sequence[Hashable], method: str) -> list[Hashable]:
         ids = list(session_ids)
@@ -642,10 +644,7 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             state = self._table.get(source_id)
             if state is None:
-                msg = (
-                    f"Cannot fork session {source_id!r}: this manager does not hold it (never "
-                    "created, dropped, or evicted). `session_ids()` lists the held ones."
-                )
+                msg = _not_held(f"Cannot fork session {source_id!r}")
                 raise SessionStateLostError(msg)
             seen: set[Hashable] = set()
             for branch_id in branch_ids:
@@ -689,12 +688,7 @@ class SessionStateManager(Generic[SessionT]):
             f"Cannot fork session {source_id!r} into {n} branches: {why} beside the source. "
             "Fork into fewer branches, drop finished sessions, or raise `max_sessions`."
         )
-        error = SessionAdmissionError(msg)
-        self._refused(source_id, error)
-        try:
-            raise error
-        finally:
-            del error  # not kept in this frame: see `_make_room`
+        self._refuse(source_id, SessionAdmissionError(msg))
 
     def drop(self, session_id: Hashable, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
@@ -819,10 +813,7 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             state = self._table.get(session_id)
             if state is None:
-                msg = (
-                    f"No stats for session {session_id!r}: this manager does not hold it "
-                    "(never created, dropped, or evicted). `session_ids()` lists the held ones."
-                )
+                msg = _not_held(f"No stats for session {session_id!r}")
                 raise SessionStateLostError(msg)
             seen = self._storages_of(session_id)
             own: dict[Hashable, int] = {}  # references from this session's own leaves
@@ -1156,11 +1147,7 @@ class SessionStateManager(Generic[SessionT]):
             # The table keeps the parked record: saving does not make a session resident.
             state = self.peek(session_id, on_host=True)
             if state is None:
-                msg = (
-                    f"Cannot snapshot session {session_id!r}: this manager does not hold it "
-                    "(never created, dropped, or evicted by the LRU cap). Snapshot a held "
-                    "session; `session_ids()` lists them."
-                )
+                msg = _not_held(f"Cannot snapshot session {session_id!r}")
                 raise SessionStateLostError(msg)
             # Metadata values are strings: a non-str id is stored as its repr.
             sid = session_id if isinstance(session_id, str) else repr(session_id)
@@ -1292,11 +1279,9 @@ class SessionStateManager(Generic[SessionT]):
             trees: dict[int, Any] = {}
             for session_id in ids:
                 if session_id not in self._table:
-                    msg = (
-                        f"Cannot {what} session {session_id!r}: this manager does not hold it "
-                        "(never created, dropped, or evicted). Nothing was "
-                        f"{'written' if what == 'snapshot' else 'read'}; `session_ids()` "
-                        "lists the held ones."
+                    done = "written" if what == "snapshot" else "read"
+                    msg = _not_held(
+                        f"Cannot {what} session {session_id!r}", then=f"Nothing was {done}."
                     )
                     raise SessionStateLostError(msg)
             for session_id in ids:
@@ -1368,23 +1353,15 @@ class SessionStateManager(Generic[SessionT]):
                     "already held. Drop them first, or pass other `session_ids`."
                 )
                 raise ValueError(msg)
-            room = self._max_sessions - len(self._table)
-            if len(ids) > self._max_sessions or (self._on_full == "refuse" and len(ids) > room):
+            if not self._batch_fits(ids):
                 msg = (
                     f"Cannot restore the family {ids!r}: the cap (max_sessions="
                     f"{self._max_sessions}, `on_full={self._on_full!r}`, {len(self._table)} "
                     "held) cannot hold it. Drop finished sessions, or raise `max_sessions`."
                 )
-                raise SessionAdmissionError(msg)
-            added: list[Hashable] = []
-            try:
-                for session_id, state in zip(ids, records, strict=True):
-                    self._put_locked(session_id, cast(SessionT, state), touch=True, keep=ids)
-                    added.append(session_id)
-            except BaseException:
-                for session_id in added:
-                    self._forget(session_id)
-                raise
+                self._refuse(ids[0], SessionAdmissionError(msg))
+            pairs = [(sid, cast(SessionT, state)) for sid, state in zip(ids, records, strict=True)]
+            self._store_batch(pairs, ids)
         return {sid: cast(SessionT, state) for sid, state in zip(ids, records, strict=True)}
 
     # -- under the lock -------------------------------------------------------------------------
@@ -1415,16 +1392,7 @@ class SessionStateManager(Generic[SessionT]):
         self._parking.storing = storing
         try:
             if self._policy is not None:
-                refused = self._policy.refusal(session_id, self._ledger)
-                if refused is not None:
-                    self._refused(session_id, refused)
-                    # Not kept in this frame: the traceback holds the frame, and the frame
-                    # holding the error would be a cycle keeping the caller's records (their
-                    # KV blocks) until the cyclic collector runs.
-                    try:
-                        raise refused
-                    finally:
-                        del refused
+                self._refuse(session_id, self._policy.refusal(session_id, self._ledger))
             if session_id in self._table:
                 if touch:
                     self._table.move_to_end(session_id)
@@ -1452,12 +1420,7 @@ class SessionStateManager(Generic[SessionT]):
                 f"{self._max_sessions} sessions (its cap) and `on_full='refuse'`. Drop a "
                 "finished session first, or raise `max_sessions`."
             )
-            error = SessionAdmissionError(msg)
-            self._refused(session_id, error)
-            try:
-                raise error
-            finally:
-                del error  # not kept in this frame: see `_make_room`
+            self._refuse(session_id, SessionAdmissionError(msg))
         # A batch no larger than the cap (`put_many` checks) leaves one outside it.
         evicted = next(sid for sid in self._table if sid not in keep)
         self._evict(evicted, f"the session cap (max_sessions={self._max_sessions})")
@@ -1473,8 +1436,18 @@ class SessionStateManager(Generic[SessionT]):
         event = SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}")
         self._reporter.emit(event, warned=first)
 
-    def _refused(self, session_id: Hashable, error: Exception) -> None:
+    def _refuse(self, session_id: Hashable, error: Exception | None) -> None:
+        # Report and raise `error` (nothing when None). Callers pass it inline and it is not
+        # kept in this frame: the traceback holds the frames it passes through, and a frame
+        # holding the error would be a cycle keeping the caller's records (their KV blocks)
+        # alive until the cyclic collector runs.
+        if error is None:
+            return
         self._reporter.emit(SessionEvent("refuse", session_id, reason=str(error)))
+        try:
+            raise error
+        finally:
+            del error
 
     def _warn_evicted(self, evicted: Hashable, by: str) -> None:
         # One warning per manager; `stats()` counts every eviction.
@@ -1522,15 +1495,9 @@ class SessionStateManager(Generic[SessionT]):
                 over = policy.over(self._ledger, extra)
                 if not over:
                     return
-        shortfall = policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
-        self._refused(session_id, shortfall)
-        # Not kept in this frame: the traceback holds the frame, and the frame holding the
-        # error would be a cycle keeping the caller's records (their KV blocks) alive until
-        # the cyclic collector runs.
-        try:
-            raise shortfall
-        finally:
-            del shortfall
+        self._refuse(
+            session_id, policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
+        )
 
     def _park_others(
         self,
@@ -1733,6 +1700,20 @@ class SessionStateManager(Generic[SessionT]):
     def _verify(self, session_id: Hashable, state: SessionState) -> None:
         if self._guard is not None:
             self._guard.verify(session_id, state)
+
+
+def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
+    """The one wording of "this manager does not hold it": ``subject``, why, ``then``, the fix.
+
+    >>> _not_held("Cannot fork session 'x'")
+    "Cannot fork session 'x': this manager does not hold it (never created, dropped, or evicted). `session_ids()` lists the held ones."
+    """  # noqa: E501 - a doctest's expected output is one line
+    what = "it" if missing is None else repr(missing)
+    return (
+        f"{subject}: this manager does not hold {what} (never created, dropped, or evicted). "
+        + (f"{then} " if then else "")
+        + "`session_ids()` lists the held ones."
+    )
 
 
 def _lost(session_id: Hashable) -> str:
