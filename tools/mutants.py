@@ -356,6 +356,13 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "batch-evicts-before-the-budget-check",
+        "a batch the budget cannot hold evicts others before it is refused",
+        "sessionstate/_manager/_table.py",
+        (("                if totals.get(device, 0) > budget:", "                if False:"),),
+        ("tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",),
+    ),
+    Mutant(
         "placement-ignores-room",
         "the router places a new session on a worker that reported no room",
         "sessionstate/distributed/_router.py",

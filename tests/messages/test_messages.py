@@ -530,9 +530,9 @@ CORE_MESSAGES = {
     # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
-    # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*) and batches (3:
-    # test_batch_io_messages).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3,
+    # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*), batches (3:
+    # test_batch_io_messages) and a batch over the whole budget (1: test_batch_budget_message).
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -632,6 +632,23 @@ def test_every_core_message_is_pinned_here() -> None:
         text = (src / name).read_text(encoding="utf-8")
         found[name] = len(re.findall(r"\bmsg = |logger\.warning\(|warnings\.warn\(", text))
     assert found == CORE_MESSAGES
+
+
+def test_batch_budget_message() -> None:
+    import torch
+
+    from sessionstate import SessionAdmissionError, SessionState
+    from sessionstate import SessionStateManager as Manager
+
+    m: Manager[SessionState] = Manager(max_bytes={"cpu": 100})
+    pair = {sid: SessionState(attrs={"x": torch.zeros(20)}) for sid in "ab"}
+    msg = (
+        "Cannot store the batch ['a', 'b']: together it holds 160 bytes on cpu, more than the "
+        "whole budget of 100 bytes there (`max_bytes`); storing it would evict or park every "
+        "other session and still not fit. Store a smaller batch, or raise the budget for cpu."
+    )
+    with pytest.raises(SessionAdmissionError, match=re.escape(msg)):
+        m.put_many(pair)
 
 
 def test_fork_messages() -> None:

@@ -23,7 +23,7 @@ from typing import Any, Generic, cast
 import torch
 from typing_extensions import TypeVar
 
-from sessionstate._accounting import EngineBlock
+from sessionstate._accounting import EngineBlock, count_entries
 from sessionstate._checks import (
     HOST_POOL_FULL_CHOICES,
     ON_FULL_CHOICES,
@@ -450,6 +450,25 @@ class SessionStateManager(Generic[SessionT]):
     def _store_batch(self, pairs: Sequence[tuple[Hashable, SessionT]], ids: list[Hashable]) -> None:
         # Under the lock, once the batch fits the cap: each put, no member parked or evicted
         # for another; a refusal of any puts every member back as it was, and the LRU order.
+        # A batch the budget cannot hold even alone is refused first: the puts would evict
+        # (or park) others for it and then be refused anyway.
+        policy = self._policy
+        if policy is not None:
+            totals = count_entries(
+                entry
+                for session_id, state in pairs
+                for entry in entries_of(self._ledger.values_for(session_id, state))
+            )
+            for device, budget in policy.max_bytes.items():
+                if totals.get(device, 0) > budget:
+                    msg = (
+                        f"Cannot store the batch {ids!r}: together it holds {totals[device]} "
+                        f"bytes on {device}, more than the whole budget of {budget} bytes "
+                        "there (`max_bytes`); storing it would evict or park every other "
+                        "session and still not fit. Store a smaller batch, or raise the "
+                        f"budget for {device}."
+                    )
+                    self._refuse(ids[0], SessionAdmissionError(msg))
         before = {sid: self._table.get(sid) for sid in ids}
         order = list(self._table)
         done: list[Hashable] = []
