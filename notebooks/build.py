@@ -1,6 +1,6 @@
 """Write each notebook from its percent-format source, execute it, and store its outputs.
 
-    .venv/bin/python notebooks/build.py                       # all five
+    .venv/bin/python notebooks/build.py                       # all
     .venv/bin/python notebooks/build.py 01_state_evolution    # one
     .venv/bin/python notebooks/build.py --no-execute          # cells only
 

@@ -269,7 +269,7 @@ MUTANTS = (
         "migration-ack-unchecked",
         "the router never compares the destination's digest with the source's",
         "sessionstate/distributed/_router.py",
-        (("                if ack.digest != expected:", "                if False:"),),
+        (("    if ack.digest != expected:", "    if False:"),),
         (
             "tests/distributed/test_distributed_faults.py::"
             "test_a_wrong_digest_fails_the_migration_at_the_acknowledge_stage",
@@ -308,6 +308,59 @@ MUTANTS = (
             ),
         ),
         ("tests/distributed/test_distributed_fencing.py",),
+    ),
+    Mutant(
+        "family-import-unshares",
+        "a worker imports a migrated family as separate copies, its sharing lost",
+        "sessionstate/distributed/_worker.py",
+        (
+            (
+                "        records = decode_family(data)\n",
+                "        records = [decode_record(encode_record(r))"
+                " for r in decode_family(data)]\n",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_family.py::"
+            "test_a_dreamzero_family_migrates_as_one_payload_and_keeps_its_sharing",
+        ),
+    ),
+    Mutant(
+        "failed-migration-keeps-import",
+        "a failed migration leaves the destination's imported copies in place",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                '            if stage != "export" and destination not in dead:',
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_family.py::"
+            "test_a_failed_family_migration_leaves_every_session_on_the_source",
+        ),
+    ),
+    Mutant(
+        "sharing-counts-own-aliases",
+        "stats()'s shared_sessions counts a session that reaches a storage only itself holds",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "count += any(references(identity) > n for identity, n in own.items())",
+                "count += any(references(identity) >= n for identity, n in own.items())",
+            ),
+        ),
+        (
+            "tests/manager/test_observability.py::"
+            "test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go",
+        ),
+    ),
+    Mutant(
+        "batch-evicts-before-the-budget-check",
+        "a batch the budget cannot hold evicts others before it is refused",
+        "sessionstate/_manager/_table.py",
+        (("                if totals.get(device, 0) > budget:", "                if False:"),),
+        ("tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",),
     ),
     Mutant(
         "placement-ignores-room",
@@ -492,15 +545,12 @@ MUTANTS = (
     ),
     Mutant(
         "refused-put-keeps-a-cycle",
-        "a put refused for a record over the whole budget keeps its error in the frame",
+        "a refusal (a record over the whole budget, the cap, no room) keeps its error in the frame",
         "sessionstate/_manager/_table.py",
         (
             (
-                "                    try:\n"
-                "                        raise refused\n"
-                "                    finally:\n"
-                "                        del refused\n",
-                "                    raise refused\n",
+                "        try:\n            raise error\n        finally:\n            del error\n",
+                "        raise error\n",
             ),
         ),
         (

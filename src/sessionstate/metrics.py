@@ -10,8 +10,10 @@ suffixes, and constant labels (``model_name``, ``stage``, ``replica``) given onc
 Gauges: ``<prefix>_sessions`` (by ``state``: resident, parked_host, parked_disk, prefetching),
 ``_max_sessions``, ``_resident_bytes`` and ``_engine_bytes`` (by ``device``),
 ``_parked_bytes`` (by ``tier``), ``_budget_bytes`` and ``_budget_usage_ratio`` (by
-``device``), ``_pool_blocks`` and ``_pool_free_blocks`` (by ``pool``). Counters:
-``_lookups_total`` and ``_hits_total``, ``_evictions_total``, ``_refusals_total``,
+``device``), ``_shared_sessions`` (sessions sharing a storage: a family of forks),
+``_pool_blocks`` and ``_pool_free_blocks`` (by ``pool``). Counters:
+``_lookups_total`` and ``_hits_total``, ``_evictions_total``, ``_forks_total`` (branches
+made), ``_refusals_total``,
 ``_parks_total`` and ``_unparks_total`` (by ``tier``), ``_kv_parks_total``,
 ``_prefetches_total`` (by ``outcome``: started, hit, dropped), ``_migrations_total`` (by
 ``direction``: out, in; a `SessionWorker`'s exports and imports). Histograms:
@@ -144,6 +146,12 @@ class SessionStateCollector:
         ]
         yield usage
 
+        shared = family(
+            "shared_sessions", "Sessions holding a storage another session holds too.", "gauge"
+        )
+        shared.samples = [sample(f"{p}_shared_sessions", none, stats.get("shared_sessions", 0))]
+        yield shared
+
         blocks = family("pool_blocks", "Blocks of each engine pool.", "gauge")
         free = family("pool_free_blocks", "Free blocks of each engine pool.", "gauge")
         for pool, total, nfree in snap["pools"]:
@@ -158,6 +166,7 @@ class SessionStateCollector:
             ("evictions", stats["evictions"], "Sessions evicted."),
             ("refusals", snap["events"].get("refuse", 0), "Puts and reads refused."),
             ("kv_parks", stats.get("kv_parks", 0), "Parks that moved KV blocks."),
+            ("forks", stats.get("forks", 0), "Branches made by `fork`."),
         ]
         for name, value, doc in plain:
             counter = family(name, doc, "counter")

@@ -411,3 +411,42 @@ def test_a_sibling_that_takes_a_prefetch_leaves_no_reservation_behind() -> None:
     again = m.get("a")
     assert again is not None
     assert again.object("cache", TensorCache).view()[0].item() == 1.0
+
+
+@pytest.mark.parametrize("batch", ["restore_many", "put_many"])
+def test_a_batch_the_budget_cannot_hold_evicts_nobody_first(batch: str, tmp_path: Path) -> None:
+    # Each record alone fits the budget, the two together do not: with on_full="evict" the
+    # batch is refused before any other session is evicted (or parked) for it.
+    records = [SessionState(attrs={"x": torch.full((150,), float(i))}) for i in range(2)]
+    path = tmp_path / "pair.safetensors"
+    source: SessionStateManager[SessionState] = SessionStateManager()
+    source.put_many({"a": records[0], "b": records[1]})
+    source.snapshot_many(["a", "b"], path)
+    m: SessionStateManager[SessionState] = SessionStateManager(max_bytes={"cpu": 1000})
+    m.put("other", SessionState(attrs={"y": torch.zeros(50)}))
+    m.put("parkable", _cache_record(50, 1.0))
+    store = {
+        "restore_many": lambda: m.restore_many(path),
+        "put_many": lambda: m.put_many({"a": records[0], "b": records[1]}),
+    }[batch]
+    with pytest.raises(SessionAdmissionError) as refused:
+        store()
+    assert str(refused.value) == (
+        "Cannot store the batch ['a', 'b']: together it holds 1200 bytes on cpu, more than the "
+        "whole budget of 1000 bytes there (`max_bytes`); storing it would evict or park every "
+        "other session and still not fit. Store a smaller batch, or raise the budget for cpu."
+    )
+    assert m.session_ids() == ["other", "parkable"]
+    assert m.stats()["evictions"] == 0
+    assert m.session_stats("parkable")["resident"]
+    assert_stats_equal_a_recount(m)
+    # One restore over the whole budget is refused before anything is evicted too.
+    big = tmp_path / "big.safetensors"
+    source.put("big", SessionState(attrs={"x": torch.zeros(300)}))
+    source.snapshot("big", big)
+    with pytest.raises(SessionAdmissionError, match="more than the whole budget"):
+        m.restore("big", big)
+    assert m.session_ids() == ["other", "parkable"]
+    assert m.stats()["evictions"] == 0
+    m.put_many({"a": records[0]})  # a batch that fits beside them (600 + 200 + 200) is stored
+    assert m.session_ids() == ["other", "parkable", "a"]

@@ -186,6 +186,32 @@ def test_session_stats_sum_to_the_managers_totals() -> None:
         m.session_stats("z")
 
 
+def test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go() -> None:
+    m = SessionStateManager()
+    registry = CollectorRegistry()
+    registry.register(SessionStateCollector(m))
+
+    def scrape() -> tuple[float, float]:
+        got = _samples(prometheus_client.generate_latest(registry).decode())
+        return got[("sessionstate_forks_total", ())], got[("sessionstate_shared_sessions", ())]
+
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(64))
+    m.put("a", SessionState(objects={"h": history}))
+    m.put("x", SessionState(attrs={"y": torch.zeros(4)}))
+    assert scrape() == (0, 0)
+    assert "forks" not in m.stats()
+    m.fork("a", "b", "c")
+    stats = m.stats()
+    assert (stats["forks"], stats["shared_sessions"]) == (2, 3)
+    assert scrape() == (2, 3)
+    # "c" lets the history go (a record of its own): two still share it.
+    m.put("c", SessionState(attrs={"z": torch.zeros(2)}))
+    assert (m.stats()["forks"], m.stats()["shared_sessions"]) == (2, 2)
+    assert scrape() == (2, 2)
+    m.drop("b")
+    assert scrape() == (2, 0) == (m.stats()["forks"], m.stats()["shared_sessions"])
+
+
 def test_session_stats_of_forks_sum_to_the_totals_with_shared_bytes_once() -> None:
     # A source with a KV cache, a history and a tensor attribute, forked twice; each branch
     # steps (its own chunk, a copy of the partial block). What each session holds alone, plus

@@ -530,9 +530,10 @@ CORE_MESSAGES = {
     # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
     # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
     # (messages/test_messages_park_tier.py).
-    # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*) and batches (3:
-    # test_batch_io_messages), and a batched step's count of records (1: test_step_many.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3 + 1,
+    # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*), batches (3:
+    # test_batch_io_messages), a batch over the whole budget (1: test_batch_budget_message)
+    # and a batched step's count of records (1: test_step_many.py).
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3 + 1 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
@@ -634,6 +635,23 @@ def test_every_core_message_is_pinned_here() -> None:
     assert found == CORE_MESSAGES
 
 
+def test_batch_budget_message() -> None:
+    import torch
+
+    from sessionstate import SessionAdmissionError, SessionState
+    from sessionstate import SessionStateManager as Manager
+
+    m: Manager[SessionState] = Manager(max_bytes={"cpu": 100})
+    pair = {sid: SessionState(attrs={"x": torch.zeros(20)}) for sid in "ab"}
+    msg = (
+        "Cannot store the batch ['a', 'b']: together it holds 160 bytes on cpu, more than the "
+        "whole budget of 100 bytes there (`max_bytes`); storing it would evict or park every "
+        "other session and still not fit. Store a smaller batch, or raise the budget for cpu."
+    )
+    with pytest.raises(SessionAdmissionError, match=re.escape(msg)):
+        m.put_many(pair)
+
+
 def test_fork_messages() -> None:
     from sessionstate import SessionAdmissionError, SessionState, SessionStateLostError
     from sessionstate import SessionStateManager as Manager
@@ -689,7 +707,7 @@ def test_family_snapshot_messages(tmp_path: Path) -> None:
         m.snapshot_many(["a", "b"], path)
     assert str(lost.value) == (
         "Cannot snapshot session 'b': this manager does not hold it (never created, dropped, "
-        "or evicted). Nothing was written; `session_ids()` lists the held ones."
+        "or evicted). Nothing was written. `session_ids()` lists the held ones."
     )
     m.snapshot_many(["a"], path)
     with pytest.raises(ValueError, match="already held") as held:
@@ -724,7 +742,7 @@ def test_batch_io_messages() -> None:
         m.get_many(["a", "x"])
     assert str(lost.value) == (
         "Cannot get the batch ['a', 'x']: this manager does not hold ['x'] (never created, "
-        "dropped, or evicted). Nothing changed; create them first."
+        "dropped, or evicted). Nothing changed. `session_ids()` lists the held ones."
     )
     with pytest.raises(ValueError, match="distinct") as twice:
         m.put_many([("a", SessionState()), ("a", SessionState())])

@@ -13,6 +13,8 @@ from sessionstate.distributed import (  # noqa: E402
     Router,
     SessionWorker,
     StaleEpochError,
+    decode_family,
+    encode_family,
     encode_record,
 )
 
@@ -76,6 +78,53 @@ def test_worker_import_never_overwrites() -> None:
     with pytest.raises(ValueError, match=re.escape(msg)):
         worker.import_session("s", encode_record(SessionState(attrs={"x": 1})), epoch=2)
     assert worker.manager.peek("s").attrs == {}  # type: ignore[union-attr]
+
+
+def test_worker_family_messages() -> None:
+    from sessionstate import SnapshotError
+
+    worker = SessionWorker("w0", _Counter)
+    msg = (
+        "Worker 'w0' cannot export session 's': it does not hold it. Ask the router which "
+        "worker owns the session."
+    )
+    with pytest.raises(SessionStateLostError, match=re.escape(msg)):
+        worker.export_family(["s"], epochs=[1])
+    worker.step("s", None, epoch=1, create=True)
+    family = encode_family([SessionState(), SessionState()])
+    msg = (
+        "Worker 'w0' already holds sessions ['s']; an import never overwrites a live record. "
+        "Drop them there first, or migrate to another worker."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        worker.import_family(["t", "s"], family, epochs=[2, 3])
+    msg = (
+        "Worker 'w0': the family holds 2 records, and 3 ids with 3 epochs were given; pass "
+        "one id and one epoch per record."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        worker.import_family(["a", "b", "c"], family, epochs=[2, 3, 4])
+    msg = "Worker 'w0': `fork_session` got 2 branches and 1 epochs; pass one epoch per branch."
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        worker.fork_session("s", ["a", "b"], epoch=1, epochs=[2])
+    assert worker.manager.session_ids() == ["s"]  # nothing was stored
+    msg = (
+        "The parts hold a SessionState, not a family of session records (a list, as "
+        "`encode_family` makes); decode one session's parts with `decode_record`."
+    )
+    with pytest.raises(SnapshotError, match=re.escape(msg)):
+        decode_family(encode_record(SessionState()))
+
+
+def test_manager_peek_many_of_a_session_it_does_not_hold() -> None:
+    manager = SessionStateManager()
+    manager.put("a", SessionState())
+    msg = (
+        "Cannot read session 'x': this manager does not hold it (never created, dropped, or "
+        "evicted). Nothing was read. `session_ids()` lists the held ones."
+    )
+    with pytest.raises(SessionStateLostError, match=re.escape(msg)):
+        manager.peek_many(["a", "x"])
 
 
 def test_router_worker_count() -> None:

@@ -287,7 +287,7 @@ def test_refused_save_writes_no_file(tmp_path: Path) -> None:
 def test_manager_snapshot_of_a_session_it_does_not_hold(tmp_path: Path) -> None:
     msg = (
         "Cannot snapshot session 'zz': this manager does not hold it (never created, dropped, "
-        "or evicted by the LRU cap). Snapshot a held session; `session_ids()` lists them."
+        "or evicted). `session_ids()` lists the held ones."
     )
     with pytest.raises(SessionStateLostError, match=re.escape(msg)):
         SessionStateManager().snapshot("zz", tmp_path / "zz.safetensors")

@@ -24,7 +24,7 @@ OTHERS = [name for name in ALL if name not in _checks.NAMES]
 
 
 def test_every_notebook_has_a_source_and_is_run_by_one_of_the_two_modules() -> None:
-    assert {"04_budget.ipynb", "05_snapshots.ipynb"} <= set(OTHERS)
+    assert {"04_budget.ipynb", "05_snapshots.ipynb", "06_planning.ipynb"} <= set(OTHERS)
     assert sorted([*_checks.NAMES, *OTHERS]) == ALL
     for name in ALL:
         assert (NOTEBOOKS / name).with_suffix(".py").is_file(), f"{name} has no .py source"

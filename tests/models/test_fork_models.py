@@ -110,3 +110,35 @@ def test_a_fork_on_the_bespoke_path_is_a_deep_copy() -> None:
         pipe.fork("src", "b")
     with pytest.raises(ss.SessionStateLostError):
         pipe.fork("nobody", "c")
+
+
+# Sessions sharing a storage after forking "src" into two branches beside "other": on the
+# managed path the family of three; on the bespoke path none for DreamZero (deep copies), and
+# every session for Cosmos3 (each reads the transformer's instance cache, counted by hand).
+SHARING = {("dreamzero", "0"): 0, ("dreamzero", "1"): 3, ("cosmos3", "0"): 4, ("cosmos3", "1"): 3}
+
+
+@pytest.mark.parametrize("model", ["dreamzero", "cosmos3"])
+def test_the_pipelines_stats_count_forks_and_the_sessions_sharing(model: str) -> None:
+    spec = get_model(model)
+    cfg = spec.config_from_dict({"preset": "tiny"})
+    inputs = _inputs(spec, cfg, 3, seed=3)
+    for enabled in ("0", "1"):
+        pipe = spec.pipeline(cfg, environ={ss.ENV_ENABLE: enabled})
+        for x in inputs[:2]:
+            pipe.forward(x, "src")
+        pipe.forward(inputs[0], "other")
+        before = pipe.stats()
+        assert "forks" not in before
+        assert "shared_sessions" not in before
+        pipe.fork("src", "b0", "b1")
+        for branch in ("b0", "b1"):  # a step replaces what a branch writes, not its history
+            pipe.forward(inputs[2], branch)
+        stats = pipe.stats()
+        assert (stats["forks"], stats["shared_sessions"]) == (2, SHARING[model, enabled])
+        if enabled == "1":
+            assert pipe.manager is not None
+            counted = pipe.manager.stats()
+            assert (counted["forks"], counted["shared_sessions"]) == (2, 3)
+        pipe.fork("b0", "c0")
+        assert pipe.stats()["forks"] == 3

@@ -23,7 +23,7 @@ from typing import Any, Generic, cast
 import torch
 from typing_extensions import TypeVar
 
-from sessionstate._accounting import EngineBlock
+from sessionstate._accounting import EngineBlock, count_entries
 from sessionstate._checks import (
     HOST_POOL_FULL_CHOICES,
     ON_FULL_CHOICES,
@@ -208,6 +208,7 @@ class SessionStateManager(Generic[SessionT]):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._forks = 0
 
     @property
     def max_sessions(self) -> int:
@@ -367,10 +368,7 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             missing = [sid for sid in ids if sid not in self._table]
             if missing:
-                msg = (
-                    f"Cannot get the batch {ids!r}: this manager does not hold {missing!r} "
-                    "(never created, dropped, or evicted). Nothing changed; create them first."
-                )
+                msg = _not_held(f"Cannot get the batch {ids!r}", missing, then="Nothing changed.")
                 raise SessionStateLostError(msg)
             parking = self._parking
             need: dict[str, int] = {}
@@ -431,40 +429,64 @@ class SessionStateManager(Generic[SessionT]):
         for sid, record in pairs:  # every record checked before anything is stored
             _check_state(record, sid)
         with self._lock:
-            fresh = sum(sid not in self._table for sid in ids)
-            room = self._max_sessions - len(self._table)
-            if len(ids) > self._max_sessions or (self._on_full == "refuse" and fresh > room):
+            if not self._batch_fits(ids):
+                fresh = sum(sid not in self._table for sid in ids)
                 msg = (
                     f"Cannot store the batch {ids!r}: {fresh} new sessions beside "
                     f"{len(self._table)} held, and the cap (max_sessions="
                     f"{self._max_sessions}, `on_full={self._on_full!r}`) cannot hold the batch. "
                     "Store a smaller batch, drop finished sessions, or raise `max_sessions`."
                 )
-                error = SessionAdmissionError(msg)
-                self._refused(ids[0], error)
-                try:
-                    raise error
-                finally:
-                    del error
-            before = {sid: self._table.get(sid) for sid in ids}
-            order = list(self._table)
-            done: list[Hashable] = []
-            try:
-                for session_id, state in pairs:
-                    self._put_locked(session_id, state, touch=True, keep=ids)
-                    done.append(session_id)
-            except BaseException:
-                for session_id in reversed(done):
-                    previous = before[session_id]
-                    if previous is None:
-                        self._forget(session_id)
-                    else:
-                        self._put_locked(session_id, previous, touch=False, keep=ids)
-                # The LRU order as it was, for the sessions still held.
-                for session_id in order:
-                    if session_id in self._table:
-                        self._table.move_to_end(session_id)
-                raise
+                self._refuse(ids[0], SessionAdmissionError(msg))
+            self._store_batch(pairs, ids)
+
+    def _batch_fits(self, ids: list[Hashable]) -> bool:
+        # Whether the cap holds the batch: no larger than the cap, and with
+        # `on_full="refuse"` no more new sessions than free places.
+        fresh = sum(sid not in self._table for sid in ids)
+        room = self._max_sessions - len(self._table)
+        return len(ids) <= self._max_sessions and (self._on_full != "refuse" or fresh <= room)
+
+    def _store_batch(self, pairs: Sequence[tuple[Hashable, SessionT]], ids: list[Hashable]) -> None:
+        # Under the lock, once the batch fits the cap: each put, no member parked or evicted
+        # for another; a refusal of any puts every member back as it was, and the LRU order.
+        # A batch the budget cannot hold even alone is refused first: the puts would evict
+        # (or park) others for it and then be refused anyway.
+        policy = self._policy
+        if policy is not None:
+            totals = count_entries(
+                entry
+                for session_id, state in pairs
+                for entry in entries_of(self._ledger.values_for(session_id, state))
+            )
+            for device, budget in policy.max_bytes.items():
+                if totals.get(device, 0) > budget:
+                    msg = (
+                        f"Cannot store the batch {ids!r}: together it holds {totals[device]} "
+                        f"bytes on {device}, more than the whole budget of {budget} bytes "
+                        "there (`max_bytes`); storing it would evict or park every other "
+                        "session and still not fit. Store a smaller batch, or raise the "
+                        f"budget for {device}."
+                    )
+                    self._refuse(ids[0], SessionAdmissionError(msg))
+        before = {sid: self._table.get(sid) for sid in ids}
+        order = list(self._table)
+        done: list[Hashable] = []
+        try:
+            for session_id, state in pairs:
+                self._put_locked(session_id, state, touch=True, keep=ids)
+                done.append(session_id)
+        except BaseException:
+            for session_id in reversed(done):
+                previous = before[session_id]
+                if previous is None:
+                    self._forget(session_id)
+                else:
+                    self._put_locked(session_id, previous, touch=False, keep=ids)
+            for session_id in order:
+                if session_id in self._table:
+                    self._table.move_to_end(session_id)
+            raise
 
     def _batch_ids(self, session_ids: Sequence[Hashable], method: str) -> list[Hashable]:
         ids = list(session_ids)
@@ -641,10 +663,7 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             state = self._table.get(source_id)
             if state is None:
-                msg = (
-                    f"Cannot fork session {source_id!r}: this manager does not hold it (never "
-                    "created, dropped, or evicted). `session_ids()` lists the held ones."
-                )
+                msg = _not_held(f"Cannot fork session {source_id!r}")
                 raise SessionStateLostError(msg)
             seen: set[Hashable] = set()
             for branch_id in branch_ids:
@@ -673,6 +692,7 @@ class SessionStateManager(Generic[SessionT]):
                 for branch_id in added:
                     self._forget(branch_id)
                 raise
+            self._forks += len(added)
 
     def _admit_branches(self, source_id: Hashable, n: int) -> None:
         # A fork's room in the cap, checked before anything changes.
@@ -687,12 +707,7 @@ class SessionStateManager(Generic[SessionT]):
             f"Cannot fork session {source_id!r} into {n} branches: {why} beside the source. "
             "Fork into fewer branches, drop finished sessions, or raise `max_sessions`."
         )
-        error = SessionAdmissionError(msg)
-        self._refused(source_id, error)
-        try:
-            raise error
-        finally:
-            del error  # not kept in this frame: see `_make_room`
+        self._refuse(source_id, SessionAdmissionError(msg))
 
     def drop(self, session_id: Hashable, /) -> bool:
         """End ``session_id``: forget its record. Returns whether it was held.
@@ -733,7 +748,9 @@ class SessionStateManager(Generic[SessionT]):
         with a parked object), ``parks`` and ``unparks`` (times a session's objects were
         parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
         a `KVHandle`'s blocks too), and ``nbytes_parked:host`` and ``nbytes_parked:disk``
-        (bytes the tiers hold).
+        (bytes the tiers hold). Once `fork` made a branch: ``forks`` (branches made) and
+        ``shared_sessions`` (sessions holding a resident storage another session holds too:
+        a family's members until they let its history go).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
         block once; parking an object moves its handles' blocks to the tier with it (the pool
@@ -761,6 +778,9 @@ class SessionStateManager(Generic[SessionT]):
             out[f"nbytes:{device}"] = nbytes
         for device, nbytes in self._ledger.engine_totals().items():
             out[f"engine_nbytes:{device}"] = nbytes
+        if self._forks:
+            out["forks"] = self._forks
+            out["shared_sessions"] = self._sharing_sessions()
         if self._policy is not None:
             for device in sorted(self._policy.max_bytes):
                 out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
@@ -769,6 +789,18 @@ class SessionStateManager(Generic[SessionT]):
             parking, by_tier = self._parking.summary()
             out.update(parking)
         return out, by_tier
+
+    def _sharing_sessions(self) -> int:
+        # Sessions reaching a storage that other sessions reach too, from the ledger's
+        # references (a storage a session reaches twice on its own is not shared).
+        count = 0
+        for session_id in self._table:
+            own: dict[Hashable, int] = {}
+            for entry in entries_of(self._ledger.held(session_id)):
+                own[entry[1]] = own.get(entry[1], 0) + 1
+            references = self._ledger.references
+            count += any(references(identity) > n for identity, n in own.items())
+        return count
 
     def session_stats(self, session_id: Hashable, /) -> dict[str, Any]:
         """One session's footprint, from what the manager keeps (no record is walked).
@@ -800,10 +832,7 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             state = self._table.get(session_id)
             if state is None:
-                msg = (
-                    f"No stats for session {session_id!r}: this manager does not hold it "
-                    "(never created, dropped, or evicted). `session_ids()` lists the held ones."
-                )
+                msg = _not_held(f"No stats for session {session_id!r}")
                 raise SessionStateLostError(msg)
             seen = self._storages_of(session_id)
             own: dict[Hashable, int] = {}  # references from this session's own leaves
@@ -1210,11 +1239,7 @@ class SessionStateManager(Generic[SessionT]):
             # The table keeps the parked record: saving does not make a session resident.
             state = self.peek(session_id, on_host=True)
             if state is None:
-                msg = (
-                    f"Cannot snapshot session {session_id!r}: this manager does not hold it "
-                    "(never created, dropped, or evicted by the LRU cap). Snapshot a held "
-                    "session; `session_ids()` lists them."
-                )
+                msg = _not_held(f"Cannot snapshot session {session_id!r}")
                 raise SessionStateLostError(msg)
             # Metadata values are strings: a non-str id is stored as its repr.
             sid = session_id if isinstance(session_id, str) else repr(session_id)
@@ -1307,27 +1332,57 @@ class SessionStateManager(Generic[SessionT]):
             )
             raise ValueError(msg)
         with recorded_devices():
-            records = []
-            with self._lock:
-                trees: dict[int, Any] = {}  # a handle parked sessions share is read once
-                for session_id in ids:
-                    state = self._table.get(session_id)
-                    if state is None:
-                        msg = (
-                            f"Cannot snapshot session {session_id!r}: this manager does not "
-                            "hold it (never created, dropped, or evicted). Nothing was written; "
-                            "`session_ids()` lists the held ones."
-                        )
-                        raise SessionStateLostError(msg)
-                    self._verify(session_id, state)
-                    if state.parked:
-                        state = self._read_parked(session_id, state, trees)
-                    records.append(state)
+            records = self._read_family(ids, "snapshot")
             save_state(
                 records,
                 path,
                 metadata={**(metadata or {}), "session_ids": json.dumps(names)},
             )
+
+    def peek_many(self, session_ids: Sequence[Hashable], /) -> list[SessionT]:
+        """The latest records of ``session_ids``, readable, for moving a family elsewhere.
+
+        As `peek` with ``on_host=True`` for each, read under the lock at once, except that
+        parked bytes the sessions hold together are read once: the records share them as the
+        stored ones do, so encoding the list (`dumps_parts`) holds each shared storage once.
+        Read and encode within `recorded_devices` for the parts to record the devices parked
+        bytes came from. The LRU order and the counters are left alone.
+
+        Raises:
+            SessionStateLostError: if a session is not held (nothing is read).
+            ValueError: if no id is given, or one twice.
+
+        >>> import torch
+        >>> from sessionstate import SessionState
+        >>> m = SessionStateManager()
+        >>> m.put("a", SessionState(attrs={"x": torch.zeros(4)})); m.fork("a", "b")
+        >>> a, b = m.peek_many(["a", "b"])
+        >>> a is b, m.stats()["hits"]
+        (True, 0)
+        """
+        ids = self._batch_ids(session_ids, "peek_many")
+        return self._read_family(ids, "read")
+
+    def _read_family(self, ids: list[Hashable], what: str) -> list[SessionT]:
+        # The records of `ids` under the lock, parked ones read into host memory, a handle
+        # they share read once (so are its bytes); `what` names the refused verb.
+        records = []
+        with self._lock:
+            trees: dict[int, Any] = {}
+            for session_id in ids:
+                if session_id not in self._table:
+                    done = "written" if what == "snapshot" else "read"
+                    msg = _not_held(
+                        f"Cannot {what} session {session_id!r}", then=f"Nothing was {done}."
+                    )
+                    raise SessionStateLostError(msg)
+            for session_id in ids:
+                state = self._table[session_id]
+                self._verify(session_id, state)
+                if state.parked:
+                    state = self._read_parked(session_id, state, trees)
+                records.append(state)
+        return records
 
     def restore_many(
         self,
@@ -1390,23 +1445,15 @@ class SessionStateManager(Generic[SessionT]):
                     "already held. Drop them first, or pass other `session_ids`."
                 )
                 raise ValueError(msg)
-            room = self._max_sessions - len(self._table)
-            if len(ids) > self._max_sessions or (self._on_full == "refuse" and len(ids) > room):
+            if not self._batch_fits(ids):
                 msg = (
                     f"Cannot restore the family {ids!r}: the cap (max_sessions="
                     f"{self._max_sessions}, `on_full={self._on_full!r}`, {len(self._table)} "
                     "held) cannot hold it. Drop finished sessions, or raise `max_sessions`."
                 )
-                raise SessionAdmissionError(msg)
-            added: list[Hashable] = []
-            try:
-                for session_id, state in zip(ids, records, strict=True):
-                    self._put_locked(session_id, cast(SessionT, state), touch=True, keep=ids)
-                    added.append(session_id)
-            except BaseException:
-                for session_id in added:
-                    self._forget(session_id)
-                raise
+                self._refuse(ids[0], SessionAdmissionError(msg))
+            pairs = [(sid, cast(SessionT, state)) for sid, state in zip(ids, records, strict=True)]
+            self._store_batch(pairs, ids)
         return {sid: cast(SessionT, state) for sid, state in zip(ids, records, strict=True)}
 
     # -- under the lock -------------------------------------------------------------------------
@@ -1437,16 +1484,7 @@ class SessionStateManager(Generic[SessionT]):
         self._parking.storing = storing
         try:
             if self._policy is not None:
-                refused = self._policy.refusal(session_id, self._ledger)
-                if refused is not None:
-                    self._refused(session_id, refused)
-                    # Not kept in this frame: the traceback holds the frame, and the frame
-                    # holding the error would be a cycle keeping the caller's records (their
-                    # KV blocks) until the cyclic collector runs.
-                    try:
-                        raise refused
-                    finally:
-                        del refused
+                self._refuse(session_id, self._policy.refusal(session_id, self._ledger))
             if session_id in self._table:
                 if touch:
                     self._table.move_to_end(session_id)
@@ -1474,12 +1512,7 @@ class SessionStateManager(Generic[SessionT]):
                 f"{self._max_sessions} sessions (its cap) and `on_full='refuse'`. Drop a "
                 "finished session first, or raise `max_sessions`."
             )
-            error = SessionAdmissionError(msg)
-            self._refused(session_id, error)
-            try:
-                raise error
-            finally:
-                del error  # not kept in this frame: see `_make_room`
+            self._refuse(session_id, SessionAdmissionError(msg))
         # A batch no larger than the cap (`put_many` checks) leaves one outside it.
         evicted = next(sid for sid in self._table if sid not in keep)
         self._evict(evicted, f"the session cap (max_sessions={self._max_sessions})")
@@ -1495,8 +1528,18 @@ class SessionStateManager(Generic[SessionT]):
         event = SessionEvent("evict", session_id, nbytes, reason=f"evicted by {by}")
         self._reporter.emit(event, warned=first)
 
-    def _refused(self, session_id: Hashable, error: Exception) -> None:
+    def _refuse(self, session_id: Hashable, error: Exception | None) -> None:
+        # Report and raise `error` (nothing when None). Callers pass it inline and it is not
+        # kept in this frame: the traceback holds the frames it passes through, and a frame
+        # holding the error would be a cycle keeping the caller's records (their KV blocks)
+        # alive until the cyclic collector runs.
+        if error is None:
+            return
         self._reporter.emit(SessionEvent("refuse", session_id, reason=str(error)))
+        try:
+            raise error
+        finally:
+            del error
 
     def _warn_evicted(self, evicted: Hashable, by: str) -> None:
         # One warning per manager; `stats()` counts every eviction.
@@ -1544,15 +1587,9 @@ class SessionStateManager(Generic[SessionT]):
                 over = policy.over(self._ledger, extra)
                 if not over:
                     return
-        shortfall = policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
-        self._refused(session_id, shortfall)
-        # Not kept in this frame: the traceback holds the frame, and the frame holding the
-        # error would be a cycle keeping the caller's records (their KV blocks) alive until
-        # the cyclic collector runs.
-        try:
-            raise shortfall
-        finally:
-            del shortfall
+        self._refuse(
+            session_id, policy.shortfall(session_id, self._ledger, extra, over, self._on_full)
+        )
 
     def _park_others(
         self,
@@ -1775,6 +1812,20 @@ class SessionStateManager(Generic[SessionT]):
     def _verify(self, session_id: Hashable, state: SessionState) -> None:
         if self._guard is not None:
             self._guard.verify(session_id, state)
+
+
+def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
+    """The one wording of "this manager does not hold it": ``subject``, why, ``then``, the fix.
+
+    >>> _not_held("Cannot fork session 'x'")
+    "Cannot fork session 'x': this manager does not hold it (never created, dropped, or evicted). `session_ids()` lists the held ones."
+    """  # noqa: E501 - a doctest's expected output is one line
+    what = "it" if missing is None else repr(missing)
+    return (
+        f"{subject}: this manager does not hold {what} (never created, dropped, or evicted). "
+        + (f"{then} " if then else "")
+        + "`session_ids()` lists the held ones."
+    )
 
 
 def _lost(session_id: Hashable) -> str:

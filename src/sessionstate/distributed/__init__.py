@@ -2,8 +2,9 @@
 
 A `Router` (in the driver) owns a set of `SessionWorker` actors, each with its own pipeline
 and `SessionStateManager`. Every session lives on exactly one worker; `Router.migrate` moves
-a live session's bytes between workers through Ray's object store; `Router.rebalance`
-evens out resident bytes. Needs the optional extra: ``pip install 'sessionstate[ray]'``.
+a live session's bytes between workers through Ray's object store (`Router.migrate_many` a
+family of forks, each shared storage once); `Router.rebalance` evens out resident bytes.
+Needs the optional extra: ``pip install 'sessionstate[ray]'``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from sessionstate.distributed._router import (
     Router,
     SessionRestoredError,
 )
-from sessionstate.distributed._transport import decode_record, digest, encode_record
+from sessionstate.distributed._transport import (
+    decode_family,
+    decode_record,
+    digest,
+    encode_family,
+    encode_record,
+)
 from sessionstate.distributed._worker import (
     DreamZeroFactory,
     ImportAck,
@@ -51,8 +58,10 @@ __all__ = [
     "WorkerStats",
     "WorkerTimeoutError",
     "cluster_episode",
+    "decode_family",
     "decode_record",
     "digest",
+    "encode_family",
     "encode_record",
     "init_local_ray",
 ]

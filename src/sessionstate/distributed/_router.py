@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -364,14 +365,9 @@ class Router:
                     session_id,
                 )
                 stage = "acknowledge"
-                if ack.digest != expected:
-                    msg = (
-                        f"{destination!r} acknowledged digest {ack.digest[:12]}, "
-                        f"{source!r} exported {expected[:12]}"
-                    )
-                    raise _DigestMismatchError(msg)
+                _check_ack(ack, expected, source, destination)
             except Exception as exc:
-                self._abort(session_id, source, destination, stage, exc, epoch, new_epoch)
+                self._abort([session_id], source, destination, stage, exc, [epoch], [new_epoch])
             # The acknowledgement is terminal: the destination holds the record at the new
             # epoch. Switch first; only then may the source let its copy go.
             with self._lock:
@@ -392,6 +388,177 @@ class Router:
                 pass  # it runs there in order; the copy is handed off and fenced until then
             except _WorkerLostError as lost:
                 self._worker_lost(lost.worker)
+            return record
+
+    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+        """Branch ``source_id`` into new sessions ``branch_ids`` on the worker that owns it.
+
+        The worker forks the session (its pipeline's ``fork``, else its manager's): the
+        branches share the source's storages there, and each is a session of its own from
+        then on, owned by the same worker at an epoch of its own, its steps counted from the
+        source's. A branch takes the source's `set_snapshot_every` setting, and its first
+        snapshot is its own (until then, losing the worker loses the branch). Move a family
+        together with `migrate_many`, so that what it shares is sent once.
+
+        Raises:
+            SessionStateLostError: if the router knows no live session ``source_id``.
+            ValueError: if no branch is named, or a branch id is known already or repeated.
+            WorkerTimeoutError: if the worker did not answer; no branch is registered (drops
+                for them are queued behind the fork, which may still run there).
+        """
+        if not branch_ids:
+            msg = f"`fork({source_id!r})` names no branch; pass the new ids: `fork(source, 'b1')`."
+            raise ValueError(msg)
+        with self._lock:
+            source = self._require(source_id)
+        with source.lock:
+            self._settle(source_id, source)
+            with self._lock:
+                self._require(source_id)
+                known = [b for b in branch_ids if b in self._sessions or b in self._lost]
+                if known or len(set(branch_ids)) != len(branch_ids):
+                    msg = (
+                        f"Cannot fork session {source_id!r} into {list(branch_ids)!r}: "
+                        f"{known or 'an id named twice'} already known to this router. Name "
+                        "new ids (`drop` a session to reuse its id)."
+                    )
+                    raise ValueError(msg)
+                owner, epoch = source.owner, source.epoch
+                branches = {
+                    b: _Session(
+                        owner,
+                        next(self._epoch_counter),
+                        steps=source.steps,
+                        snapshot_every=source.snapshot_every,
+                    )
+                    for b in branch_ids
+                }
+                # Registered now and locked (fresh locks: never contended) until the fork
+                # answers: a call for a branch meanwhile waits for it.
+                for branch in branches.values():
+                    branch.lock.acquire()
+                self._sessions.update(branches)
+            try:
+                self._get(
+                    self._handles[owner].fork_session.remote(
+                        source_id,
+                        list(branch_ids),
+                        epoch=epoch,
+                        epochs=[branch.epoch for branch in branches.values()],
+                    ),
+                    owner,
+                    "fork_session",
+                    source_id,
+                )
+            except BaseException as exc:
+                with self._lock:
+                    for b in branches:
+                        self._sessions.pop(b, None)
+                if isinstance(exc, _WorkerLostError):
+                    self._worker_lost(exc.worker)
+                    raise self._loss_error(source_id) from None
+                if isinstance(exc, WorkerTimeoutError):
+                    # Queued behind the fork, which may still run there: no copy is left.
+                    for b, branch in branches.items():
+                        self._handles[owner].drop_session.remote(b, epoch=branch.epoch)
+                raise
+            finally:
+                for branch in branches.values():
+                    branch.lock.release()
+
+    def migrate_many(self, session_ids: Sequence[Hashable], destination: str) -> MigrationRecord:
+        """Move a family of sessions (a source and its forks) to ``destination`` together.
+
+        As `migrate`, for all of them at once, in one payload: the owner exports the records
+        as one snapshot in parts (a storage they share is one part, so the family costs about
+        one session plus what each branch holds alone), the destination imports them
+        together (`SessionStateManager.put_many`: all or none) with the sharing restored, each
+        at a new epoch, and acknowledges the payload's digest; then every owner and epoch
+        switches, and the source drops its copies. A failure at any stage undoes the import
+        and leaves every session on the source with its record intact, as `migrate` does.
+
+        Returns:
+            One `MigrationRecord` for the family: its ``session_id`` is the tuple of ids, its
+            ``nbytes`` the payload's.
+
+        Raises:
+            MigrationError: as `migrate`; the message says where the sessions are.
+            ValueError: if ``destination`` is not a live worker or already owns them, the
+                sessions are not all on one worker, or no id is given, or one twice.
+            SessionStateLostError: if the router knows no live session by one of the ids.
+            WorkerTimeoutError: if a step of one of them that timed out is still running.
+        """
+        ids = list(session_ids)
+        if not ids or len(set(ids)) != len(ids):
+            msg = f"`migrate_many` needs distinct session ids, got {ids!r}; name each session once."
+            raise ValueError(msg)
+        self._check_worker(destination)
+        with self._lock:
+            family = {sid: self._require(sid) for sid in ids}
+            order = {sid: i for i, sid in enumerate(self._sessions)}
+        with contextlib.ExitStack() as stack:
+            # One lock order for every caller (the table's), so two families never deadlock.
+            for sid in sorted(ids, key=order.__getitem__):
+                stack.enter_context(family[sid].lock)
+            for sid in ids:
+                self._settle(sid, family[sid])
+            with self._lock:
+                for sid in ids:
+                    self._require(sid)
+                owners = {sid: s.owner for sid, s in family.items()}
+                source = owners[ids[0]]
+                if set(owners.values()) != {source}:
+                    msg = (
+                        f"Cannot migrate {ids!r} together: they are on several workers "
+                        f"({owners!r}). Migrate a family from the one worker that holds it."
+                    )
+                    raise ValueError(msg)
+                if destination == source:
+                    msg = (
+                        f"Sessions {ids!r} are already on {destination!r}; pick another "
+                        f"destination among {self.workers}."
+                    )
+                    raise ValueError(msg)
+                epochs = [family[sid].epoch for sid in ids]
+                new_epochs = [next(self._epoch_counter) for _ in ids]
+            start = time.perf_counter()
+            src, dst = self._handles[source], self._handles[destination]
+            what = tuple(ids)
+            stage = "export"
+            try:
+                data_ref, digest_ref = src.export_family.options(num_returns=2).remote(
+                    ids, epochs=epochs
+                )
+                expected = self._get(digest_ref, source, "export_family", what)
+                stage = "import"
+                ack: ImportAck = self._get(
+                    dst.import_family.remote(ids, data_ref, epochs=new_epochs),
+                    destination,
+                    "import_family",
+                    what,
+                )
+                stage = "acknowledge"
+                _check_ack(ack, expected, source, destination)
+            except Exception as exc:
+                self._abort(ids, source, destination, stage, exc, epochs, new_epochs)
+            with self._lock:
+                for sid, new_epoch in zip(ids, new_epochs, strict=True):
+                    family[sid].owner, family[sid].epoch = destination, new_epoch
+                self._reported[source] = max(0, self._reported.get(source, 0) - ack.nbytes)
+                record = MigrationRecord(
+                    what, source, destination, ack.nbytes, time.perf_counter() - start
+                )
+                self.migrations.append(record)
+            for sid, epoch in zip(ids, epochs, strict=True):
+                try:
+                    self._get(
+                        src.drop_session.remote(sid, epoch=epoch), source, "drop_session", sid
+                    )
+                except WorkerTimeoutError:
+                    pass  # it runs there in order; the copy is handed off and fenced until then
+                except _WorkerLostError as lost:
+                    self._worker_lost(lost.worker)
+                    break
             return record
 
     def rebalance(self, *, tolerance: float = 0.1) -> list[MigrationRecord]:
@@ -546,45 +713,48 @@ class Router:
 
     def _abort(
         self,
-        session_id: Hashable,
+        family: list[Hashable],
         source: str,
         destination: str,
         stage: str,
         exc: Exception,
-        epoch: int,
-        new_epoch: int,
+        epochs: list[int],
+        new_epochs: list[int],
     ) -> NoReturn:
+        # A failed migration of `family` (one session, or a family moved together): undo the
+        # import, end the hand-off, settle lost workers, and say where the sessions are.
         with self._lock:
-            session = self._sessions.get(session_id)
-            plain = session is None or session.snapshot_every is None
+            sessions = [self._sessions.get(sid) for sid in family]
+            plain = all(s is None or s.snapshot_every is None for s in sessions)
         dead: set[str] = {exc.worker} if isinstance(exc, _WorkerLostError) else set()
-        if stage != "export" and destination not in dead:
-            # Undo an import that completed (or will: the drop runs after it, in order).
-            try:
-                self._get(
-                    self._handles[destination].drop_session.remote(session_id, epoch=new_epoch),
-                    destination,
-                    "drop_session",
-                    session_id,
-                )
-            except _WorkerLostError:
-                dead.add(destination)
-            except Exception:
-                pass  # a copy left behind is fenced: no call the router sends can reach it
-        if source not in dead:
-            # End the hand-off; the source is then known alive (or merely slow: the reclaim
-            # runs there before any later call for the session).
-            try:
-                self._get(
-                    self._handles[source].reclaim_session.remote(session_id, epoch=epoch),
-                    source,
-                    "reclaim_session",
-                    session_id,
-                )
-            except _WorkerLostError:
-                dead.add(source)
-            except WorkerTimeoutError:
-                pass
+        for session_id, epoch, new_epoch in zip(family, epochs, new_epochs, strict=True):
+            if stage != "export" and destination not in dead:
+                # Undo an import that completed (or will: the drop runs after it, in order).
+                try:
+                    self._get(
+                        self._handles[destination].drop_session.remote(session_id, epoch=new_epoch),
+                        destination,
+                        "drop_session",
+                        session_id,
+                    )
+                except _WorkerLostError:
+                    dead.add(destination)
+                except Exception:
+                    pass  # a copy left behind is fenced: no call the router sends can reach it
+            if source not in dead:
+                # End the hand-off; the source is then known alive (or merely slow: the
+                # reclaim runs there before any later call for the session).
+                try:
+                    self._get(
+                        self._handles[source].reclaim_session.remote(session_id, epoch=epoch),
+                        source,
+                        "reclaim_session",
+                        session_id,
+                    )
+                except _WorkerLostError:
+                    dead.add(source)
+                except WorkerTimeoutError:
+                    pass
         for worker in sorted(dead):
             self._worker_lost(worker)
         if isinstance(exc, _WorkerLostError):
@@ -600,32 +770,62 @@ class Router:
         else:
             cause = getattr(exc, "cause", None) or exc  # the worker's own error, not Ray's wrapper
             what = f"{type(cause).__name__}: {cause}"
-        if source not in dead:
-            outcome = (
+        if len(family) == 1:
+            subject = f"session {family[0]!r}"
+            outcome = self._outcome(family[0], source, source in dead, plain)
+        else:
+            subject = f"the family {family!r}"
+            outcome = self._family_outcome(family, source, source in dead)
+        msg = (
+            f"Migrating {subject} from {source!r} to {destination!r} failed at the {stage} "
+            f"stage ({what}); {outcome}"
+        )
+        raise MigrationError(msg) from cause if cause is not None else exc
+
+    def _outcome(self, session_id: Hashable, source: str, lost: bool, plain: bool) -> str:
+        # Where a session is after its failed migration.
+        if not lost:
+            return (
                 f"the session stays on {source!r} with its record intact. Retry, or pick "
                 "another destination."
             )
-        else:
-            with self._lock:
-                notice = self._notices.get(session_id)
-            if notice is not None:
-                outcome = (
-                    f"{source!r} was lost, and the session was restored on "
-                    f"{notice.restored_on!r} from its snapshot after step {notice.steps_kept}; "
-                    "the next call for it raises `SessionRestoredError`."
-                )
-            else:
-                outcome = (
-                    f"{source!r} was lost, and the session with it; the next call for it "
-                    "raises `SessionStateLostError`, saying why. Call `drop` on the router to "
-                    "start it again"
-                    + (", or set `set_snapshot_every` to survive a worker loss." if plain else ".")
-                )
-        msg = (
-            f"Migrating session {session_id!r} from {source!r} to {destination!r} failed at "
-            f"the {stage} stage ({what}); {outcome}"
+        with self._lock:
+            notice = self._notices.get(session_id)
+        if notice is not None:
+            return (
+                f"{source!r} was lost, and the session was restored on "
+                f"{notice.restored_on!r} from its snapshot after step {notice.steps_kept}; "
+                "the next call for it raises `SessionRestoredError`."
+            )
+        return (
+            f"{source!r} was lost, and the session with it; the next call for it "
+            "raises `SessionStateLostError`, saying why. Call `drop` on the router to "
+            "start it again"
+            + (", or set `set_snapshot_every` to survive a worker loss." if plain else ".")
         )
-        raise MigrationError(msg) from cause if cause is not None else exc
+
+    def _family_outcome(self, family: list[Hashable], source: str, lost: bool) -> str:
+        # Where a family's sessions are after their failed migration.
+        if not lost:
+            return (
+                f"the sessions stay on {source!r} with their records intact. Retry, or pick "
+                "another destination."
+            )
+        with self._lock:
+            restored = [sid for sid in family if sid in self._notices]
+        gone = [sid for sid in family if sid not in restored]
+        parts = []
+        if restored:
+            parts.append(
+                f"{restored!r} were restored from their snapshots (the next call for each "
+                "raises `SessionRestoredError`)"
+            )
+        if gone:
+            parts.append(
+                f"{gone!r} were lost with it (the next call for each raises "
+                "`SessionStateLostError`; call `drop` on the router to start them again)"
+            )
+        return f"{source!r} was lost: " + "; ".join(parts) + "."
 
     def _worker_lost(self, worker: str) -> None:
         with self._lock:
@@ -706,6 +906,16 @@ class Router:
             steps_lost=lost,
             steps_kept=session.snapshot_steps,
         )
+
+
+def _check_ack(ack: ImportAck, expected: str, source: str, destination: str) -> None:
+    # The migration's terminal check: the destination stored the bytes the source exported.
+    if ack.digest != expected:
+        msg = (
+            f"{destination!r} acknowledged digest {ack.digest[:12]}, "
+            f"{source!r} exported {expected[:12]}"
+        )
+        raise _DigestMismatchError(msg)
 
 
 class _WorkerLostError(Exception):

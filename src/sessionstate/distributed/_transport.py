@@ -5,17 +5,21 @@ checksummed header, and every storage once as a NumPy array over the record's me
 serialiser passes NumPy arrays out of band, so the storages go into the object store with one
 copy and come out of it as read-only views with none; the destination copies each once into
 its own tensors, checking its checksum as it copies. Aliases are kept, records are rebuilt
-through their constructors, nothing is unpickled by the library.
+through their constructors, nothing is unpickled by the library. A family of sessions (a source
+and its forks) travels as one snapshot of the list of records: a storage they share is one
+part, sent once, and the records decoded from it share it again.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
+from sessionstate._errors import SnapshotError
 from sessionstate._session import SessionState
 from sessionstate._storage import SnapshotParts, dumps_parts, loads_parts
 
-__all__ = ["decode_record", "digest", "encode_record"]
+__all__ = ["decode_family", "decode_record", "digest", "encode_family", "encode_record"]
 
 
 def encode_record(state: SessionState, /) -> SnapshotParts:
@@ -43,6 +47,42 @@ def decode_record(parts: SnapshotParts, /) -> SessionState:
     True
     """
     return loads_parts(parts, expect=SessionState)
+
+
+def encode_family(states: Sequence[SessionState], /) -> SnapshotParts:
+    """``states`` as one snapshot in parts: a storage several of them hold is one part.
+
+    >>> import torch
+    >>> from sessionstate import SessionState
+    >>> shared = SessionState(attrs={"x": torch.zeros(256)})
+    >>> encode_family([shared, shared]).nbytes < 2 * encode_record(shared).nbytes
+    True
+    """
+    return dumps_parts(list(states))
+
+
+def decode_family(parts: SnapshotParts, /) -> list[SessionState]:
+    """The records `encode_family` made, sharing again every storage they shared.
+
+    Raises:
+        SnapshotError: if ``parts`` is not an intact snapshot of a list of `SessionState`
+            records.
+
+    >>> import torch
+    >>> from sessionstate import SessionState
+    >>> shared = SessionState(attrs={"x": torch.zeros(4)})
+    >>> a, b = decode_family(encode_family([shared, shared]))
+    >>> a.attrs["x"].untyped_storage().data_ptr() == b.attrs["x"].untyped_storage().data_ptr()
+    True
+    """
+    records = loads_parts(parts)
+    if not isinstance(records, list) or not all(isinstance(r, SessionState) for r in records):
+        msg = (
+            f"The parts hold a {type(records).__name__}, not a family of session records (a "
+            "list, as `encode_family` makes); decode one session's parts with `decode_record`."
+        )
+        raise SnapshotError(msg)
+    return records
 
 
 def digest(parts: SnapshotParts, /) -> str:

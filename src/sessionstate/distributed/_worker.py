@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -16,7 +16,13 @@ from sessionstate._events import SessionEvent
 from sessionstate._manager import SessionStateManager
 from sessionstate._storage import SnapshotParts, recorded_devices
 from sessionstate.distributed._outcomes import StaleEpochError
-from sessionstate.distributed._transport import decode_record, digest, encode_record
+from sessionstate.distributed._transport import (
+    decode_family,
+    decode_record,
+    digest,
+    encode_family,
+    encode_record,
+)
 
 __all__ = [
     "DreamZeroFactory",
@@ -58,9 +64,12 @@ class StepReply:
 
 @attrs.frozen
 class ImportAck:
-    """A destination's acknowledgement: the session is stored, and these bytes produced it."""
+    """A destination's acknowledgement: the session is stored, and these bytes produced it.
 
-    session_id: str
+    For a family imported together, ``session_id`` is the tuple of its ids.
+    """
+
+    session_id: Hashable
     worker: str
     digest: str
     nbytes: int
@@ -316,6 +325,123 @@ class SessionWorker:
         self._migrated(session_id, data, "in", start)
         return ack
 
+    def fork_session(
+        self, source_id: str, branch_ids: Sequence[str], *, epoch: int, epochs: Sequence[int]
+    ) -> None:
+        """Fork ``source_id`` (held at ``epoch``) into ``branch_ids``, held at ``epochs``.
+
+        The pipeline's ``fork`` where it has one (a reference model's: it forks what the
+        model keeps beside the record too), else the manager's: the branches share the
+        source's storages, nothing copied.
+
+        Raises:
+            StaleEpochError: if the source is held at another epoch, or handed off to a
+                migration; nothing changes.
+            ValueError: as `SessionStateManager.fork` (a branch held already).
+
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig
+        >>> from sessionstate.models.dreamzero.episode import scripted_episode
+        >>> w = SessionWorker("w0", DreamZeroFactory(preset="tiny"))
+        >>> (sid, obs), = scripted_episode(DreamZeroConfig.preset("tiny"), steps=1, sessions=1, seed=0)
+        >>> _ = w.step(sid, obs, epoch=1, create=True)
+        >>> w.fork_session(sid, ["b"], epoch=1, epochs=[2]); w.epoch("b")
+        2
+        """  # noqa: E501 - a doctest line
+        self._fence(source_id, epoch, "fork_session", steps=True)
+        if len(epochs) != len(branch_ids):
+            msg = (
+                f"Worker {self.name!r}: `fork_session` got {len(branch_ids)} branches and "
+                f"{len(epochs)} epochs; pass one epoch per branch."
+            )
+            raise ValueError(msg)
+        # A model pipeline's fork does what the model needs beside the manager's.
+        fork = getattr(self.pipeline, "fork", None) or self.manager.fork
+        fork(source_id, *branch_ids)
+        for branch_id, branch_epoch in zip(branch_ids, epochs, strict=True):
+            self._epochs[branch_id] = branch_epoch
+
+    def export_family(
+        self, session_ids: Sequence[str], *, epochs: Sequence[int]
+    ) -> tuple[SnapshotParts, str]:
+        """The sessions' latest records as one snapshot in parts, and its digest; they stay here.
+
+        As `export_session` for each (fenced at its epoch, handed off until `drop_session` or
+        `reclaim_session` ends its migration), except that what the sessions share (a fork's
+        history, parked bytes they hold together) is one part, sent once.
+
+        Raises:
+            SessionStateLostError: if this worker does not hold one of them (none is handed
+                off).
+            StaleEpochError: if one is held at another epoch (none is handed off).
+
+        >>> SessionWorker("w0", DreamZeroFactory()).export_family(["s"], epochs=[1])
+        Traceback (most recent call last):
+        ...
+        sessionstate._errors.SessionStateLostError: Worker 'w0' cannot export session 's'...
+        """
+        ids = list(session_ids)
+        for session_id, epoch in zip(ids, epochs, strict=True):
+            if session_id not in self.manager:
+                msg = (
+                    f"Worker {self.name!r} cannot export session {session_id!r}: it does not "
+                    "hold it. Ask the router which worker owns the session."
+                )
+                raise SessionStateLostError(msg)
+            self._fence(session_id, epoch, "export_family", steps=False)
+        start = time.perf_counter()
+        with recorded_devices():  # parked bytes travel resident, read where they lie
+            data = encode_family(self.manager.peek_many(ids))
+        self._handed_off.update(ids)
+        sha = digest(data)
+        self._migrated(tuple(ids), data, "out", start)
+        return data, sha
+
+    def import_family(
+        self, session_ids: Sequence[str], data: SnapshotParts, *, epochs: Sequence[int]
+    ) -> ImportAck:
+        """Store the family in ``data`` as ``session_ids`` at ``epochs``, sharing what it shared.
+
+        All or nothing: the records are stored together (`SessionStateManager.put_many`), and
+        a refusal stores none. The ack's ``session_id`` is the tuple of ids.
+
+        Raises:
+            ValueError: if this worker holds one of them already, or the ids are not one per
+                record.
+            SnapshotError: if ``data`` is not an intact snapshot of a family of records.
+            SessionAdmissionError: if the manager cannot hold the family; none is stored.
+
+        >>> from sessionstate import SessionState
+        >>> from sessionstate.distributed import encode_family
+        >>> w = SessionWorker("w0", DreamZeroFactory())
+        >>> family = encode_family([SessionState(), SessionState()])
+        >>> w.import_family(["a", "b"], family, epochs=[1, 2]).session_id, w.epoch("b")
+        (('a', 'b'), 2)
+        """
+        ids = list(session_ids)
+        held = [sid for sid in ids if sid in self.manager]
+        if held:
+            msg = (
+                f"Worker {self.name!r} already holds sessions {held!r}; an import never "
+                "overwrites a live record. Drop them there first, or migrate to another worker."
+            )
+            raise ValueError(msg)
+        start = time.perf_counter()
+        records = decode_family(data)
+        if len(records) != len(ids) or len(epochs) != len(ids):
+            msg = (
+                f"Worker {self.name!r}: the family holds {len(records)} records, and "
+                f"{len(ids)} ids with {len(epochs)} epochs were given; pass one id and one "
+                "epoch per record."
+            )
+            raise ValueError(msg)
+        self.manager.put_many(list(zip(ids, records, strict=True)))
+        for session_id, epoch in zip(ids, epochs, strict=True):
+            self._epochs[session_id] = epoch
+            self._handed_off.discard(session_id)
+        ack = ImportAck(tuple(ids), self.name, digest(data), data.nbytes)
+        self._migrated(tuple(ids), data, "in", start)
+        return ack
+
     def drop_session(self, session_id: str, *, epoch: int) -> bool:
         """Forget the session held at ``epoch``; returns whether it was held.
 
@@ -342,6 +468,21 @@ class SessionWorker:
         """
         return self._held(session_id)
 
+    def session_stats(self, session_id: str) -> dict[str, Any]:
+        """The footprint of a session held here: `SessionStateManager.session_stats`.
+
+        ``nbytes_shared`` and ``shared_with`` say what it shares with the sessions of its
+        family held here (after `Router.migrate_many`, the sharing it had on its source).
+
+        >>> from sessionstate import SessionState
+        >>> from sessionstate.distributed import encode_record
+        >>> w = SessionWorker("w0", DreamZeroFactory())
+        >>> _ = w.import_session("s", encode_record(SessionState()), epoch=1)
+        >>> w.session_stats("s")["shared_with"]
+        []
+        """
+        return self.manager.session_stats(session_id)
+
     def stats(self) -> WorkerStats:
         """Resident bytes per session and in total, calls served, continuations not held.
 
@@ -367,7 +508,9 @@ class SessionWorker:
             room=self._room(stats),
         )
 
-    def _migrated(self, session_id: str, data: SnapshotParts, direction: str, start: float) -> None:
+    def _migrated(
+        self, session_id: Hashable, data: SnapshotParts, direction: str, start: float
+    ) -> None:
         # An export or import is a "migrate" event of the manager: its metrics count and time it.
         seconds = time.perf_counter() - start
         event = SessionEvent("migrate", session_id, data.nbytes, seconds, direction=direction)

@@ -31,6 +31,7 @@ from sessionstate import (
     nbytes_by_device,
     resolve_session_state_config,
 )
+from sessionstate._accounting import storage_entries
 from sessionstate._checks import (
     an_int,
     check_bool,
@@ -247,6 +248,7 @@ class SessionTable(Generic[S]):
             if len(self.states) > self.max_sessions:
                 self.states.popitem(last=False)
                 self.counts["evictions"] += 1
+        self.counts["forks"] = self.counts.get("forks", 0) + len(branch_ids)
 
     def stats(self, values: Callable[[Hashable], Mapping[str, object]]) -> dict[str, int]:
         """The manager's `stats()` keys, computed by hand over every session's ``values``
@@ -256,7 +258,18 @@ class SessionTable(Generic[S]):
         out = {"sessions": len(self.states), "max_sessions": self.max_sessions, **self.counts}
         out["total_nbytes"] = sum(totals.values())
         out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
+        if "forks" in self.counts:  # as the manager: once a fork was made
+            out["shared_sessions"] = _sharing(held)
         return out
+
+
+def _sharing(held: list[Mapping[str, object]]) -> int:
+    """How many of ``held`` reach a storage another of them reaches too."""
+    identities = [{entry[1] for entry in storage_entries(values)} for values in held]
+    count = 0
+    for i, mine in enumerate(identities):
+        count += any(not mine.isdisjoint(other) for j, other in enumerate(identities) if j != i)
+    return count
 
 
 class SessionPath(Protocol):
