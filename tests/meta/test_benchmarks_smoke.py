@@ -256,3 +256,18 @@ def test_forks_benchmark_smoke_finds_the_branches_equal_and_the_history_shared()
         assert row["bytes_ratio"] == round(row["managed_bytes"] / row["deepcopy_bytes"], 4)
     # A longer shared history saves more: the branches' own steps are the same size.
     assert rows[1]["bytes_ratio"] < rows[0]["bytes_ratio"]
+
+
+def test_batches_benchmark_smoke_reports_every_variant_and_size() -> None:
+    cmd = [sys.executable, "-m", "benchmarks.batches", "--models", "cosmos3", "--sizes", "1", "2"]
+    cmd += ["--repeats", "1", "--library-repeats", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    rows = results["batches"]
+    assert [(r["model"], r["n"]) for r in rows] == [("cosmos3", 1), ("cosmos3", 2)]
+    for row in rows:
+        assert row["one_by_one_ms"] > 0
+        ratio = row["batched_ms"] / row["one_by_one_ms"]
+        assert abs(row["batched_over_one_by_one"] - ratio) < 0.01
+    assert [r["n"] for r in results["library"]] == [1, 2]

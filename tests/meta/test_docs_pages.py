@@ -80,7 +80,7 @@ def test_the_nav_is_four_groups() -> None:
     nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:\n", 1)[1]
     groups = re.findall(r"^  - ([^:]+):$", nav.split("\n\n", 1)[0], flags=re.M)
     assert groups == ["Start", "Concepts", "Guides", "Reference"]
-    assert 14 <= len(_nav_pages()) <= 16  # about fifteen pages, none covering another's ground
+    assert 14 <= len(_nav_pages()) <= 17  # about fifteen pages, none covering another's ground
 
 
 def test_where_to_go_next_links_every_page_in_the_nav() -> None:

@@ -195,3 +195,33 @@ def _escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_plan_stepped_as_one_batch_keeps_what_one_by_one_keeps(model: str) -> None:
+    from sessionstate.models.planning import rollout
+
+    spec = get_model(model)
+    cfg = _config(spec)
+    history = [x for _, x in spec.episode(cfg, steps=3, sessions=1, seed=0)]
+    futures = [
+        [x for _, x in spec.episode(cfg, steps=2, sessions=1, seed=50 + i)] for i in range(4)
+    ]
+    plans = []
+    for batched in (False, True):
+        pipe = spec.pipeline(cfg, environ={ss.ENV_ENABLE: "1"})
+        for x in history:
+            pipe.forward(x, "s")
+        plan = rollout(pipe, "s", futures, _score, batched=batched)
+        plans.append((plan, pipe.session_values("s"), pipe.session_ids()))
+    (one, kept_one, ids_one), (batch, kept_batch, ids_batch) = plans
+    assert batch.scores == one.scores
+    assert batch.best == one.best
+    assert batch.nbytes == one.nbytes
+    assert ss.tree_equal(batch.outputs, one.outputs)
+    assert ss.tree_equal(kept_batch, kept_one)
+    assert ids_batch == ids_one == ["s"]
+
+
+def _score(outputs: Any) -> float:
+    return -float(outputs[-1].video_latents.float().abs().mean())

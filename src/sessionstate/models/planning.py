@@ -43,6 +43,8 @@ def rollout(
     session_id: Hashable,
     candidates: Sequence[Sequence[Any]],
     score: Callable[[Sequence[Any]], float],
+    *,
+    batched: bool = False,
 ) -> Rollout:
     """Roll ``session_id`` out along each candidate input sequence; keep the best as it.
 
@@ -53,6 +55,8 @@ def rollout(
         candidates: Per candidate, the inputs of its steps (all of one length).
         score: The score of one candidate's outputs; the highest is kept (the first of equal
             ones).
+        batched: Step the branches as one batch per step (``forward_many``, batch-invariant:
+            every output as the branches stepped one by one give it).
 
     Returns:
         The scores, the index kept, every branch's outputs, and the bytes held per step. The
@@ -90,6 +94,13 @@ def rollout(
     nbytes: list[int] = []
     try:
         for k in range(horizon):
+            if batched:
+                step = {b: candidates[i][k] for i, b in enumerate(branches)}
+                outs = pipe.forward_many(step, begin=False, batch_invariant=True)
+                for i, branch in enumerate(branches):
+                    outputs[i].append(outs[branch])
+                nbytes.append(int(pipe.stats()["total_nbytes"]))
+                continue
             for i, branch in enumerate(branches):
                 outputs[i].append(pipe.forward(candidates[i][k], branch, begin=False))
             nbytes.append(int(pipe.stats()["total_nbytes"]))
