@@ -11,8 +11,8 @@ moved to the park tier and back to the pool.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import cast
+from collections.abc import Callable, Generator, Hashable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +41,7 @@ from sessionstate.models.dreamzero._model import (
     lost_continuation,
     unknown_session,
 )
+from sessionstate.models.dreamzero.networks import FeatMap
 from sessionstate.models.dreamzero.state import (
     DreamZeroSession,
     frames_for_model,
@@ -157,7 +158,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         What the step changes is gathered and applied in two transitions (`with_values`):
         one before the denoiser runs, one with what it produced.
         """
-        prep = self._prepare(state, obs)
+        prep = _drive(self._prepare(state, obs), self._encode)
         video, out = self.model.generate(*prep.inputs(), prep.csf, obs, prep.kv)
         return self._finish(prep, video, out)
 
@@ -168,10 +169,12 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         *,
         batch_invariant: bool = False,
     ) -> tuple[list[DreamZeroSession], list[DreamZeroOutput]]:
-        """`step` of many sessions, the denoiser run once per shape bucket: pure.
+        """`step` of many sessions, their networks run once per shape bucket: pure.
 
         Each session is prepared as `step` prepares it (reset, observation encode, the KV
-        append to its own handle); sessions whose denoiser inputs have one shape (the same
+        append to its own handle), in lockstep: the VAE encodes the sessions ask for at one
+        point, of one shape (a window's start frame; a body of frames with its causal-conv
+        cache), run as one batch. Sessions whose denoiser inputs have one shape (the same
         place in a window) are denoised as one batch (`DreamZeroModel.generate_batch`); each
         then commits its own latents and decodes its own frames. With ``batch_invariant``
         every record and output equals `step`'s bit for bit; without it they agree to within
@@ -181,7 +184,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
             ValueError: if ``states`` and ``observations`` differ in length.
         """
         check_batch(states, observations)
-        preps = [self._prepare(s, o) for s, o in zip(states, observations, strict=True)]
+        preps = self._prepare_batch(states, observations, batch_invariant)
         results: list[tuple[torch.Tensor, DreamZeroOutput] | None] = [None] * len(preps)
         for group in buckets(preps, key=_Prepared.shapes):
             done = self.model.generate_batch(
@@ -199,9 +202,64 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         ]
         return [f[0] for f in finished], [f[1] for f in finished]
 
-    def _prepare(self, state: DreamZeroSession, obs: Observation) -> _Prepared:
+    def _prepare_batch(
+        self,
+        states: Sequence[DreamZeroSession],
+        observations: Sequence[Observation],
+        batch_invariant: bool,
+    ) -> list[_Prepared]:
+        # Every session's `_prepare`, driven in lockstep: the encodes they ask for at one
+        # point are grouped by shape and each group runs as one batch (one by one when
+        # batch-invariant: a batched convolution rounds differently).
+        gens = [self._prepare(s, o) for s, o in zip(states, observations, strict=True)]
+        done: dict[int, _Prepared] = {}
+        asks: dict[int, _Encode] = {}
+        for i in range(len(gens)):
+            _advance(gens, i, None, asks, done)
+        while asks:
+            waiting = list(asks.items())
+            asks = {}
+            for group in buckets(waiting, key=lambda item: item[1].key()):
+                requests = [waiting[j][1] for j in group]
+                if batch_invariant or len(requests) == 1:
+                    results = [self._encode(r) for r in requests]
+                else:
+                    results = self._encode_many(requests)
+                for j, result in zip(group, results, strict=True):
+                    _advance(gens, waiting[j][0], result, asks, done)
+        return [done[i] for i in range(len(gens))]
+
+    def _encode(self, request: _Encode) -> Any:
+        # One session's encode, as its step runs it.
+        nets = self.model.nets
+        if request.kind == "image":
+            return nets.encode_image(request.frames)
+        assert request.feat_map is not None
+        return nets.encode_chunk(request.frames, request.feat_map)
+
+    def _encode_many(self, requests: list[_Encode]) -> list[Any]:
+        # A group of one shape as one batch; each session gets its own tensors back.
+        nets = self.model.nets
+        frames = torch.cat([r.frames for r in requests])
+        if requests[0].kind == "image":
+            joined = nets.encode_image(frames)
+            return [tuple(_own(x, i) for x in joined) for i in range(len(requests))]
+        maps = [r.feat_map for r in requests if r.feat_map is not None]
+        cache = tuple(
+            None if slots[0] is None else torch.cat(slots) for slots in zip(*maps, strict=True)
+        )
+        out, new = nets.encode_chunk(frames, cache)
+        return [
+            (_own(out, i), tuple(None if t is None else _own(t, i) for t in new))
+            for i in range(len(requests))
+        ]
+
+    def _prepare(
+        self, state: DreamZeroSession, obs: Observation
+    ) -> Generator[_Encode, Any, _Prepared]:
         # Everything a step does before the denoiser: the reset, the observation's encode,
-        # the KV append, applied in one transition.
+        # the KV append, applied in one transition. A generator: it yields each VAE encode
+        # it needs and is sent the result (`_drive` runs one alone, `_prepare_batch` many).
         model = self.model
         nets, cfg = model.nets, model.cfg
         stitched = stitch_views(obs, cfg).to(model.device)
@@ -225,16 +283,16 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
 
         csf = state.current_start_frame
         if csf == 0:
-            clip_feas, ys, cond_latent = nets.encode_image(conditioning_frame(frames))
+            clip_feas, ys, cond_latent = yield _Encode("image", conditioning_frame(frames))
             if state.vae_stream_initialized:
-                self._stream_append(state, frames[:, :, -1:], objects, values)
+                yield from self._stream_append(state, frames[:, :, -1:], objects, values)
             else:
-                self._stream_seed(state, frames[:, :, :1], objects, values)
+                yield from self._stream_seed(state, frames[:, :, :1], objects, values)
             values["clip_feas"], values["ys"] = clip_feas, ys
             ref = cond_latent
             csf = 1
         else:
-            encoder_out = self._stream_append(state, frames[:, :, -1:], objects, values)
+            encoder_out = yield from self._stream_append(state, frames[:, :, -1:], objects, values)
             ref = nets.observation_latents(
                 encoder_out.view(last=cfg.num_frame_per_block), cfg.num_frame_per_block
             )
@@ -272,10 +330,10 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         first: torch.Tensor,
         objects: dict[str, StateObject],
         values: dict[str, object],
-    ) -> None:
+    ) -> Generator[_Encode, Any, None]:
         # Seeds the VAE stream: its changes go into `objects` and `values`.
         nets = self.model.nets
-        out, feat_map = nets.encode_chunk(first, nets.init_feat_map())
+        out, feat_map = yield _Encode("chunk", first, nets.init_feat_map())
         objects["vae_encoder_out"] = state.vae_encoder_out.reset().commit(out)
         objects["vae_enc_feat_map"] = state.object("vae_enc_feat_map", TensorCache).commit(feat_map)
         values["vae_pending_body_frames"] = None
@@ -287,7 +345,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         frame: torch.Tensor,
         objects: dict[str, StateObject],
         values: dict[str, object],
-    ) -> LatentBuffer:
+    ) -> Generator[_Encode, Any, LatentBuffer]:
         # Streams `frame` into the VAE: its changes go into `objects` and `values`; returns
         # the encoder output ring as it stands after the frame.
         pending = state.vae_pending_body_frames
@@ -299,7 +357,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         encoder_out = state.vae_encoder_out
         while pending is not None and pending.shape[2] >= BODY_FRAMES:
             body, rest = pending[:, :, :BODY_FRAMES], pending[:, :, BODY_FRAMES:]
-            out, feat_map = self.model.nets.encode_chunk(body, feat_map)
+            out, feat_map = yield _Encode("chunk", body, feat_map)
             encoder_out = encoder_out.commit(out)
             objects["vae_encoder_out"] = encoder_out
             pending = rest if rest.shape[2] else None
@@ -333,3 +391,50 @@ class _Prepared:
         """What must be equal for sessions to share one denoiser batch."""
         ref, ys, clip, prompt = self.inputs()
         return self.csf == 1, ref.shape, ys.shape, clip.shape, prompt.shape, self.kv.shape
+
+
+class _Encode:
+    """A VAE encode a step asks for: a window's start frame, or frames and their cache."""
+
+    def __init__(self, kind: str, frames: torch.Tensor, feat_map: FeatMap | None = None) -> None:
+        self.kind, self.frames, self.feat_map = kind, frames, feat_map
+
+    def key(self) -> tuple[object, ...]:
+        """What must be equal for encodes to run as one batch."""
+        slots = () if self.feat_map is None else self.feat_map
+        return (
+            self.kind,
+            self.frames.shape,
+            self.frames.dtype,
+            tuple(None if t is None else t.shape for t in slots),
+        )
+
+
+def _drive(gen: Generator[_Encode, Any, _Prepared], encode: Callable[[_Encode], Any]) -> _Prepared:
+    # Run one `_prepare` to its end, answering each encode it asks for.
+    try:
+        request = next(gen)
+        while True:
+            request = gen.send(encode(request))
+    except StopIteration as stop:
+        prepared: _Prepared = stop.value
+        return prepared
+
+
+def _advance(
+    gens: list[Generator[_Encode, Any, _Prepared]],
+    i: int,
+    result: Any,
+    asks: dict[int, _Encode],
+    done: dict[int, _Prepared],
+) -> None:
+    # Send session i's result (None to start it); note what it asks next, or its end.
+    try:
+        asks[i] = next(gens[i]) if result is None else gens[i].send(result)
+    except StopIteration as stop:
+        done[i] = stop.value
+
+
+def _own(x: torch.Tensor, i: int) -> torch.Tensor:
+    # Example i of a batched result as its own tensor (a slice would keep the batch alive).
+    return x[i : i + 1].clone()

@@ -244,7 +244,7 @@ class DreamZeroNetworks:
 
     @torch.no_grad()
     def encode_image(self, frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Window-start conditioning from one pixel frame (1, 3, 1, H, W).
+        """Window-start conditioning from one pixel frame (1, 3, 1, H, W), or a batch of B.
 
         Returns ``(clip_feas, ys, cond_latent)``: CLIP features; the mask (4 channels) joined
         with the normalised latents of the frame followed by zero frames up to ``num_frames``;
@@ -252,7 +252,13 @@ class DreamZeroNetworks:
         """
         clip_feas = self.image_encoder(frame[:, :, 0])
         zeros = frame.new_zeros(
-            (1, 3, self.cfg.num_frames - 1, self.cfg.canvas_height, self.cfg.canvas_width)
+            (
+                frame.shape[0],
+                3,
+                self.cfg.num_frames - 1,
+                self.cfg.canvas_height,
+                self.cfg.canvas_width,
+            )
         )
         clip = torch.cat([frame, zeros], dim=2)
         feat_map = self.init_feat_map()
