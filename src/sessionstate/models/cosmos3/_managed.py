@@ -104,7 +104,8 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
 
         ring = state.context_latents
         context = ring.concat() if len(ring) else nets.empty_context()
-        latents = model.denoise(state.chunk_count, context, request.control, rope, kv_for)
+        noise, key = model.noise(state.random_key)
+        latents = model.denoise(noise, context, request.control, rope, kv_for)
         if kv.has_staged:
             kv = kv.commit()
         host = latents.detach().to(model.host_device, copy=True)
@@ -113,6 +114,7 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
             "text_kv": kv,
             "context_latents": ring.commit(latents),
             "video_latents": state.video_latents.commit(host),
+            "random_key": key,
         }
         state = state.with_values(
             objects,

@@ -186,13 +186,15 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         assert state.ys is not None
         assert state.clip_feas is not None
         assert state.prompt_embeds is not None
+        noise, key = model.noise(state.random_key)
         video, out = model.generate(
-            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read()
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, handle.read(), noise
         )
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(model.host_device, copy=True)
         produced: dict[str, StateObject] = {
-            "video_latents_across_time": state.video_latents_across_time.commit(host_latents)
+            "video_latents_across_time": state.video_latents_across_time.commit(host_latents),
+            "random_key": key,
         }
         pixels, dec_map = model.decode(video, state.vae_dec_feat_map)
         if pixels is not None:

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from sessionstate import record, static_field
-from sessionstate.models._kit import SessionMessages
+from sessionstate import RandomKey, record, static_field
+from sessionstate.models._kit import SessionMessages, live_key
 from sessionstate.models.dreamzero.config import DreamZeroConfig
-from sessionstate.models.dreamzero.networks import DreamZeroNetworks, FeatMap, build_networks
+from sessionstate.models.dreamzero.networks import (
+    DreamZeroNetworks,
+    FeatMap,
+    Noise,
+    build_networks,
+)
 from sessionstate.models.dreamzero.transform import Observation
 
 __all__ = [
@@ -88,6 +93,20 @@ class DreamZeroModel:
         self.host_device = torch.device(host_device)
         self.nets: DreamZeroNetworks = build_networks(cfg, self.device)
 
+    def noise(self, key: RandomKey) -> tuple[Noise, RandomKey]:
+        """A block's starting noise drawn from the session's key, and the next key.
+
+        A key not allocated (a record saved before sessions held one) is seeded from the
+        config's ``seed`` first.
+
+        >>> from sessionstate import RandomKey
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig
+        >>> model = DreamZeroModel(DreamZeroConfig.preset("tiny"), "cpu", "cpu")
+        >>> model.noise(RandomKey())[1].counter
+        1
+        """
+        return self.nets.noise(live_key(key, self.cfg.seed))
+
     def generate(
         self,
         ref: torch.Tensor,
@@ -97,15 +116,19 @@ class DreamZeroModel:
         csf: int,
         obs: Observation,
         kv: torch.Tensor,
+        noise: Noise,
     ) -> tuple[torch.Tensor, DreamZeroOutput]:
-        """Denoise the next block and post-process the actions (both paths, no state).
+        """Denoise the next block from ``noise`` and post-process the actions (both paths, no
+        state).
 
         Returns:
             The block's video latents (with the window's conditioning latent in front on its
             first block) and the step's output (``reset`` left None for the caller to set).
         """
         n = self.cfg.num_frame_per_block
-        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv)
+        video, actions = self.nets.diffuse(
+            ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv, noise
+        )
         if csf == 1:  # the window's first block carries its conditioning latent in front
             video = torch.cat([ref, video], dim=2)
         out = DreamZeroOutput(
