@@ -68,9 +68,10 @@ NOTES = {
     "prompt_tokens": "prompt token ids (the reset check compares them)",
     "negative_tokens": "negative-prompt token ids",
     "chunk_count": "counter",
+    "random_key": "the noise's random state (stream, counter): one draw per step, split on fork",
 }
 BUCKET_LABEL = {"attrs": "attr", "object": "state object"}
-OBJECT_TYPE = {"text_kv": "`EncodeOnceKV`"}
+OBJECT_TYPE = {"text_kv": "`EncodeOnceKV`", "random_key": "`RandomKey`"}
 
 
 def fmt_bytes(n: int) -> str:
@@ -78,9 +79,13 @@ def fmt_bytes(n: int) -> str:
 
     >>> fmt_bytes(0), fmt_bytes(4096), fmt_bytes(632586240), fmt_bytes(47113175040)
     ('—', '4.0 KiB', '603.28 MiB', '43.88 GiB')
+    >>> fmt_bytes(16)
+    '16 B'
     """
     if n == 0:
         return "—"
+    if n < 1024:
+        return f"{n} B"
     if n < MIB // 10:
         return f"{n / 1024:.1f} KiB"
     if n < 10 * GIB:

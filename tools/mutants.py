@@ -865,6 +865,38 @@ MUTANTS = (
         ),
         ("tests/manager/test_ledger_fast_paths.py",),
     ),
+    # -- random state (issue 38) --
+    Mutant(
+        "fork-shares-the-random-key",
+        "a fork hands every branch the source's random key instead of splitting it",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "records = (state,) * n if share_random else state.split_random(n)",
+                "records = (state,) * n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "draw-keeps-the-key",
+        "a draw returns the key it drew from, not the next one",
+        "sessionstate/_random.py",
+        (("return gen, self._at(stream, counter + 1)", "return gen, self._at(stream, counter)"),),
+        ("tests/core/test_random.py",),
+    ),
+    Mutant(
+        "bespoke-fork-shares-the-random-key",
+        "the bespoke path's fork deep-copies the key instead of splitting it as the manager does",
+        "sessionstate/models/_kit.py",
+        (
+            (
+                "    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:",
+                "    if True:",
+            ),
+        ),
+        ("tests/models/test_random_models.py",),
+    ),
 )
 
 

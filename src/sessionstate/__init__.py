@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from sessionstate._protocols import ReportsStorages as ReportsStorages
     from sessionstate._protocols import SnapshotLeaf as SnapshotLeaf
     from sessionstate._protocols import StorageEntry as StorageEntry
+    from sessionstate._random import RandomKey as RandomKey
     from sessionstate._session import SessionAttr as SessionAttr
     from sessionstate._session import SessionState as SessionState
     from sessionstate._stateobject import ParkedObject as ParkedObject
@@ -133,6 +134,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "LatentBuffer",
         "TensorCache",
     ),
+    "sessionstate._random": ("RandomKey",),
     # -- K/V -----------------------------------------------------------------------------
     "sessionstate._kv": (
         "EncodeOnceKV",

@@ -11,9 +11,10 @@ import attrs
 import torch
 
 from sessionstate._accounting import ByteCounter, nbytes_by_device
-from sessionstate._checks import describe
+from sessionstate._checks import check_count, describe
 from sessionstate._errors import MissingKeyError, reason
 from sessionstate._frozen import freeze
+from sessionstate._random import RandomKey
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import HostBufferPool, ParkedBytes, Tier, park_tree
 from sessionstate._tree import (
@@ -285,6 +286,41 @@ class SessionState:
         2
         """
         return self.with_object(name, fn(self.object(name)))  # type: ignore[arg-type]
+
+    def split_random(self: _St, n: int, /) -> tuple[_St, ...]:
+        """Return ``n`` records that differ only in their random keys, each split ``n`` ways.
+
+        Every `RandomKey` object is split (`RandomKey.split`); the ``i``-th record holds the
+        ``i``-th key of each, and every other value is this record's own (nothing copied). A
+        record without an allocated key gives itself ``n`` times. A manager's `fork` splits
+        so: the source keeps the first record, each branch one of the others; to fork a record
+        by hand (``put(branch, record)``), split it first, or the branches draw the same noise.
+
+        Raises:
+            ValueError: if ``n`` is not a positive int.
+            ParkedError: if a random key is parked (unpark the session first).
+
+        >>> import torch
+        >>> from sessionstate import RandomKey
+        >>> s = SessionState(objects={"key": RandomKey.seeded(0)}, attrs={"x": torch.zeros(2)})
+        >>> a, b = s.split_random(2)
+        >>> ka, kb = a.object("key", RandomKey), b.object("key", RandomKey)
+        >>> a.attrs["x"] is b.attrs["x"], torch.equal(ka.view(), kb.view())
+        (True, False)
+        """
+        n = check_count(n, "n", fix="; a split makes at least one record")
+        splits: dict[str, tuple[RandomKey, ...]] = {}
+        for name, obj in self._objects.items():
+            if isinstance(obj, ParkedObject) and obj.kind == RandomKey.__name__:
+                obj.split(n)  # refused: a parked key says how to unpark it
+            if isinstance(obj, RandomKey) and obj.is_allocated:
+                splits[name] = obj.split(n)
+        if not splits:
+            return (self,) * n
+        return tuple(
+            self._replace({**self._objects, **{k: ks[i] for k, ks in splits.items()}}, self._attrs)
+            for i in range(n)
+        )
 
     def with_attrs(self: _St, **values: Any) -> _St:
         """Return a new state with the given attributes set (coerced where declared).

@@ -40,9 +40,12 @@ def test_rollout_keeps_the_best_branch_as_the_session() -> None:
     pipe.forward(move(0.0), "s")
     plan = rollout(pipe, "s", [[move(-1.0)], [move(2.0)]], lambda outs: 1.0 if outs else 0.0)
     assert plan.best == 0  # equal scores: the first
-    # The session continues from branch 0: as a twin stepped the same way would.
+    # The session continues from branch 0: as a twin stepped the same way would, its random
+    # key branch 0's (the second of three split from the session's: the session, 2 branches).
     twin = Cosmos3Pipeline(cfg, environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"})
     twin.forward(move(0.0), "s")
+    assert twin.manager is not None
+    twin.manager.put("s", twin.manager.peek("s").split_random(3)[1])
     twin.forward(move(-1.0), "s")
     a, b = pipe.forward(move(0.5), "s"), twin.forward(move(0.5), "s")
     assert torch.equal(a.video_latents, b.video_latents)

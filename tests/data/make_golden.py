@@ -209,20 +209,46 @@ def model_run(
 
 
 def model_session(
-    model: str, fields: dict[str, Any] | None = None
+    model: str, fields: dict[str, Any] | None = None, *, keyed: bool = True
 ) -> tuple[ss.SessionState, dict[str, str]]:
-    """A session of ``model`` after its golden steps, managed."""
+    """A session of ``model`` after its golden steps, managed; with ``keyed=False``, as a file
+    written before sessions held a random key loads today (`as_written`)."""
     pipe, _ = model_run(model, fields)
     meta = {
         "builder": f"{model}_session",
         "config": _config_text(pipe.cfg, fields),
         "steps": str(MODEL_INPUTS[model][1]),
     }
-    return pipe.manager.peek("s"), meta
+    record = pipe.manager.peek("s")
+    return (record if keyed else as_written(model, record)), meta
 
 
-MODEL_BUILDERS = frozenset({"dreamzero", "cosmos3"})
-"""Builders that run seeded networks: what they build today depends on the CPU's kernels."""
+MODEL_OF = {
+    "dreamzero": "dreamzero",
+    "cosmos3": "cosmos3",
+    "dreamzero_keyed": "dreamzero",
+    "cosmos3_keyed": "cosmos3",
+}
+"""Builders that run seeded networks (what they build today depends on the CPU's kernels),
+and the model each runs."""
+
+MODEL_BUILDERS = frozenset(MODEL_OF)
+
+BEFORE_KEY = frozenset({"dreamzero", "cosmos3"})
+"""Model builders whose files were written before sessions held a random key (every model file
+of ``0.1.0.dev0`` up to format 4 but the ``_keyed`` ones): their noise came from the config's
+seed alone (DreamZero: the same every step; Cosmos3: the seed and the chunk index). Such a
+file loads with a `RandomKey` not allocated (the session classes' upgrade), which the next
+step seeds from the config's ``seed``."""
+
+
+def as_written(builder: str, record: ss.SessionState) -> ss.SessionState:
+    """``record`` as a file of ``builder`` loads: for a file written before sessions held a
+    random key, with the key the upgrade gives it (not allocated); else ``record``."""
+    if builder not in BEFORE_KEY:
+        return record
+    return record.with_object("random_key", ss.RandomKey(name="random_key"))
+
 
 DIGESTS = Path(__file__).with_name("snapshots") / "digests.json"
 """``"<library version>/<file stem>"`` -> `digest` of the file's loaded record, pinned once."""
@@ -271,8 +297,11 @@ BUILDERS = {
     "plain": plain_session,
     "kv": kv_session,
     "family": family_sessions,
-    "dreamzero": functools.partial(model_session, "dreamzero"),
-    "cosmos3": functools.partial(model_session, "cosmos3"),
+    "dreamzero": functools.partial(model_session, "dreamzero", keyed=False),
+    "cosmos3": functools.partial(model_session, "cosmos3", keyed=False),
+    # The same sessions since they hold their random key (`RandomKey`, split on fork).
+    "dreamzero_keyed": functools.partial(model_session, "dreamzero"),
+    "cosmos3_keyed": functools.partial(model_session, "cosmos3"),
 }
 """Builder name (the stem of its files, before ``_v<format version>``) -> builder."""
 

@@ -17,6 +17,7 @@ from sessionstate import (
     KVCache,
     KVPool,
     LatentBuffer,
+    RandomKey,
     SessionAdmissionError,
     SessionState,
     SessionStateLostError,
@@ -450,3 +451,54 @@ def test_a_batch_the_budget_cannot_hold_evicts_nobody_first(batch: str, tmp_path
     assert m.stats()["evictions"] == 0
     m.put_many({"a": records[0]})  # a batch that fits beside them (600 + 200 + 200) is stored
     assert m.session_ids() == ["other", "parkable", "a"]
+
+
+def _draw(m: SessionStateManager[SessionState], sid: str) -> torch.Tensor:
+    noise, _ = m.peek(sid).object("key", RandomKey).normal((6,))
+    return noise
+
+
+def test_a_fork_splits_the_random_key_and_shares_everything_else() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager()
+    source = _history().with_object("key", RandomKey.seeded(0))
+    m.put("src", source)
+    m.fork("src", "a", "b")
+    want = source.split_random(3)
+    for sid, record in zip(("src", "a", "b"), want, strict=True):
+        assert tree_equal(m.peek(sid), record)
+        assert m.peek(sid).object("h") is source.object("h")
+    draws = [_draw(m, sid) for sid in ("src", "a", "b")]
+    assert not any(torch.equal(x, y) for i, x in enumerate(draws) for y in draws[i + 1 :])
+    # Forked again, the source's new key splits into new keys: no branch repeats another.
+    m.fork("src", "c")
+    assert all(not torch.equal(_draw(m, "c"), d) for d in draws)
+    assert_stats_equal_a_recount(m)
+
+
+def test_a_fork_that_shares_its_key_draws_the_same_noise() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager()
+    m.put("src", _history().with_object("key", RandomKey.seeded(0)))
+    before = m.peek("src")
+    m.fork("src", "a", "b", share_random=True)
+    assert m.peek("a") is m.peek("b") is m.peek("src") is before
+    assert torch.equal(_draw(m, "a"), _draw(m, "src"))
+    with pytest.raises(TypeError, match=r"`share_random` must be a bool"):
+        m.fork("src", "c", share_random=1)  # type: ignore[arg-type]
+    assert "c" not in m
+
+
+def test_a_parked_source_forks_with_its_key_split_and_its_bytes_parked() -> None:
+    m: SessionStateManager[SessionState] = SessionStateManager(max_bytes={"cpu": 130})
+    m.put("src", parkable_record(fill=1.0).with_object("key", RandomKey.seeded(0)))
+    expected = m.peek("src", on_host=True)
+    m.put("x", parkable_record(fill=2.0))  # parks "src", all but its key (not parkable)
+    assert m.peek("src").parked == ("cache", "ring")
+    m.fork("src", "a")
+    src, a = m.peek("src"), m.peek("a")
+    assert a.objects["cache"] is src.objects["cache"]  # the one parked object, not unparked
+    assert a.parked == ("cache", "ring")
+    assert not torch.equal(_draw(m, "a"), _draw(m, "src"))
+    keys = expected.split_random(2)
+    assert tree_equal(m.get("a"), keys[1])
+    assert tree_equal(m.get("src"), keys[0])
+    assert_stats_equal_a_recount(m)

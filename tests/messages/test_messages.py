@@ -544,6 +544,7 @@ CORE_MESSAGES = {
     # `check_count`'s), and `check_choice` (`on_full` and `host_pool_full`, pinned above).
     "_checks.py": 1 + 1 + 2 + 4 + 1,
     "_objects.py": 4 + 3 + 3 + 5,  # with the chunk checks
+    "_random.py": 3,  # the key's tensor, its seed, and use before `allocate`: pinned below
     # A parked object's refusal, pinned in test_park_reliability.py; then the two of one value
     # replaced wholesale (`SingleValueObject`: TensorCache's and KVCache's), in test_park.py.
     "_stateobject.py": 1 + 2,
@@ -623,6 +624,33 @@ def test_stats_of_a_session_not_held() -> None:
     )
     with pytest.raises(ss.SessionStateLostError, match=_exact(msg)):
         SessionStateManager().session_stats("z")
+
+
+def test_random_key_messages() -> None:
+    with pytest.raises(
+        TypeError,
+        match=_exact("A random key's `seed` must be an int, got '3' (str); pass e.g. `0`."),
+    ):
+        ss.RandomKey.seeded("3")  # type: ignore[arg-type]
+    msg = (
+        "Cannot split RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
+        "first (or build it with `RandomKey.seeded(seed)`)."
+    )
+    with pytest.raises(ss.NotAllocatedError, match=_exact(msg)):
+        ss.RandomKey(name="noise").split(2)
+    msg = (
+        "RandomKey `random_key` holds its key as an int64 tensor of shape (2,) (stream, "
+        "counter), got a torch.int32 tensor of shape (2,); build keys with "
+        "`RandomKey.seeded(seed)`."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.RandomKey(torch.zeros(2, dtype=torch.int32))
+    msg = (
+        "RandomKey `random_key` holds its key as an int64 tensor of shape (2,) (stream, "
+        "counter), got [1, 2] (list); build keys with `RandomKey.seeded(seed)`."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.RandomKey([1, 2])  # type: ignore[arg-type]
 
 
 def test_every_core_message_is_pinned_here() -> None:

@@ -47,7 +47,11 @@ def test_a_branch_steps_as_a_deep_copy_of_its_source_would(model: str) -> None:
     assert manager.session_stats("src")["parked"], "the source forks parked"
     bespoke.fork("src", *BRANCHES)
     managed.fork("src", *BRANCHES)
-    assert manager.peek("b0") is manager.peek("src")
+    # A branch holds the source's every object but its random key (split per branch).
+    src, b0 = manager.peek("src"), manager.peek("b0")
+    assert all(b0.objects[n] is o for n, o in src.objects.items() if n != "random_key")
+    assert all(b0.attrs[n] is v for n, v in src.attrs.items())
+    assert not ss.tree_equal(b0.objects["random_key"], src.objects["random_key"])
 
     branch_inputs = {b: _inputs(spec, cfg, 3, seed=10 + i) for i, b in enumerate(BRANCHES)}
     order = [(b, x) for step in range(3) for b, xs in branch_inputs.items() for x in [xs[step]]]
@@ -76,7 +80,8 @@ def test_eight_branches_hold_the_source_once_and_their_own_steps() -> None:
     branches = [f"b{i}" for i in range(8)]
     pipe.fork("src", *branches)
     source = manager.session_stats("src")["nbytes"]["cpu"]
-    assert manager.stats()["total_nbytes"] == source
+    key = ss.nbytes_by_device(manager.peek("src").random_key)["cpu"]
+    assert manager.stats()["total_nbytes"] == source + 8 * key  # each branch's own key
     for i, branch in enumerate(branches):
         for x in _inputs(spec, cfg, 4, seed=100 + i, prompt_change_every=1000):
             pipe.forward(x, branch)

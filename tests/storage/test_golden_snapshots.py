@@ -106,7 +106,9 @@ def test_every_builder_has_golden_files_and_every_file_a_builder() -> None:
     # Formats 1 and 2 (written before format 3 existed), 3 (CRC-32) and 4 (xxh3-64) are pinned.
     assert {int(p.stem.rpartition("_v")[2]) for p in GOLDEN} == {1, 2, 3, 4}
     assert set(DIGESTS) == {f"{p.parent.name}/{p.stem}" for p in GOLDEN}
-    assert set(make_golden.BUILDERS) >= make_golden.MODEL_BUILDERS == set(make_golden.MODEL_INPUTS)
+    assert set(make_golden.BUILDERS) >= make_golden.MODEL_BUILDERS
+    assert set(make_golden.MODEL_OF.values()) == set(make_golden.MODEL_INPUTS)
+    assert make_golden.BEFORE_KEY < make_golden.MODEL_BUILDERS
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -161,24 +163,28 @@ _MODELS = [p for p in GOLDEN if _builder(p) in make_golden.MODEL_BUILDERS]
 @pytest.mark.parametrize("path", _MODELS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_path: Path) -> None:
     fields = _fields(_document(path))
-    model = _builder(path)
+    builder = _builder(path)
+    model = make_golden.MODEL_OF[builder]
     reference, inputs = make_golden.model_run(model, fields)
     assert reference.manager is not None
     steps = int(_document(path)["metadata"]["steps"])
     golden = ss.load_state(path)
-    built = reference.manager.peek("s")
+    built = make_golden.as_written(builder, reference.manager.peek("s"))
     if not ss.tree_equal(golden, built):
         # Only float bits may differ: this machine's kernels round the seeded networks
         # differently from those that wrote the file (whose bits are pinned, and layout
-        # checked, above). The in-process session then continues from the file's record,
-        # written in today's format and restored; said as a warning, since on such a machine
-        # this test cannot tell a change of the networks' numerics from the CPU's rounding.
+        # checked, above), or the file was written before sessions held a random key (its
+        # noise was drawn otherwise). The in-process session then continues from the file's
+        # record, written in today's format and restored; said as a warning for a keyed file,
+        # since on such a machine this test cannot tell a change of the networks' numerics
+        # from the CPU's rounding.
         assert _float_bits_differ_only(golden, built)
-        warnings.warn(
-            f"{path.name}: this CPU does not rebuild the golden session bit for bit (float "
-            "rounding only); its continuation is checked from the file's record",
-            stacklevel=1,
-        )
+        if builder not in make_golden.BEFORE_KEY:
+            warnings.warn(
+                f"{path.name}: this CPU does not rebuild the golden session bit for bit (float "
+                "rounding only); its continuation is checked from the file's record",
+                stacklevel=1,
+            )
         today = tmp_path / "today.safetensors"
         ss.save_state(golden, today)
         reference.manager.restore("s", today)
@@ -192,6 +198,12 @@ def test_golden_model_session_continues_a_step_bit_identically(path: Path, tmp_p
     nxt = inputs[steps]
     _assert_same_output(restored.forward(nxt, "s"), reference.forward(nxt, "s"))
     assert ss.tree_equal(restored.manager.peek("s"), reference.manager.peek("s"))
+    # The key drew the step's noise: an upgraded file's key, seeded from the config first.
+    key = restored.manager.peek("s").random_key
+    if builder in make_golden.BEFORE_KEY:
+        assert ss.tree_equal(key, ss.RandomKey.seeded(restored.cfg.seed).normal(())[1])
+    else:
+        assert ss.tree_equal(key, golden.random_key.normal(())[1])
 
 
 def test_the_golden_family_restores_with_its_sharing() -> None:

@@ -623,7 +623,9 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             self._put_locked(session_id, state, touch=True)
 
-    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
         """Branch ``source_id`` into new sessions ``branch_ids``, each holding its record.
 
         Nothing is copied: a record is immutable, so every branch stores the source's latest
@@ -635,6 +637,12 @@ class SessionStateManager(Generic[SessionT]):
         the last session holding them unparks or goes. Under a budget the sharing holds: an
         object a sibling parked already is not parked again, and one a sibling unparked and
         still holds comes back as that object (K/V objects park per session).
+
+        Random state is split: a record's `RandomKey` objects are split (`split_random`)
+        into one key for the source and one per branch, so no two of them draw the same
+        noise; every other value stays shared. With ``share_random=True`` every branch holds
+        the source's record itself, key included, and draws what the source would. (A
+        record forked by hand, ``put(branch, record)``, is the record itself: split it first.)
 
         The source becomes the most recently used session, then the branches in order.
 
@@ -656,6 +664,7 @@ class SessionStateManager(Generic[SessionT]):
         check_session_id(source_id)
         for branch_id in branch_ids:
             check_session_id(branch_id)
+        share_random = check_bool(share_random, "share_random")
         if not branch_ids:
             msg = f"`fork({source_id!r})` names no branch; pass the new ids: `fork(source, 'b1')`."
             raise ValueError(msg)
@@ -678,16 +687,27 @@ class SessionStateManager(Generic[SessionT]):
                     raise ValueError(msg)
                 seen.add(branch_id)
             self._admit_branches(source_id, len(branch_ids))
+            # The source's record with its keys split, then one per branch (the same record
+            # n + 1 times when it holds no key, or the key is shared).
+            n = len(branch_ids) + 1
+            records = (state,) * n if share_random else state.split_random(n)
             self._table.move_to_end(source_id)
             added: list[Hashable] = []
             try:
-                for branch_id in branch_ids:
-                    self._put_locked(branch_id, state, touch=True, like=source_id)
+                for branch_id, record in zip(branch_ids, records[1:], strict=True):
+                    self._put_locked(branch_id, record, touch=True, like=source_id)
                     self._parking.forked(source_id, branch_id)
                     added.append(branch_id)
                     self._reporter.emit(
                         SessionEvent("fork", branch_id, 0, reason=f"of {source_id!r}")
                     )
+                if records[0] is not state:
+                    # The source's record with its own split key: only the key changed, for
+                    # one of the same size (held alone), so no room to make and nothing to
+                    # park; a prefetch of the source stays reserved.
+                    self._ledger.set(source_id, self._ledger.values_for(source_id, records[0]))
+                    self._table[source_id] = records[0]
+                    self._record_versions(source_id, records[0])
             except BaseException:
                 for branch_id in added:
                     self._forget(branch_id)
@@ -1469,9 +1489,10 @@ class SessionStateManager(Generic[SessionT]):
     ) -> None:
         # Nothing changes unless the whole put succeeds, except that other sessions may have
         # been parked (losslessly) or evicted to make room. `like`: a session whose stored
-        # record is `state` (a fork's source), whose walked values are reused, not walked.
+        # record `state` shares its values with (a fork's source, all but a split random key),
+        # whose walked values are reused, not walked.
         if like is not None:
-            values = dict(self._ledger.held(like))
+            values = self._ledger.values_for(like, state)
         else:
             values = self._ledger.values_for(session_id, state)
         # Stored in the ledger first, so the budget reads what the record holds alone from the

@@ -407,6 +407,7 @@ SNAPSHOT_NAMES: Mapping[str, str] = {
     "sessionstate._kv:KVPair": "sessionstate._kv._encode_once:KVPair",
     "sessionstate._kvpool:KVHandle": "sessionstate._kv._pool:KVHandle",
     "sessionstate._kv:KVCache": "sessionstate._kv._cache:KVCache",
+    "sessionstate._random:RandomKey": "sessionstate._random:RandomKey",
     "sessionstate.models.dreamzero.state:DreamZeroSession": (
         "sessionstate.models.dreamzero.state:DreamZeroSession"
     ),

@@ -23,6 +23,7 @@ import torch
 from sessionstate import (
     EnginePool,
     OmniDiffusionConfig,
+    RandomKey,
     SessionAdmissionError,
     SessionState,
     SessionStateLostError,
@@ -59,12 +60,14 @@ __all__ = [
     "device_key",
     "is_int",
     "kv_shortfall",
+    "live_key",
     "managed_forward",
     "one_of",
     "positive_int",
     "prefetch",
     "resident",
     "session_blocks",
+    "split_bespoke",
 ]
 
 logger = logging.getLogger("sessionstate")
@@ -214,8 +217,13 @@ class SessionTable(Generic[S]):
         """End a session; returns whether it was held."""
         return self.states.pop(session_id, None) is not None
 
-    def fork(self, source_id: Hashable, branch_ids: tuple[Hashable, ...]) -> None:
+    def fork(
+        self, source_id: Hashable, branch_ids: tuple[Hashable, ...], *, share_random: bool = False
+    ) -> None:
         """Branch a session the bespoke way: each branch a deep copy of the source's state.
+
+        A state's ``random_key`` is split as the manager's `fork` splits a record's
+        (`split_bespoke`), or kept by every copy with ``share_random=True``.
 
         The source becomes the most recently used, then the branches in order; at the cap
         the least recently used others are evicted (``on_full="refuse"``: refused whole).
@@ -242,9 +250,11 @@ class SessionTable(Generic[S]):
                 "them beside the source. Fork into fewer, or drop finished sessions."
             )
             raise SessionAdmissionError(msg)
+        copies = [copy.deepcopy(state) for _ in branch_ids]
+        split_bespoke(state, copies, share_random=share_random)
         self.states.move_to_end(source_id)
-        for branch_id in branch_ids:
-            self.states[branch_id] = copy.deepcopy(state)
+        for branch_id, branch in zip(branch_ids, copies, strict=True):
+            self.states[branch_id] = branch
             if len(self.states) > self.max_sessions:
                 self.states.popitem(last=False)
                 self.counts["evictions"] += 1
@@ -291,8 +301,11 @@ class SessionPath(Protocol):
         """Every value the session holds or reads, by name (leaving the LRU order alone)."""
         ...
 
-    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
-        """Branch a session into new ones that continue from its state."""
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
+        """Branch a session into new ones that continue from its state (keys split, or
+        shared)."""
         ...
 
     def video_latents(self, session_id: Hashable, /) -> torch.Tensor | None:
@@ -390,9 +403,11 @@ class ManagedPathBase(Generic[R]):
         values: dict[str, object] = self._peek(session_id).values()  # type: ignore[attr-defined]
         return values
 
-    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
         """Branch a session: `SessionStateManager.fork` (no tensor copied)."""
-        self.manager.fork(source_id, *branch_ids)
+        self.manager.fork(source_id, *branch_ids, share_random=share_random)
 
     def stats(self) -> dict[str, int]:
         """The manager's `stats()`."""
@@ -536,13 +551,20 @@ class TwoPathPipeline(Generic[R]):
         check_session_id(session_id)
         return self._path.video_latents(session_id)
 
-    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
         """Branch ``source_id`` into new sessions that continue from its latest state.
 
         Each branch then steps on its own (``forward(x, branch_id)``), as a copy of the
         source would. On the managed path nothing is copied: the branches hold the source's
         record (`SessionStateManager.fork`), KV blocks included, and a step copies only what
         it writes; on the bespoke path each branch is a deep copy of the source's state.
+
+        The session's random key is split on both paths alike: the source keeps the first of
+        ``len(branch_ids) + 1`` keys split from it, each branch one of the others, so every
+        branch draws its own noise. ``share_random=True`` keeps the key in every branch: each
+        draws the noise the source would.
 
         Raises:
             SessionStateLostError: if the source is not held.
@@ -555,7 +577,8 @@ class TwoPathPipeline(Generic[R]):
         if not branch_ids:
             msg = f"`fork({source_id!r})` names no branch; pass the new ids: `fork(source, 'b1')`."
             raise ValueError(msg)
-        self._path.fork(source_id, *branch_ids)
+        share_random = check_bool(share_random, "share_random")
+        self._path.fork(source_id, *branch_ids, share_random=share_random)
 
     def stats(self) -> dict[str, int]:
         """The manager's `stats()`; on the bespoke path, the same keys computed by hand (each
@@ -639,6 +662,46 @@ def build_manager(
         host_pool_full=settings.host_pool_full,
         pools=pools,
     )
+
+
+def live_key(key: RandomKey, seed: int) -> RandomKey:
+    """The key a step draws from: ``key``, or, when it is not allocated, ``seed``'s.
+
+    A session's key is seeded from its model config's ``seed`` when the session starts
+    (`RandomKey.seeded`), never from its id: a session's noise depends on its inputs and the
+    config, whatever it is called and on whichever path it runs. A record saved before
+    sessions held keys loads with a key not allocated, and draws from the config's seed at its
+    next step.
+
+    >>> live_key(RandomKey(), 3).view().tolist(), live_key(RandomKey.seeded(1), 3).counter
+    ([3, 0], 0)
+    """
+    return key if key.is_allocated else key.allocate(seed=seed)
+
+
+def split_bespoke(source: Any, branches: list[Any], *, share_random: bool) -> None:
+    """Give a bespoke fork's source and branches their keys, as the manager's `fork` does.
+
+    ``source`` and each of ``branches`` (its deep copies) hold a `RandomKey` as
+    ``random_key`` (if they hold none, nothing changes). Split (the default), the source's key
+    becomes the first of ``len(branches) + 1`` keys split from it and each branch takes one
+    of the others, in order (`SessionState.split_random`); shared, every copy keeps the key.
+
+    >>> class State:
+    ...     random_key = RandomKey.seeded(0)
+    >>> src, b = State(), State()
+    >>> split_bespoke(src, [b], share_random=False)
+    >>> [k.tolist() for k in (src.random_key.view(), b.random_key.view())] == [
+    ...     k.view().tolist() for k in RandomKey.seeded(0).split(2)]
+    True
+    """
+    key = getattr(source, "random_key", None)
+    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:
+        return
+    keys = key.split(len(branches) + 1)
+    source.random_key = keys[0]
+    for branch, branch_key in zip(branches, keys[1:], strict=True):
+        branch.random_key = branch_key
 
 
 def prefetch(

@@ -2,7 +2,9 @@
 
 Model predictive control on a reference model: fork the session into one branch per
 candidate sequence of inputs, step every branch through its sequence, score each branch's
-outputs, keep the best branch as the session and drop the rest. On the managed path a fork
+outputs, keep the best branch as the session and drop the rest. The fork splits the session's
+random key, so each branch imagines its future with its own noise; the kept branch's key
+becomes the session's. On the managed path a fork
 copies nothing (the branches share the session's history until they write), on the bespoke
 path each branch is a deep copy: `rollout` reports the bytes held after every step, so the two
 can be compared.
@@ -107,7 +109,8 @@ def rollout(
         scores = tuple(float(score(outs)) for outs in outputs)
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
         pipe.drop_session(session_id)
-        pipe.fork(branches[best], session_id)
+        # The session becomes the best branch, its random key included (not a split of it).
+        pipe.fork(branches[best], session_id, share_random=True)
     finally:
         for branch in branches:
             pipe.drop_session(branch)

@@ -21,6 +21,7 @@ from sessionstate import (
     LatentBuffer,
     MissingKeyError,
     OmniDiffusionConfig,
+    RandomKey,
     nbytes_by_device,
     tree_equal,
     tree_map,
@@ -522,9 +523,13 @@ def test_window_reset_clears_exactly_the_window_fields() -> None:
 
 def test_session_reset_clears_everything() -> None:
     bespoke = _filled_bespoke()
+    bespoke.random_key = bespoke.random_key.normal(())[1]
     bespoke.reset()
     assert tree_equal(bespoke.values(), DreamZeroState().values())
     for name, value in bespoke.values().items():
+        if name == "random_key":  # a new session's: the seed's, no draw made
+            assert tree_equal(value, RandomKey.seeded(0))
+            continue
         assert value in (0, False, None) or len(value) == 0, name
 
 
@@ -625,8 +630,9 @@ def test_diffuse_is_a_pure_function_of_its_inputs() -> None:
     clip_feas, ys, cond = nets.encode_image(frame)
     embeds = nets.encode_prompt(nets.tokenize("pick"))
     kv = nets.prefill_kv(cond)
-    first = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds, kv)
-    nets.diffuse(cond * 0.5, ys[:, :, 1:3], clip_feas, embeds, kv)  # an unrelated call between
-    again = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds, kv)
+    noise, _ = nets.noise(RandomKey.seeded(0))
+    first = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds, kv, noise)
+    nets.diffuse(cond * 0.5, ys[:, :, 1:3], clip_feas, embeds, kv, noise)  # an unrelated call
+    again = nets.diffuse(cond, ys[:, :, 1:3], clip_feas, embeds, kv, noise)
     assert torch.equal(first[0], again[0])
     assert torch.equal(first[1], again[1])

@@ -66,10 +66,10 @@ class BespokePath:
         self, model: Cosmos3Model, max_sessions: int, on_full: str, *, session_keyed: bool
     ) -> None:
         self.model = model
-        chunks = model.cfg.context_chunks
+        chunks, seed = model.cfg.context_chunks, model.cfg.seed
         self.table = SessionTable(
             "Cosmos3",
-            lambda: Cosmos3State(chunks),
+            lambda: Cosmos3State(chunks, seed),
             max_sessions,
             on_full,
             lost=lost_continuation,
@@ -110,7 +110,8 @@ class BespokePath:
 
         ctx = state.context_latents
         context = torch.cat(list(ctx), dim=2) if ctx else nets.empty_context()
-        latents = model.denoise(state.chunk_count, context, request.control, tr.cached_rope, kv_for)
+        noise, state.random_key = model.noise(state.random_key)
+        latents = model.denoise(noise, context, request.control, tr.cached_rope, kv_for)
         state.context_latents.append(latents)
         state.video_latents.append(latents.detach().to(model.host_device, copy=True))
         state.chunk_count += 1
@@ -120,9 +121,12 @@ class BespokePath:
         """End a session; returns whether it was held."""
         return self.table.drop(session_id)
 
-    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
-        """Branch a session the bespoke way: a deep copy of its state per branch."""
-        self.table.fork(source_id, branch_ids)
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
+        """Branch a session the bespoke way: a deep copy of its state per branch (its random
+        key split as the manager splits it, or shared)."""
+        self.table.fork(source_id, branch_ids, share_random=share_random)
 
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
@@ -140,6 +144,7 @@ class BespokePath:
             "text_kv": instance_cache(tr),
             "context_latents": tuple(s.context_latents),
             "video_latents": tuple(s.video_latents),
+            "random_key": s.random_key,
             "rope_freqs": tr.cached_rope,
             "prompt_tokens": s.prompt_tokens,
             "negative_tokens": s.negative_tokens,

@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from sessionstate import EncodeOnceKV, KVPair, SessionStateSettings
+from sessionstate import EncodeOnceKV, KVPair, RandomKey, SessionStateSettings
 from sessionstate.models._kit import ManagedPathBase, buckets, check_batch, managed_forward
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
@@ -82,7 +82,7 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
         """
         prep = self._prepare(state, request)
         latents = self.model.denoise(
-            prep.chunk_index, prep.context, request.control, prep.rope, prep.kv_for
+            prep.noise, prep.context, request.control, prep.rope, prep.kv_for
         )
         return self._finish(prep, latents)
 
@@ -109,7 +109,7 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
         latents: list[torch.Tensor | None] = [None] * len(preps)
         for group in buckets(preps, key=lambda p: tuple(p.context.shape)):
             done = self.model.denoise_batch(
-                [preps[i].chunk_index for i in group],
+                [preps[i].noise for i in group],
                 [preps[i].context for i in group],
                 [requests[i].control for i in group],
                 preps[group[0]].rope,
@@ -140,7 +140,8 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
             kv = kv.allocate(num_layers=cfg.num_layers, branches=BRANCHES)
         ring = state.context_latents
         context = ring.concat() if len(ring) else nets.empty_context()
-        return _Prepared(model, state, texts, reason, rope, kv, context)
+        noise, key = model.noise(state.random_key)
+        return _Prepared(model, state, texts, reason, rope, kv, context, noise, key)
 
     def _finish(
         self, prep: _Prepared, latents: torch.Tensor
@@ -155,6 +156,7 @@ class ManagedPath(ManagedPathBase[Cosmos3Session]):
             "text_kv": kv,
             "context_latents": state.context_latents.commit(latents),
             "video_latents": state.video_latents.commit(host),
+            "random_key": prep.key,
         }
         state = state.with_values(
             objects,
@@ -178,10 +180,12 @@ class _Prepared:
         rope: torch.Tensor,
         kv: EncodeOnceKV,
         context: torch.Tensor,
+        noise: torch.Tensor,
+        key: RandomKey,
     ) -> None:
         self.model, self.state, self.texts, self.reason = model, state, texts, reason
         self.rope, self.kv, self.context = rope, kv, context
-        self.chunk_index = state.chunk_count
+        self.noise, self.key = noise, key
 
     def kv_for(self, branch: str) -> Sequence[KVPair]:
         """Every layer's K/V of ``branch``: encoded and staged on its first read."""

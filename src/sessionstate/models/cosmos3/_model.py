@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from sessionstate import KVPair, record, static_field
-from sessionstate.models._kit import SessionMessages
+from sessionstate import KVPair, RandomKey, record, static_field
+from sessionstate.models._kit import SessionMessages, live_key
 from sessionstate.models.cosmos3.config import Cosmos3Config
 from sessionstate.models.cosmos3.networks import Cosmos3Networks, build_networks
 
@@ -115,17 +115,31 @@ class Cosmos3Model:
         self.encodes += 1
         return self.nets.encode_layers(tokens)
 
+    def noise(self, key: RandomKey) -> tuple[torch.Tensor, RandomKey]:
+        """A chunk's starting noise drawn from the session's key, and the next key.
+
+        A key not allocated (a record saved before sessions held one) is seeded from the
+        config's ``seed`` first.
+
+        >>> from sessionstate.models.cosmos3 import Cosmos3Config
+        >>> model = Cosmos3Model(Cosmos3Config.preset("tiny"), "cpu", "cpu")
+        >>> model.noise(RandomKey())[1].counter
+        1
+        """
+        return self.nets.noise(live_key(key, self.cfg.seed))
+
     def denoise(
         self,
-        chunk_index: int,
+        noise: torch.Tensor,
         context: torch.Tensor,
         control: torch.Tensor,
         rope: torch.Tensor,
         kv_for: KVSource,
     ) -> torch.Tensor:
-        """Denoise one chunk with guidance; ``kv_for(branch)`` supplies each branch's K/V."""
+        """Denoise one chunk from ``noise`` (see `noise`) with guidance; ``kv_for(branch)``
+        supplies each branch's K/V."""
         nets = self.nets
-        latents = nets.noise(chunk_index)
+        latents = noise
         control = control.to(device=self.device, dtype=nets.dtype)
         for sigma, sigma_next in zip(nets.sigmas[:-1], nets.sigmas[1:], strict=True):
             cond, uncond = kv_for("cond"), kv_for("uncond")
@@ -135,7 +149,7 @@ class Cosmos3Model:
 
     def denoise_batch(
         self,
-        chunk_indices: Sequence[int],
+        noises: Sequence[torch.Tensor],
         contexts: Sequence[torch.Tensor],
         controls: Sequence[torch.Tensor],
         rope: torch.Tensor,
@@ -145,9 +159,10 @@ class Cosmos3Model:
     ) -> list[torch.Tensor]:
         """`denoise` of a batch of sessions whose contexts have one shape, in one loop.
 
-        Each session's noise, context, control and K/V are its own (K/V read once, before
-        the loop, each branch encoded where missing); the Euler updates run on the whole
-        batch. Returns each session's latents, its own tensor (1, C, T, H, W).
+        Each session's noise (drawn from its key, `noise`), context, control and K/V are its
+        own (K/V read once, before the loop, each branch encoded where missing); the Euler
+        updates run on the whole batch. Returns each session's latents, its own tensor
+        (1, C, T, H, W).
 
         With ``batch_invariant``, the transformer runs once per session inside the batched
         loop (its matrix products and softmax may round differently when a kernel is given
@@ -156,8 +171,8 @@ class Cosmos3Model:
         per-session ones to within rounding.
         """
         nets = self.nets
-        size = len(chunk_indices)
-        latents = torch.cat([nets.noise(i) for i in chunk_indices])
+        size = len(noises)
+        latents = torch.cat(list(noises))
         context = torch.cat(list(contexts))
         control = torch.stack([c.to(device=self.device, dtype=nets.dtype) for c in controls])
         kv = [(kv_for("cond"), kv_for("uncond")) for kv_for in kv_fors]

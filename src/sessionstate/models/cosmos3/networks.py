@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import torch
 from torch import nn
 
-from sessionstate import KVPair
+from sessionstate import KVPair, RandomKey
 from sessionstate.models.cosmos3.config import Cosmos3Config
 
 __all__ = ["Cosmos3Networks", "GenerationBlock", "GenerationTransformer", "build_networks"]
@@ -190,14 +190,20 @@ class Cosmos3Networks:
         """The generation pathway's rotary tables (a pure function of the geometry)."""
         return rope_freqs(self.cfg.num_tokens, self.cfg.head_dim, self.device)
 
-    def noise(self, chunk_index: int) -> torch.Tensor:
-        """The starting noise of a session's ``chunk_index``-th chunk (seeded, host-drawn)."""
+    def noise(self, key: RandomKey) -> tuple[torch.Tensor, RandomKey]:
+        """A chunk's starting noise, drawn on the host from the session's ``key``, and the
+        next key (`RandomKey.normal`; on the meta device nothing is drawn).
+
+        >>> from sessionstate import RandomKey
+        >>> from sessionstate.models.cosmos3 import Cosmos3Config
+        >>> nets = build_networks(Cosmos3Config.preset("tiny"))
+        >>> noise, key = nets.noise(RandomKey.seeded(0))
+        >>> tuple(noise.shape), key.counter
+        ((1, 4, 2, 4, 4), 1)
+        """
         cfg = self.cfg
         shape = (1, cfg.latent_channels, cfg.chunk_frames, cfg.latent_height, cfg.latent_width)
-        if self.device.type == "meta":
-            return torch.empty(shape, dtype=self.dtype, device="meta")
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + chunk_index)
-        return torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
+        return key.normal(shape, dtype=self.dtype, device=self.device)
 
     def empty_context(self) -> torch.Tensor:
         """The context of a session's first chunk: one chunk of zeros."""

@@ -43,9 +43,10 @@ class BespokePath:
 
     def __init__(self, model: DreamZeroModel, max_sessions: int, on_full: str) -> None:
         self.model = model
+        seed = model.cfg.seed
         self.table = SessionTable(
             "DreamZero",
-            DreamZeroState,
+            lambda: DreamZeroState(seed),
             max_sessions,
             on_full,
             lost=lost_continuation,
@@ -62,9 +63,12 @@ class BespokePath:
         """End a session; returns whether it was held."""
         return self.table.drop(session_id)
 
-    def fork(self, source_id: Hashable, /, *branch_ids: Hashable) -> None:
-        """Branch a session the bespoke way: a deep copy of its state per branch."""
-        self.table.fork(source_id, branch_ids)
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
+        """Branch a session the bespoke way: a deep copy of its state per branch (its random
+        key split as the manager splits it, or shared)."""
+        self.table.fork(source_id, branch_ids, share_random=share_random)
 
     def session_ids(self) -> list[Hashable]:
         """Retained sessions, least recently used first."""
@@ -132,8 +136,9 @@ class BespokePath:
             state.kv_cache, state.kv_tokens, nets.prefill_kv(ref), cfg
         )
         kv = kv_cache.read_blocks(state.kv_cache, state.kv_tokens)
+        noise, state.random_key = model.noise(state.random_key)
         video, out = model.generate(
-            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, kv
+            ref, state.ys, state.clip_feas, state.prompt_embeds, csf, obs, kv, noise
         )
         pixels, state.vae_dec_feat_map = model.decode(video, state.vae_dec_feat_map)
         state.current_start_frame += cfg.num_frame_per_block

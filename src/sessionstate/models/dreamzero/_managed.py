@@ -21,6 +21,7 @@ from sessionstate import (
     KVPool,
     KVPoolExhaustedError,
     LatentBuffer,
+    RandomKey,
     SessionStateSettings,
     StateObject,
     TensorCache,
@@ -41,7 +42,7 @@ from sessionstate.models.dreamzero._model import (
     lost_continuation,
     unknown_session,
 )
-from sessionstate.models.dreamzero.networks import FeatMap
+from sessionstate.models.dreamzero.networks import FeatMap, Noise
 from sessionstate.models.dreamzero.state import (
     DreamZeroSession,
     frames_for_model,
@@ -159,7 +160,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         one before the denoiser runs, one with what it produced.
         """
         prep = _drive(self._prepare(state, obs), self._encode)
-        video, out = self.model.generate(*prep.inputs(), prep.csf, obs, prep.kv)
+        video, out = self.model.generate(*prep.inputs(), prep.csf, obs, prep.kv, prep.noise)
         return self._finish(prep, video, out)
 
     def step_batch(
@@ -192,6 +193,7 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
                 [preps[i].csf for i in group],
                 [observations[i] for i in group],
                 [preps[i].kv for i in group],
+                [preps[i].noise for i in group],
                 batch_invariant=batch_invariant,
             )
             for i, result in zip(group, done, strict=True):
@@ -300,7 +302,8 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         handle = kv_cache.append_handle(self.kv_pool, previous, nets.prefill_kv(ref), cfg)
         objects["kv_cache"] = state.object("kv_cache", KVCache).commit(handle)
         state = state.with_values(objects, **values)
-        return _Prepared(state, ref, csf, handle.read(), reason)
+        noise, key = model.noise(state.random_key)
+        return _Prepared(state, ref, csf, handle.read(), reason, noise, key)
 
     def _finish(
         self, prep: _Prepared, video: torch.Tensor, out: DreamZeroOutput
@@ -310,7 +313,8 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(model.host_device, copy=True)
         produced: dict[str, StateObject] = {
-            "video_latents_across_time": state.video_latents_across_time.commit(host_latents)
+            "video_latents_across_time": state.video_latents_across_time.commit(host_latents),
+            "random_key": prep.key,
         }
         pixels, dec_map = model.decode(video, state.vae_dec_feat_map)
         if pixels is not None:
@@ -376,8 +380,11 @@ class _Prepared:
         csf: int,
         kv: torch.Tensor,
         reason: str | None,
+        noise: Noise,
+        key: RandomKey,
     ) -> None:
         self.state, self.ref, self.csf, self.kv, self.reason = state, ref, csf, kv, reason
+        self.noise, self.key = noise, key
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ref, ys, clip_feas, prompt_embeds)``, as `DreamZeroModel.generate` takes them."""

@@ -10,10 +10,15 @@ from collections.abc import Sequence
 
 import torch
 
-from sessionstate import record, static_field
-from sessionstate.models._kit import SessionMessages
+from sessionstate import RandomKey, record, static_field
+from sessionstate.models._kit import SessionMessages, live_key
 from sessionstate.models.dreamzero.config import DreamZeroConfig
-from sessionstate.models.dreamzero.networks import DreamZeroNetworks, FeatMap, build_networks
+from sessionstate.models.dreamzero.networks import (
+    DreamZeroNetworks,
+    FeatMap,
+    Noise,
+    build_networks,
+)
 from sessionstate.models.dreamzero.transform import Observation
 
 __all__ = [
@@ -90,6 +95,20 @@ class DreamZeroModel:
         self.host_device = torch.device(host_device)
         self.nets: DreamZeroNetworks = build_networks(cfg, self.device)
 
+    def noise(self, key: RandomKey) -> tuple[Noise, RandomKey]:
+        """A block's starting noise drawn from the session's key, and the next key.
+
+        A key not allocated (a record saved before sessions held one) is seeded from the
+        config's ``seed`` first.
+
+        >>> from sessionstate import RandomKey
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig
+        >>> model = DreamZeroModel(DreamZeroConfig.preset("tiny"), "cpu", "cpu")
+        >>> model.noise(RandomKey())[1].counter
+        1
+        """
+        return self.nets.noise(live_key(key, self.cfg.seed))
+
     def generate(
         self,
         ref: torch.Tensor,
@@ -99,15 +118,19 @@ class DreamZeroModel:
         csf: int,
         obs: Observation,
         kv: torch.Tensor,
+        noise: Noise,
     ) -> tuple[torch.Tensor, DreamZeroOutput]:
-        """Denoise the next block and post-process the actions (both paths, no state).
+        """Denoise the next block from ``noise`` and post-process the actions (both paths, no
+        state).
 
         Returns:
             The block's video latents (with the window's conditioning latent in front on its
             first block) and the step's output (``reset`` left None for the caller to set).
         """
         n = self.cfg.num_frame_per_block
-        video, actions = self.nets.diffuse(ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv)
+        video, actions = self.nets.diffuse(
+            ref, _ys_slice(ys, csf, n), clip_feas, prompt_embeds, kv, noise
+        )
         if csf == 1:  # the window's first block carries its conditioning latent in front
             video = torch.cat([ref, video], dim=2)
         out = DreamZeroOutput(
@@ -123,12 +146,14 @@ class DreamZeroModel:
         csfs: Sequence[int],
         observations: Sequence[Observation],
         kvs: Sequence[torch.Tensor],
+        noises: Sequence[Noise],
         *,
         batch_invariant: bool = False,
     ) -> list[tuple[torch.Tensor, DreamZeroOutput]]:
         """`generate` of a batch of sessions whose denoiser inputs have one shape.
 
-        ``inputs`` holds each session's ``(ref, ys, clip_feas, prompt_embeds)``; the denoiser
+        ``inputs`` holds each session's ``(ref, ys, clip_feas, prompt_embeds)`` and ``noises``
+        its starting noise (`noise`); the denoiser
         runs in one loop over the batch (`DreamZeroNetworks.diffuse_batch`; bit for bit each
         session's own `generate` with ``batch_invariant``). Returns each session's
         ``(video, output)``, as `generate` returns them.
@@ -141,6 +166,7 @@ class DreamZeroModel:
             [x[2] for x in inputs],
             [x[3] for x in inputs],
             kvs,
+            noises,
             batch_invariant=batch_invariant,
         )
         results = []

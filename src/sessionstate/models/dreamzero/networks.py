@@ -18,16 +18,21 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
+from sessionstate import RandomKey
 from sessionstate.models.dreamzero.config import _MASK_CHANNELS, DreamZeroConfig
 
 __all__ = [
     "DreamZeroNetworks",
     "FeatMap",
+    "Noise",
     "build_networks",
 ]
 
 FeatMap = tuple[torch.Tensor | None, ...]
 """A Wan causal-conv cache: one slot per causal conv (the encoder's: 24 of 26 in use)."""
+
+Noise = tuple[torch.Tensor, torch.Tensor]
+"""A block's starting noise: the video latents' and the actions' (`DreamZeroNetworks.noise`)."""
 
 
 @contextmanager
@@ -329,6 +334,28 @@ class DreamZeroNetworks:
         """
         return self.denoiser.prefill(ref)
 
+    def noise(self, key: RandomKey) -> tuple[Noise, RandomKey]:
+        """A block's starting noise, drawn from the session's ``key``, and the next key.
+
+        Both tensors come from one host generator seeded by the key (`RandomKey.generator`):
+        the video latents' noise, then the actions'. A pure function of the key.
+
+        >>> from sessionstate import RandomKey
+        >>> from sessionstate.models.dreamzero import DreamZeroConfig
+        >>> nets = build_networks(DreamZeroConfig.preset("tiny"))
+        >>> (latents, actions), key = nets.noise(RandomKey.seeded(0))
+        >>> tuple(latents.shape), tuple(actions.shape), key.counter
+        ((1, 16, 2, 4, 8), (1, 4, 8), 1)
+        """
+        cfg = self.cfg
+        shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
+        generator, key = key.generator()
+        latents = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
+        actions = torch.randn(
+            (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
+        ).to(self.device)
+        return (latents, actions), key
+
     @torch.no_grad()
     def diffuse(
         self,
@@ -337,18 +364,13 @@ class DreamZeroNetworks:
         clip_feas: torch.Tensor,
         prompt_embeds: torch.Tensor,
         kv: torch.Tensor,
+        noise: Noise,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Denoise the next block from fixed-seed noise: (video latents, raw actions).
+        """Denoise the next block from ``noise`` (see `noise`): (video latents, raw actions).
 
         ``kv`` is the window's KV cache as read for this step, ``(tokens, *kv_token_shape)``.
         """
-        cfg = self.cfg
-        shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
-        generator = torch.Generator().manual_seed(cfg.seed)
-        latents = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
-        actions = torch.randn(
-            (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
-        ).to(self.device)
+        latents, actions = noise
         # The template holds the schedule; each branch steps its own shallow copy, whose step
         # counter starts unset. `step` only rebinds attributes, never writes into the arrays.
         video_sched = copy.copy(self._scheduler)
@@ -371,10 +393,12 @@ class DreamZeroNetworks:
         clip_feas: Sequence[torch.Tensor],
         prompt_embeds: Sequence[torch.Tensor],
         kvs: Sequence[torch.Tensor],
+        noises: Sequence[Noise],
         *,
         batch_invariant: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """`diffuse` of a batch of sessions whose inputs have one shape, in one loop.
+        """`diffuse` of a batch of sessions whose inputs have one shape, in one loop, each from
+        its own noise (`noise`).
 
         Returns each session's video latents (1, z, F, h, w) and raw actions, its own
         tensors. The schedulers' updates (elementwise) run on the whole batch. With
@@ -382,16 +406,9 @@ class DreamZeroNetworks:
         each session's results equal its own `diffuse` bit for bit; without it the denoiser
         runs once on the batch (`Denoiser.forward_batch`).
         """
-        cfg = self.cfg
         size = len(refs)
-        shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
-        generator = torch.Generator().manual_seed(cfg.seed)
-        latents = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
-        actions = torch.randn(
-            (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
-        ).to(self.device)
-        latents = latents.repeat(size, 1, 1, 1, 1)
-        actions = actions.repeat(size, 1, 1)
+        latents = torch.cat([n[0] for n in noises])
+        actions = torch.cat([n[1] for n in noises])
         if not batch_invariant:
             ref, y, clip, prompt = (
                 torch.cat(list(x)) for x in (refs, ys, clip_feas, prompt_embeds)

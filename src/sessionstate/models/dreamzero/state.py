@@ -7,7 +7,8 @@ encoder output are `LatentBuffer`s (the encoder output a ring of ``num_frame_per
 latent frames), the Wan encoder's and decoder's causal-conv caches are `TensorCache`s
 (replaced wholesale, and parkable under a byte budget), the denoiser's KV is a `KVCache` (a
 handle to blocks of the pipeline's `KVPool`, parked with the session: its blocks move to the
-tier and go back to the pool), everything else is a `SessionAttr`. Which value goes in which bucket
+tier and go back to the pool), the noise's random state is a `RandomKey` (split when the session
+forks), everything else is a `SessionAttr`. Which value goes in which bucket
 follows one rule: what the manager can act on is an object, what it can only carry is an
 attribute, whatever its size.
 """
@@ -23,6 +24,7 @@ from sessionstate import (
     KVCache,
     KVHandle,
     LatentBuffer,
+    RandomKey,
     SessionAttr,
     SessionState,
     StateObject,
@@ -60,6 +62,7 @@ BUCKETS: dict[str, Literal["attrs", "object", "engine"]] = {
     "current_start_frame": "attrs",
     "vae_stream_initialized": "attrs",
     "kv_cache": "engine",
+    "random_key": "object",
 }
 """Every DreamZero session value and its bucket (the reference table).
 
@@ -127,9 +130,15 @@ def frames_for_model(
 
 
 class DreamZeroState:
-    """The bespoke per-session state: mutable fields, updated in place by the pipeline."""
+    """The bespoke per-session state: mutable fields, updated in place by the pipeline.
 
-    def __init__(self) -> None:
+    ``random_key`` is the session's random state, seeded from ``seed`` (the config's): each
+    step draws its noise from it and keeps the next key.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.random_key = RandomKey.seeded(seed)
         self.call_count = 0
         self.current_start_frame = 0
         self.stitched_buffer: deque[torch.Tensor] = deque(maxlen=FRAMES_PER_CHUNK)
@@ -147,9 +156,10 @@ class DreamZeroState:
         self.kv_tokens = 0
 
     def reset(self, *, clear_video_latents: bool = True) -> None:
-        """Session reset (everything), or window reset (``clear_video_latents=False``)."""
+        """Session reset (everything, the random key back to the seed's), or window reset
+        (``clear_video_latents=False``: the key draws on)."""
         if clear_video_latents:
-            self.__init__()  # type: ignore[misc]
+            self.__init__(self.seed)  # type: ignore[misc]
             return
         self.stitched_buffer = deque(maxlen=FRAMES_PER_CHUNK)
         self.call_count = 0
@@ -219,6 +229,11 @@ class DreamZeroSession(SessionState):
         # decodes starts its decode stream at its next step.
         if "vae_dec_feat_map" not in self._objects and "vae_enc_feat_map" in self._objects:
             self._objects["vae_dec_feat_map"] = TensorCache(name="vae_dec_feat_map").allocate()
+        # Records written before sessions held their random state (every snapshot file of
+        # 0.1.0.dev0 up to `dreamzero_v4`) drew their noise from the config's seed alone: they
+        # get a key not allocated, which the next step seeds from the config's seed.
+        if "random_key" not in self._objects and "vae_enc_feat_map" in self._objects:
+            self._objects["random_key"] = RandomKey(name="random_key")
         super().__attrs_post_init__()
 
     @property
@@ -263,6 +278,11 @@ class DreamZeroSession(SessionState):
         contents: FeatMap | None = self._typed("vae_dec_feat_map", TensorCache).view()
         return contents
 
+    @property
+    def random_key(self) -> RandomKey:
+        """The session's random key: each step draws its noise from it and keeps the next."""
+        return self._typed("random_key", RandomKey)
+
     def _buffer(self, name: str) -> LatentBuffer:
         return self._typed(name, LatentBuffer)
 
@@ -283,7 +303,8 @@ class DreamZeroSession(SessionState):
 
 
 def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
-    """An empty session: allocated buffers, every attribute at its default.
+    """An empty session: allocated buffers, a key seeded from ``cfg.seed``, attributes at
+    their defaults.
 
     >>> from sessionstate.models.dreamzero import DreamZeroConfig
     >>> s = new_session(DreamZeroConfig.preset("tiny"))
@@ -304,6 +325,7 @@ def new_session(cfg: DreamZeroConfig) -> DreamZeroSession:
             "vae_enc_feat_map": TensorCache(name="vae_enc_feat_map").allocate(),
             "vae_dec_feat_map": TensorCache(name="vae_dec_feat_map").allocate(),
             "kv_cache": KVCache(name="kv_cache").allocate(),
+            "random_key": RandomKey.seeded(cfg.seed, name="random_key"),
         }
     )
 
