@@ -456,6 +456,14 @@ MUTANTS = (
         ("tests/models/test_two_model_contract.py",),
     ),
     Mutant(
+        "step-never-checks-what-it-read",
+        "a managed step that wrote into the record it read is published unseen (the guard "
+        "records the versions anew)",
+        "sessionstate/_manager/_table.py",
+        (("                self._verify_read(session_id, read)\n", ""),),
+        ("tests/manager/test_step_many_adversarial.py",),
+    ),
+    Mutant(
         "batch-invariant-runs-the-batch-kernel",
         "a batch-invariant DreamZero batch runs its denoiser on the whole batch anyway",
         "sessionstate/models/dreamzero/networks.py",

@@ -225,3 +225,28 @@ def test_a_plan_stepped_as_one_batch_keeps_what_one_by_one_keeps(model: str) -> 
 
 def _score(outputs: Any) -> float:
     return -float(outputs[-1].video_latents.float().abs().mean())
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_batch_decodes_each_sessions_frames_as_its_own_step_does(invariant: bool) -> None:
+    spec = get_model("dreamzero")
+    cfg = spec.config_from_dict({"preset": "tiny", "decode_frames": True})
+    single = spec.pipeline(cfg, environ={ss.ENV_ENABLE: "1"})
+    batched = spec.pipeline(cfg, environ={ss.ENV_ENABLE: "1"})
+    worst = 0.0
+    for inputs in _rounds(spec, cfg, steps=4, sessions=3, seed=21, stagger=2):
+        outs = batched.forward_many(inputs, batch_invariant=invariant)
+        for sid, x in inputs.items():
+            mine, theirs = single.forward(x, sid), outs[sid]
+            assert mine.frames is not None
+            assert theirs.frames is not None
+            if invariant:
+                assert ss.tree_equal(mine, theirs), sid
+            worst = max(worst, (mine.frames - theirs.frames).abs().max().item())
+    assert worst <= 1e-5
+    for sid in single.session_ids():
+        mine, theirs = single.session_values(sid), batched.session_values(sid)
+        cache_a, cache_b = mine["vae_dec_feat_map"], theirs["vae_dec_feat_map"]
+        assert ss.nbytes_by_device(cache_a) == ss.nbytes_by_device(cache_b), sid
+        if invariant:
+            assert ss.tree_equal(mine, theirs), sid

@@ -1088,8 +1088,12 @@ class SessionStateManager(Generic[SessionT]):
                         lost(session_id) if lost is not None else _lost(session_id)
                     )
                 state = new()
+            read = state
             with self._transactions(), span("sessionstate::step"):
                 state, out = fn(state)
+                # A step that wrote into the record it read is caught here, before `put`
+                # records the versions anew (with `check_immutable`).
+                self._verify_read(session_id, read)
                 # Published only after the whole step succeeded.
                 self.put(session_id, state)
         except KVPoolExhaustedError as exc:
@@ -1163,6 +1167,8 @@ class SessionStateManager(Generic[SessionT]):
                         "per session, in the order given."
                     )
                     raise ValueError(msg)
+                for session_id in records:
+                    self._verify_read(session_id, records[session_id])
                 # Published only after the whole batch succeeded.
                 self.put_many(list(zip(ids, stepped, strict=True)))
         except KVPoolExhaustedError as exc:
@@ -1833,6 +1839,14 @@ class SessionStateManager(Generic[SessionT]):
     def _verify(self, session_id: Hashable, state: SessionState) -> None:
         if self._guard is not None:
             self._guard.verify(session_id, state)
+
+    def _verify_read(self, session_id: Hashable, state: SessionState) -> None:
+        # A record a step read, checked before its successor is stored, if it is still the
+        # stored one (a record replaced meanwhile had its versions recorded anew).
+        if self._guard is not None:
+            with self._lock:
+                if self._table.get(session_id) is state:
+                    self._guard.verify(session_id, state)
 
 
 def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:

@@ -198,11 +198,44 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
             )
             for i, result in zip(group, done, strict=True):
                 results[i] = result
+        made = [cast(tuple[torch.Tensor, DreamZeroOutput], r) for r in results]
+        decoded = self._decode_batch(preps, [video for video, _ in made], batch_invariant)
         finished = [
-            self._finish(p, *cast(tuple[torch.Tensor, DreamZeroOutput], r))
-            for p, r in zip(preps, results, strict=True)
+            self._finish(p, video, out, d)
+            for p, (video, out), d in zip(preps, made, decoded, strict=True)
         ]
         return [f[0] for f in finished], [f[1] for f in finished]
+
+    def _decode_batch(
+        self, preps: list[_Prepared], videos: list[torch.Tensor], batch_invariant: bool
+    ) -> list[tuple[torch.Tensor | None, FeatMap | None]]:
+        # Every session's streaming decode; those of one shape and cache layout as one batch
+        # (one by one when batch-invariant).
+        model = self.model
+        caches = [p.state.vae_dec_feat_map for p in preps]
+        if not model.cfg.decode_frames or batch_invariant:
+            return [model.decode(v, c) for v, c in zip(videos, caches, strict=True)]
+        out: list[tuple[torch.Tensor | None, FeatMap | None]] = [(None, None)] * len(preps)
+
+        def key(i: int) -> tuple[object, ...]:
+            slots = caches[i] or ()
+            return videos[i].shape, tuple(None if t is None else t.shape for t in slots)
+
+        for group in buckets(range(len(preps)), key=key):
+            if len(group) == 1:
+                out[group[0]] = model.decode(videos[group[0]], caches[group[0]])
+                continue
+            maps = [caches[i] or model.nets.init_decode_map() for i in group]
+            joined = tuple(
+                None if slots[0] is None else torch.cat(slots) for slots in zip(*maps, strict=True)
+            )
+            pixels, cache = model.decode(torch.cat([videos[i] for i in group]), joined)
+            assert pixels is not None
+            assert cache is not None
+            for j, i in enumerate(group):
+                own = tuple(None if t is None else _own(t, j) for t in cache)
+                out[i] = (_own(pixels, j), own)
+        return out
 
     def _prepare_batch(
         self,
@@ -306,9 +339,14 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         return _Prepared(state, ref, csf, handle.read(), reason, noise, key)
 
     def _finish(
-        self, prep: _Prepared, video: torch.Tensor, out: DreamZeroOutput
+        self,
+        prep: _Prepared,
+        video: torch.Tensor,
+        out: DreamZeroOutput,
+        decoded: tuple[torch.Tensor | None, FeatMap | None] | None = None,
     ) -> tuple[DreamZeroSession, DreamZeroOutput]:
-        # What the denoiser produced: the latents' history and the decoded frames.
+        # What the denoiser produced: the latents' history and the decoded frames (decoded
+        # here unless a batch decoded them).
         model, state = self.model, prep.state
         # A copy, so the caller's `out.video_latents` can never reach the session's history.
         host_latents = video.detach().to(model.host_device, copy=True)
@@ -316,7 +354,9 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
             "video_latents_across_time": state.video_latents_across_time.commit(host_latents),
             "random_key": prep.key,
         }
-        pixels, dec_map = model.decode(video, state.vae_dec_feat_map)
+        if decoded is None:
+            decoded = model.decode(video, state.vae_dec_feat_map)
+        pixels, dec_map = decoded
         if pixels is not None:
             produced["vae_dec_feat_map"] = state.object("vae_dec_feat_map", TensorCache).commit(
                 dec_map
