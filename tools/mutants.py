@@ -456,6 +456,14 @@ MUTANTS = (
         ("tests/models/test_two_model_contract.py",),
     ),
     Mutant(
+        "stack-copies-each-view-alone",
+        "stacking copies every view of a record's storage on its own: unstacked records lose "
+        "their aliases",
+        "sessionstate/_batch.py",
+        (("    groups = _storage_groups(columns)\n", "    groups: list[list[int]] = []\n"),),
+        ("tests/core/test_batch.py",),
+    ),
+    Mutant(
         "step-never-checks-what-it-read",
         "a managed step that wrote into the record it read is published unseen (the guard "
         "records the versions anew)",

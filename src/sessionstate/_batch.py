@@ -40,6 +40,7 @@ class Batch(Generic[R]):
         spec: The records' tree structure (static fields included).
         size: How many records.
         paths: Each leaf's key path, for messages.
+        groups: See the attribute.
     """
 
     leaves: tuple[Any, ...]
@@ -47,6 +48,9 @@ class Batch(Generic[R]):
     spec: PyTreeSpec
     size: int
     paths: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Batched leaves that are views of one storage in every record, as their positions:
+    `unstack` gives each record one copy of that storage and rebuilds the views on it."""
 
     @property
     def shared(self) -> int:
@@ -72,7 +76,10 @@ def stack(records: Sequence[R], /) -> Batch[R]:
     Records must have the same tree structure (classes, object names, static fields such as
     a ring's ``maxlen``) and, leaf by leaf, tensors of one shape, dtype and device, or equal
     non-tensor values. A tensor leaf that is the same tensor in every record (a fork's
-    history) stays one tensor, unbatched; the others are stacked (a copy).
+    history) stays one tensor, unbatched; the others are stacked (a copy). Leaves that are
+    views of one storage in each record (a slice beside its tensor, an alias), laid out
+    alike in every record, are stacked as their storage, so `unstack` gives each record its
+    views of one copy again: the records' sharing survives the batch.
 
     Raises:
         ValueError: for no records, or records that differ in structure, in a tensor leaf's
@@ -107,11 +114,17 @@ def stack(records: Sequence[R], /) -> Batch[R]:
             column.append(leaf)
     out: list[Any] = []
     dims: list[int | None] = []
-    for path, column in zip(keys, columns, strict=True):
-        value, dim = _stack_leaf(path, column)
+    groups = _storage_groups(columns)
+    grouped = {j for g in groups for j in g}
+    for j, (path, column) in enumerate(zip(keys, columns, strict=True)):
+        value, dim = _stack_leaf(path, column, stacked=j not in grouped)
         out.append(value)
         dims.append(dim)
-    return Batch(tuple(out), tuple(dims), spec, len(records), tuple(keys))
+    for members in groups:
+        _stack_storage(columns, members, out)
+    return Batch(
+        tuple(out), tuple(dims), spec, len(records), tuple(keys), tuple(map(tuple, groups))
+    )
 
 
 def unstack(batch: Batch[R], /, *, copy: bool = True) -> list[R]:
@@ -128,11 +141,22 @@ def unstack(batch: Batch[R], /, *, copy: bool = True) -> list[R]:
     True
     """
     out = []
+    grouped = {j: g for g in batch.groups for j in g}
     for i in range(batch.size):
-        leaves = [
-            (x[i].clone() if copy else x[i]) if d == 0 else x
-            for x, d in zip(batch.leaves, batch.dims, strict=True)
-        ]
+        leaves: list[Any] = []
+        owned: dict[int, torch.Tensor] = {}  # one copy per batched leaf or storage group
+        for j, (x, d) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
+            if d != 0:
+                leaves.append(x)
+            elif not copy:
+                leaves.append(x[i])
+            elif j in grouped:
+                leaves.append(_rebuilt(batch.leaves, grouped[j], j, i, owned))
+            else:
+                mine = owned.get(id(x))
+                if mine is None:
+                    mine = owned[id(x)] = x[i].clone()
+                leaves.append(mine)
         out.append(tree_unflatten(batch.spec, leaves))
     return out
 
@@ -209,7 +233,8 @@ def vmap(
     return run
 
 
-def _stack_leaf(path: str, column: list[Any]) -> tuple[Any, int | None]:
+def _stack_leaf(path: str, column: list[Any], *, stacked: bool = True) -> tuple[Any, int | None]:
+    # The column checked and stacked (``stacked=False``: checked only, a storage group's).
     first = column[0]
     if not isinstance(first, torch.Tensor):
         if type(first).__name__ == "KVHandle":
@@ -247,7 +272,74 @@ def _stack_leaf(path: str, column: list[Any]) -> tuple[Any, int | None]:
                 "dtype and device per leaf: group sessions by shape."
             )
             raise ValueError(msg)
-    return torch.stack(column), 0
+    return (torch.stack(column) if stacked else None), 0
+
+
+def _storage_groups(columns: list[list[Any]]) -> list[list[int]]:
+    # Leaves that are views of one storage in record 0 (a slice beside its tensor, two
+    # aliases), laid out alike in every record: they are stacked as their storage. Leaves
+    # that are one tensor in every record (what forks share) stay unbatched instead.
+    by_storage: dict[int, list[int]] = {}
+    for j, column in enumerate(columns):
+        x = column[0]
+        if (
+            isinstance(x, torch.Tensor)
+            and not all(leaf is x for leaf in column)
+            and all(isinstance(leaf, torch.Tensor) for leaf in column)
+            and x.untyped_storage().nbytes() > 0
+        ):
+            by_storage.setdefault(x.untyped_storage().data_ptr(), []).append(j)
+    return [
+        members
+        for members in by_storage.values()
+        if len(members) > 1 and _laid_out_alike([columns[j] for j in members])
+    ]
+
+
+def _stack_storage(columns: list[list[Any]], members: list[int], out: list[Any]) -> None:
+    # One copy of the group's storage per record, stacked; each leaf a view into it.
+    first = columns[members[0]][0]
+    n = first.untyped_storage().nbytes() // first.element_size()
+    bases = torch.stack([torch.as_strided(x, (n,), (1,), 0) for x in columns[members[0]]])
+    for j in members:
+        x = columns[j][0]
+        out[j] = bases.as_strided((bases.shape[0], *x.shape), (n, *x.stride()), x.storage_offset())
+
+
+def _laid_out_alike(group: list[list[torch.Tensor]]) -> bool:
+    # Every record holds these leaves as views of one storage of record 0's size, at the
+    # same offsets and strides, all of one dtype (their shapes are checked leaf by leaf).
+    first = group[0][0]
+    nbytes = first.untyped_storage().nbytes()
+    if nbytes % first.element_size():
+        return False
+    for r in range(len(group[0])):
+        storage = group[0][r].untyped_storage()
+        if storage.nbytes() != nbytes:
+            return False
+        for column in group:
+            x, y = column[r], column[0]
+            if (
+                x.untyped_storage().data_ptr() != storage.data_ptr()
+                or x.dtype != first.dtype
+                or (x.storage_offset(), x.stride()) != (y.storage_offset(), y.stride())
+            ):
+                return False
+    return True
+
+
+def _rebuilt(
+    leaves: tuple[Any, ...], group: tuple[int, ...], j: int, i: int, owned: dict[int, Any]
+) -> torch.Tensor:
+    # Record i's leaf j of a storage group: a view into the record's one copy of the storage
+    # (the stacked storage holds record i's at [i * n, (i + 1) * n)).
+    first = leaves[group[0]]
+    n = first.stride(0)
+    base = owned.get(-1 - group[0])
+    if base is None:
+        base = owned[-1 - group[0]] = torch.as_strided(first, (n,), (1,), i * n).clone()
+    x = leaves[j]
+    return base.as_strided(x.shape[1:], x.stride()[1:], x.storage_offset())
 
 
 def _first_difference(a: Any, b: Any) -> str:

@@ -12,8 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sessionstate as ss
+from tests.support import alias_graph
 
 
 class Session(ss.SessionState):
@@ -133,3 +136,56 @@ def test_engine_handles_are_not_batched_yet() -> None:
     state = ss.SessionState(objects={"kv": ss.KVCache(name="kv").allocate().commit(h)})
     with pytest.raises(TypeError, match=r"KVHandle.*not batched yet"):
         ss.stack([state, state])
+
+
+def test_vmap_of_the_twenty_line_step_over_sixteen_sessions_is_sixteen_steps() -> None:
+    records = _forked(16)
+    xs = torch.randn(16, 1, 4, generator=torch.Generator().manual_seed(2))
+    batch, outs = ss.vmap(step)(ss.stack(records), xs)
+    for record, x, out, got in zip(records, xs, outs, ss.unstack(batch), strict=True):
+        want, expected = step(record, x)
+        assert torch.equal(out, expected)
+        assert ss.tree_equal(got, want)
+
+
+@st.composite
+def _family(draw: st.DrawFn) -> list[ss.SessionState]:
+    # Records of one layout: per record a base tensor, a slice of it, the base again (an
+    # alias), a tensor of its own, maybe a stride-0 view of the base; maybe one tensor every
+    # record holds (a fork's history).
+    n = draw(st.integers(1, 5))
+    size = draw(st.integers(2, 6))
+    start = draw(st.integers(0, size - 1))
+    with_history, with_grid = draw(st.booleans()), draw(st.booleans())
+    shared = torch.arange(3.0)
+    records = []
+    for r in range(n):
+        base = torch.arange(float(size)) + 10 * r
+        attrs: dict[str, Any] = {"base": base, "part": base[start:], "again": base}
+        attrs["own"] = torch.full((2,), float(r))
+        if with_history:
+            attrs["history"] = shared
+        if with_grid:
+            attrs["grid"] = base.view(1, size).expand(2, size)
+        records.append(ss.SessionState(attrs=attrs))
+    return records
+
+
+@settings(max_examples=60, deadline=None)
+@given(_family())
+def test_unstack_of_a_stack_keeps_every_leaf_and_the_sharing(records: list[Any]) -> None:
+    batch = ss.stack(records)
+    for copy in (True, False):
+        back = ss.unstack(batch, copy=copy)
+        for got, want in zip(back, records, strict=True):
+            assert ss.tree_equal(got, want)
+            if copy:
+                assert alias_graph(got) == alias_graph(want)
+        if copy:  # what every record held is one tensor, shared again; nothing else is
+            first = records[0].attrs
+            shared = [k for k in first if all(r.attrs[k] is first[k] for r in records)]
+            for k in shared:
+                assert all(b.attrs[k] is records[0].attrs[k] for b in back)
+    # The batch holds what the records share once and each record's own storages once.
+    own = ss.nbytes_by_device([r.attrs[k] for r in records for k in r.attrs])
+    assert ss.nbytes_by_device(list(batch.leaves)) == own
