@@ -189,12 +189,12 @@ MUTANTS = (
         (
             (
                 "    try:\n"
-                "        _write_file(partial, header, data)\n"
+                "        _write_file(partial, header, data, durable=durable)\n"
                 "        os.replace(partial, target)\n"
                 "    finally:\n"
                 "        with contextlib.suppress(FileNotFoundError):\n"
                 "            partial.unlink()\n",
-                "    _write_file(target, header, data)\n",
+                "    _write_file(target, header, data, durable=durable)\n",
             ),
         ),
         (
@@ -426,6 +426,19 @@ MUTANTS = (
             ),
         ),
         ("tests/kv/test_kv_park.py",),
+    ),
+    Mutant(
+        "snapshot-save-skips-fsync",
+        "a snapshot is renamed into place before its bytes are synced to disk, so a crash "
+        "after the save can leave an empty or partial file under the path",
+        "sessionstate/_storage/_encode.py",
+        (
+            (
+                "        if durable:\n            f.flush()\n            os.fsync(f.fileno())\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/storage/test_snapshot_hostile.py",),
     ),
     Mutant(
         "host-slot-views-at-wrong-offsets",

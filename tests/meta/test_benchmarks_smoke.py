@@ -204,8 +204,10 @@ SNAPSHOT_METHODS = (
     "snapshot_load",
     "snapshot_file",
     "torch_save",
+    "torch_save_durable",
     "torch_load",
     "torch_file",
+    "torch_durable_file",
     "snapshot_bytes",
     "torch_bytes",
     "raw_copy",
@@ -225,7 +227,7 @@ def test_snapshot_benchmark_smoke_measures_every_method(tmp_path: Path) -> None:
         assert math.isfinite(value), method
         assert value > 0, method
     assert isinstance(results["target"]["met"], bool)
-    assert "| snapshot_file_over_torch_file |" in out.with_suffix(".md").read_text()
+    assert "| snapshot_file_over_torch_durable_file |" in out.with_suffix(".md").read_text()
 
 
 def test_sizes_benchmark_smoke_times_both_ways_and_finds_the_tables_equal(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ original's.
   copy, and the devices are synchronised before `park_tree` returns, so the caller may release
   the device memory as soon as it holds the handle (a device-to-host copy is not valid on the
   host until synchronised).
-- ``"disk"``: the tree's tensors in one snapshot file per parked tree (`save_state`) in a spool
+- ``"disk"``: the tree's tensors in one snapshot file per parked tree (`save_state`'s format, not
+  synced to disk: it does not outlive the process) in a spool
   directory; unparking loads it (`load_state`, checksummed). The file's owner is its handle:
   `ParkedBytes.release` deletes it, and so does the handle's finalizer once nothing holds it.
 
@@ -65,7 +66,7 @@ from sessionstate._protocols import (
     DeferredRead,
 )
 from sessionstate._storage._decode import load_state
-from sessionstate._storage._encode import record_device, save_state
+from sessionstate._storage._encode import record_device, write_snapshot
 from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
 from sessionstate._storage._hostpool import HostBufferPool
 from sessionstate._tree import (
@@ -628,7 +629,8 @@ class _DiskBytes(ParkedBytes):
         self.path = directory / f"parked-{os.getpid()}-{next(_names)}.safetensors"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            save_state(tensors, self.path)
+            # Not synced to disk: a spool file does not outlive the process that parked it.
+            write_snapshot(tensors, self.path, durable=False)
         except OSError as exc:
             msg = (
                 f"Cannot park {label} to disk: writing `{self.path}` failed ({exc}). Free space "
