@@ -111,9 +111,10 @@ def _check_paths_and_sizes(results: dict) -> None:
 
 def _check_targets(results: dict) -> None:
     judged = [row for row in results["targets"] if row["threshold"] is not None]
-    # The step growth, the overhead, the ring commit, stats(), then issue 23's accounting
-    # targets: the put at the longest buffer, the ledger upkeep at each length, nbytes.
-    assert len(judged) == 8
+    # The step growth, the overhead's growth and the managed / bespoke step (#40), the ring
+    # commit, stats(), then issue 23's accounting targets: the put at the longest buffer, the
+    # ledger upkeep at each length, nbytes.
+    assert len(judged) == 9
     assert all(isinstance(row["met"], bool) for row in judged)
     growth = results["step_growth"]
     assert judged[0]["value"] == growth["last_over_first"]
@@ -122,11 +123,11 @@ def _check_targets(results: dict) -> None:
     assert growth["last_median_ms"] > 0
     put = results["put_after_commit"]["points"]
     assert [p["video_chunks"] for p in put] == results["sizes"]["accumulate_chunks"]
-    assert judged[4]["value"] == put[-1]["put_over_shortest"]
-    assert [row["target"].split(",")[0] for row in judged[5:7]] == [
+    assert judged[5]["value"] == put[-1]["put_over_shortest"]
+    assert [row["target"].split(",")[0] for row in judged[6:8]] == [
         "ledger upkeep per put and stats() / a walk of the changed leaves"
     ] * 2
-    assert judged[7]["target"].startswith("nbytes_by_device")
+    assert judged[8]["target"].startswith("nbytes_by_device")
 
 
 def _check_markdown(markdown: str) -> None:
@@ -186,6 +187,8 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
         assert trip[key] > 0
     (kv,) = results["kv_park"]
     assert kv["kv_over_copy_floor"] > 0
+    assert kv["kv_host_pool_over_copy_floor"] > 0
+    assert kv["kv_over_fresh_floor"] > 0
     tiny = results["tiny_session"]
     assert tiny["storages"] > 1
     assert tiny["over_one_copy"] > 0
