@@ -10,7 +10,11 @@ from sessionstate import DEFAULT_MAX_SESSIONS
 
 # Target thresholds.
 TARGET_STEP_GROWTH = 1.05  # issue 23; the series' growth is reported beside it
-TARGET_OVERHEAD_US = 30.0
+# Issue 40 restated the overhead target (a native fused update is not worth a compiled
+# extension in a package that installs with pip alone): the overhead stays flat along a
+# session, and the managed step falls below this factor of the bespoke one at 10 chunks.
+TARGET_OVERHEAD_GROWTH = 1.2
+TARGET_MANAGED_OVER_BESPOKE = 1.25
 TARGET_RING_VS_FLOOR = 2.0
 TARGET_STATS_US_PER_LEAF = 0.3
 TARGET_STATS_SESSIONS = DEFAULT_MAX_SESSIONS  # stats() at a full manager
@@ -25,6 +29,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     # Measured with the two paths alternating in one process when the run has it (the
     # issue's method); the pyperf figure of runs before it otherwise.
     overhead = results.get("library_overhead_ab", results["library_overhead"])
+    first_o, last_o = overhead["points"][0], overhead["points"][-1]
     ring = results["ring_commit"]
     stats_points = results["stats_scaling"]["points"]
     at = next((p for p in stats_points if p["sessions"] == TARGET_STATS_SESSIONS), stats_points[-1])
@@ -39,11 +44,20 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "unit": "x",
         },
         {
-            "target": "library overhead per DreamZero step (worst session length)",
-            "value": overhead["worst_overhead_us"],
+            "target": f"library overhead per DreamZero step at {last_o['video_chunks']} video "
+            f"chunks / at {first_o['video_chunks']}",
+            "value": last_o["overhead_us"] / first_o["overhead_us"],
             "cpu_value": None,
-            "threshold": TARGET_OVERHEAD_US,
-            "unit": "us",
+            "threshold": TARGET_OVERHEAD_GROWTH,
+            "unit": "x",
+        },
+        {
+            "target": f"managed / bespoke DreamZero step, networks replayed, "
+            f"{first_o['video_chunks']} video chunks",
+            "value": _managed_us(first_o) / _bespoke_us(first_o),
+            "cpu_value": None,
+            "threshold": TARGET_MANAGED_OVER_BESPOKE,
+            "unit": "x",
         },
         {
             "target": "ring commit / in-place preallocated ring (copy) floor",
@@ -74,6 +88,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         }
     )
     return rows
+
+
+def _managed_us(point: dict[str, Any]) -> float:
+    # The alternating table's median, or the pyperf table's figure in runs before it.
+    return float(point.get("managed_median_us", point.get("managed_us")))
+
+
+def _bespoke_us(point: dict[str, Any]) -> float:
+    return float(point.get("bespoke_median_us", point.get("bespoke_us")))
 
 
 def _accounting_rows(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,11 +14,15 @@ method round-trips the same record:
 
 - ``snapshot_file``: `save_state` to a file, then `load_state`;
 - ``torch_file``: ``torch.save`` of the same record, then ``torch.load``;
+- ``torch_durable_file``: the same, saved as `save_state` saves: into a file of its own,
+  synced to disk (``fsync``), renamed into place, then the directory synced. `save_state`
+  is durable, ``torch.save`` alone is not; the target compares like with like;
 - ``snapshot_bytes`` / ``torch_bytes``: the same through memory (`dumps_state` /
   `loads_state`, and ``torch.save`` into a ``BytesIO``);
 - ``raw_copy``: one fresh copy of every storage's bytes (``clone``), the floor.
 
-Times are medians over repeats after a warm-up, reported per MiB, with the ratios
+Every save after the first is over an existing file. Times are medians over repeats after a
+warm-up, reported per MiB (with the fastest and slowest repeat of each save), with the ratios
 ``snapshot / torch`` and ``snapshot / raw``. Writes JSON and a markdown report
 (``benchmarks/results/snapshot.json`` and ``.md`` by default). Nothing here asserts a time.
 """
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import code_version
 
 from sessionstate import (
     ENV_ENABLE,
@@ -92,8 +97,8 @@ def build_record(shapes: Sequence[tuple[int, ...] | None], scale: int, dtype: to
     return SessionState(objects={"vae_enc_feat_map": cache}, attrs={"call_count": 5})
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of ``fn`` in each of ``repeats`` runs after one warm-up."""
     fn()
     times = []
     for _ in range(repeats):
@@ -101,7 +106,16 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def fsync(path: str) -> None:
+    """Sync ``path`` (a file or a directory) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def run(*, preset: str, scale: int, repeats: int) -> dict[str, Any]:
@@ -131,6 +145,15 @@ def run(*, preset: str, scale: int, repeats: int) -> dict[str, Any]:
         def torch_load() -> None:
             loaded["torch"] = torch.load(torch_path, weights_only=False)
 
+        def torch_save_durable() -> None:
+            partial = torch_path + ".partial"
+            with open(partial, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, torch_path)
+            fsync(tmp)
+
         def snapshot_bytes() -> None:
             loads_state(dumps_state(state))
 
@@ -144,23 +167,32 @@ def run(*, preset: str, scale: int, repeats: int) -> dict[str, Any]:
             for storage in storages:
                 storage_bytes(storage).clone()
 
-        seconds = {
+        runs = {
             "snapshot_save": timed(snapshot_save, repeats),
             "snapshot_load": timed(snapshot_load, repeats),
             "torch_save": timed(torch_save, repeats),
+            "torch_save_durable": timed(torch_save_durable, repeats),
             "torch_load": timed(torch_load, repeats),
             "snapshot_bytes": timed(snapshot_bytes, repeats),
             "torch_bytes": timed(torch_bytes, repeats),
             "raw_copy": timed(raw_copy, repeats),
         }
+        seconds = {k: statistics.median(v) for k, v in runs.items()}
         file_sizes = {
             "snapshot": os.path.getsize(snap_path),
             "torch": os.path.getsize(torch_path),
         }
     seconds["snapshot_file"] = seconds["snapshot_save"] + seconds["snapshot_load"]
     seconds["torch_file"] = seconds["torch_save"] + seconds["torch_load"]
+    seconds["torch_durable_file"] = seconds["torch_save_durable"] + seconds["torch_load"]
+    save_spread_ms = {
+        k: [1000 * min(runs[k]), 1000 * max(runs[k])]
+        for k in ("snapshot_save", "torch_save", "torch_save_durable")
+    }
     ms_per_mib = {k: 1000 * v / mib for k, v in seconds.items()}
     ratios = {
+        "snapshot_file_over_torch_durable_file": seconds["snapshot_file"]
+        / seconds["torch_durable_file"],
         "snapshot_file_over_torch_file": seconds["snapshot_file"] / seconds["torch_file"],
         "snapshot_bytes_over_torch_bytes": seconds["snapshot_bytes"] / seconds["torch_bytes"],
         "snapshot_file_over_raw_copy": seconds["snapshot_file"] / seconds["raw_copy"],
@@ -172,6 +204,8 @@ def run(*, preset: str, scale: int, repeats: int) -> dict[str, Any]:
             "torch": torch.__version__,
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "loadavg_start": list(os.getloadavg()),
+            **code_version(),
         },
         "preset": preset,
         "scale": scale,
@@ -186,12 +220,13 @@ def run(*, preset: str, scale: int, repeats: int) -> dict[str, Any]:
         "file_nbytes": file_sizes,
         "bit_identical": tree_equal(loaded["snapshot"], state),
         "ms_per_mib": ms_per_mib,
+        "save_spread_ms": save_spread_ms,
         "ratios": ratios,
         "target": {
-            "what": "snapshot save+load (file) / torch.save+torch.load (file)",
+            "what": "snapshot save+load (file) / torch.save+torch.load (file, saved as durably)",
             "threshold": TARGET,
-            "measured": ratios["snapshot_file_over_torch_file"],
-            "met": ratios["snapshot_file_over_torch_file"] <= TARGET,
+            "measured": ratios["snapshot_file_over_torch_durable_file"],
+            "met": ratios["snapshot_file_over_torch_durable_file"] <= TARGET,
         },
     }
 
@@ -208,7 +243,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"Record: the Wan encoder feature cache, preset `{results['preset']}`, height and width "
         f"/ {results['scale']}: {rec['tensors']} {rec['dtype']} tensors, {rec['storages']} "
         f"storages, {rec['mib']:.2f} MiB. Medians of {results['repeats']} repeats; torch "
-        f"{results['machine']['torch']}, {results['machine']['cores']} cores. Loaded snapshot "
+        f"{results['machine']['torch']}, {results['machine']['cores']} cores, one-minute load "
+        f"{results['machine']['loadavg_start'][0]:.1f}; commit "
+        f"`{results['machine']['commit'][:7]}`. Loaded snapshot "
         f"bit-identical: {results['bit_identical']}.",
         "",
         "| method | ms/MiB |",
@@ -219,13 +256,18 @@ def markdown(results: dict[str, Any]) -> str:
         "snapshot_load",
         "snapshot_file",
         "torch_save",
+        "torch_save_durable",
         "torch_load",
         "torch_file",
+        "torch_durable_file",
         "snapshot_bytes",
         "torch_bytes",
         "raw_copy",
     ):
         lines.append(f"| {key} | {ms[key]:.3f} |")
+    lines += ["", "Every save over an existing file, fastest and slowest repeat:", ""]
+    lines += ["| save | fastest ms | slowest ms |", "|---|---|---|"]
+    lines += [f"| {k} | {lo:.0f} | {hi:.0f} |" for k, (lo, hi) in results["save_spread_ms"].items()]
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
     lines += [

@@ -189,12 +189,12 @@ MUTANTS = (
         (
             (
                 "    try:\n"
-                "        _write_file(partial, header, data)\n"
+                "        _write_file(partial, header, data, durable=durable)\n"
                 "        os.replace(partial, target)\n"
                 "    finally:\n"
                 "        with contextlib.suppress(FileNotFoundError):\n"
                 "            partial.unlink()\n",
-                "    _write_file(target, header, data)\n",
+                "    _write_file(target, header, data, durable=durable)\n",
             ),
         ),
         (
@@ -508,12 +508,53 @@ MUTANTS = (
         "sessionstate/_kv/_pool.py",
         (
             (
-                "                self.storage.index_copy_("
-                "0, index, data.to(self.storage.device))\n",
+                "                self.storage[block : block + count].copy_("
+                "data[slot : slot + count])\n",
                 "                pass\n",
             ),
         ),
         ("tests/kv/test_kv_park.py",),
+    ),
+    Mutant(
+        "snapshot-save-skips-fsync",
+        "a snapshot is renamed into place before its bytes are synced to disk, so a crash "
+        "after the save can leave an empty or partial file under the path",
+        "sessionstate/_storage/_encode.py",
+        (
+            (
+                "        if durable:\n            f.flush()\n            os.fsync(f.fileno())\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/storage/test_snapshot_hostile.py",),
+    ),
+    Mutant(
+        "host-slot-views-at-wrong-offsets",
+        "the host tier's consolidated slot hands every storage the slot's first bytes, so a "
+        "restore rebuilds the views over the wrong offsets",
+        "sessionstate/_storage/_park.py",
+        (
+            (
+                "        views = [slots[device][offset : offset + n] "
+                "for device, offset, n in places]\n",
+                "        views = [slots[device][0:n] for device, offset, n in places]\n",
+            ),
+        ),
+        ("tests/storage/test_hostpool.py", "tests/storage/test_park.py"),
+    ),
+    Mutant(
+        "kv-park-reads-runs-from-the-slot-index",
+        "parking KV copies a run of consecutive blocks from the pool at its slot index "
+        "instead of its block id (right only when a session's blocks start at block 0)",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "            dest[slot:end].copy_(src[block : block + end - slot], "
+                "non_blocking=cuda)\n",
+                "            dest[slot:end].copy_(src[slot:end], non_blocking=cuda)\n",
+            ),
+        ),
+        ("tests/kv/test_kv_park.py", "tests/kv/test_kv_stateful.py"),
     ),
     Mutant(
         "kv-blocks-not-freeable",

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from sessionstate._manager import SessionStateManager as SessionStateManager
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
+    from sessionstate._protocols import DeferredRead as DeferredRead
     from sessionstate._protocols import Derivation as Derivation
     from sessionstate._protocols import DerivesFromBase as DerivesFromBase
     from sessionstate._protocols import EnginePool as EnginePool
@@ -180,6 +181,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     # -- extension points ----------------------------------------------------------------
     "sessionstate._protocols": (
+        "DeferredRead",
         "Derivation",
         "DerivesFromBase",
         "EnginePool",

@@ -23,7 +23,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_checkable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
 
 __all__ = [
     "ASSIGNMENT_FIX_HOOK",
@@ -32,6 +37,7 @@ __all__ = [
     "SNAPSHOT_HOOKS",
     "STANDALONE_HOOK",
     "STORAGE_ENTRIES_HOOK",
+    "DeferredRead",
     "DerivesFromBase",
     "EnginePool",
     "NamesItsTransition",
@@ -123,7 +129,10 @@ class OffloadsStorages(Protocol):
     room it raises (`KVPoolExhaustedError` for a `KVPool`) and takes nothing.
 
     The payload's tensors stay on the engine's device until the tier moves them, so the parked
-    bytes report the device that unparking fills again.
+    bytes report the device that unparking fills again. A payload may hold a `DeferredRead`
+    in place of a tensor: the host tier then has the engine copy straight into the tier's
+    host memory (no intermediate tensor), and ``__sessionstate_reload__`` gets that host
+    memory as a contiguous CPU tensor to copy from (other tiers read it into a tensor first).
 
     Optionally, ``__sessionstate_standalone__(payload)`` returns leaves that read the same
     without the engine (holding their own copies, e.g. a `KVPool` of just the saved blocks on
@@ -228,3 +237,48 @@ class DerivesFromBase(Protocol):
     """
 
     def __sessionstate_derivation__(self) -> Derivation | None: ...
+
+
+class DeferredRead:
+    """A tensor an engine's offload payload has not copied yet: the tier says where it goes.
+
+    ``nbytes``, ``dtype``, ``shape`` and ``device`` describe the contiguous tensor it stands
+    for; ``copy_into(out)`` writes its bytes into ``out`` (a ``uint8`` CPU tensor of exactly
+    ``nbytes``, page-locked when ``device`` is a CUDA device; the copy may be asynchronous:
+    the tier synchronises ``device`` before it relies on the bytes). `read` makes the tensor
+    on ``device``, for a tier without host memory of its own (disk) and for callers.
+
+    >>> import torch
+    >>> src = torch.arange(4.0)
+    >>> d = DeferredRead(torch.float32, (4,), src.device, lambda out: out.copy_(src.view(torch.uint8)))
+    >>> d.nbytes, d.read().tolist()
+    (16, [0.0, 1.0, 2.0, 3.0])
+    """  # noqa: E501 - a doctest line
+
+    __slots__ = ("copy_into", "device", "dtype", "nbytes", "shape")
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        device: torch.device,
+        copy_into: Callable[[torch.Tensor], object],
+    ) -> None:
+        import math
+
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.device = device
+        self.copy_into = copy_into
+        self.nbytes = math.prod(self.shape) * dtype.itemsize
+
+    def read(self) -> torch.Tensor:
+        """The tensor, on ``device`` (a fresh copy)."""
+        import torch
+
+        pinned = self.device.type == "cuda"
+        out = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.copy_into(out)
+        if pinned:
+            torch.cuda.synchronize(self.device)
+        return out.view(self.dtype).view(self.shape).to(self.device)

@@ -122,7 +122,7 @@ def test_a_reload_whose_second_pool_fails_gives_the_first_pools_blocks_back_once
     def failing_copy(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device allocation failed")
 
-    p2.storage.index_copy_ = failing_copy  # type: ignore[method-assign]
+    p2._fill = failing_copy  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="device allocation failed"):
         parked.unpark()
     assert (p1.free_blocks, p2.free_blocks) == (4, 4)
@@ -130,7 +130,7 @@ def test_a_reload_whose_second_pool_fails_gives_the_first_pools_blocks_back_once
     assert sorted(filler.blocks) == [0, 1, 2, 3]  # each block handed out once
     assert torch.equal(filler.read(), torch.arange(16.0).reshape(8, 2))
     assert p1.free_blocks == 0
-    del filler, p2.storage.index_copy_
+    del filler, p2._fill
     back = parked.unpark().object("kv", TensorCache).view()  # the session stayed parked
     assert torch.equal(back["a"].read(), torch.ones(3, 2))  # type: ignore[index]
     assert torch.equal(back["b"].read(), torch.ones(3, 2))  # type: ignore[index]

@@ -290,15 +290,15 @@ def test_park_failing_half_way_leaves_the_session_resident_and_intact(
     m = SessionStateManager(max_bytes={"cpu": size})
     a = parkable_record(fill=1)
     m.put("a", a)
-    real = park_module.copy_storages_to_host
+    real = park_module.park_into_slots
     calls = {"n": 0}
 
-    def failing(storages: Any) -> Any:
+    def failing(sources: Any, *args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
-        real(storages[:1])  # half the work done, then the failure
+        real(sources[:1])  # half the work done, then the failure
         raise OSError("injected: no memory for the host copy.")  # a message ends a sentence
 
-    monkeypatch.setattr(park_module, "copy_storages_to_host", failing)
+    monkeypatch.setattr(park_module, "park_into_slots", failing)
     b = parkable_record(fill=2)
     with pytest.raises(ParkingError, match=re.escape("Cannot park session 'a' (objects")) as info:
         m.put("b", b)
@@ -452,10 +452,10 @@ def test_a_cause_without_a_message_is_named_by_its_type(monkeypatch: pytest.Monk
     m = SessionStateManager(max_bytes={"cpu": size})
     m.put("a", parkable_record(fill=1))
 
-    def failing(storages: Any) -> Any:
+    def failing(sources: Any, *args: Any, **kwargs: Any) -> Any:
         raise MemoryError  # no message
 
-    monkeypatch.setattr(park_module, "copy_storages_to_host", failing)
+    monkeypatch.setattr(park_module, "park_into_slots", failing)
     with pytest.raises(ParkingError) as info:
         m.put("b", parkable_record(fill=2))
     assert "on the host tier: MemoryError. The session is left resident" in str(info.value)

@@ -238,7 +238,7 @@ import torch
 import sessionstate._storage._park as park
 from sessionstate import LatentBuffer, SessionState, SessionStateManager, TensorCache
 
-real = park.save_state
+real = park.write_snapshot
 
 def stalled(tree, path, **kwargs):
     real(tree, path, **kwargs)
@@ -251,7 +251,7 @@ def record(fill):
 
 m = SessionStateManager(max_bytes={{"cpu": 4096 * 4}}, park_tier="disk", spool_dir={root!r})
 m.put("a", record(1))
-park.save_state = stalled
+park.write_snapshot = stalled
 m.put("b", record(2))
 """
 

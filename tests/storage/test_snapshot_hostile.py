@@ -9,6 +9,7 @@ previous file loadable and nothing else behind; saves racing to one path never c
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import struct
@@ -627,7 +628,7 @@ def test_a_save_failing_midway_leaves_the_previous_file_and_nothing_else(
     before = _state()
     save_state(before, path)
 
-    def fail_midway(filename: Path, header: bytes, data: Any) -> None:
+    def fail_midway(filename: Path, header: bytes, data: Any, *, durable: bool) -> None:
         with open(filename, "wb") as f:
             f.write(header[:20])  # a partial header
         raise OSError(28, "No space left on device")
@@ -637,6 +638,46 @@ def test_a_save_failing_midway_leaves_the_previous_file_and_nothing_else(
         save_state(before.with_attrs(step=8), path)
     assert tree_equal(load_state(path), before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
+def test_a_save_syncs_the_file_before_the_rename_and_its_directory_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.safetensors"
+    save_state(_state(), path)  # saved over an existing file below
+    events: list[tuple[str, int]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def recorded_replace(src: Any, dst: Any) -> None:
+        events.append(("replace", os.stat(src).st_ino))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    save_state(_state().with_attrs(step=8), path)
+    new_file, directory = path.stat().st_ino, tmp_path.stat().st_ino
+    assert events == [("fsync", new_file), ("replace", new_file), ("fsync", directory)]
+    assert load_state(path, expect=SessionState).attrs["step"] == 8
+
+
+def test_a_disk_tier_spool_file_is_not_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    parked = (
+        ss.TensorCache(name="c")
+        .allocate()
+        .commit((torch.arange(8.0),))
+        .park("disk", spool_dir=tmp_path)
+    )
+    assert synced == []
+    (x,) = parked.unpark().view()
+    assert torch.equal(x, torch.arange(8.0))
 
 
 def test_threads_saving_to_one_path_never_collide(tmp_path: Path) -> None:
@@ -674,9 +715,9 @@ def test_a_tensor_written_in_place_during_a_save_fails_its_checksum_at_load(
     state = SessionState(attrs={"x": x})
     write = ss._storage._encode._write_file
 
-    def racing_write(filename: Path, header: bytes, data: Any) -> None:
+    def racing_write(filename: Path, header: bytes, data: Any, *, durable: bool) -> None:
         x.add_(1)  # another thread, between the checksum and the write
-        write(filename, header, data)
+        write(filename, header, data, durable=durable)
 
     monkeypatch.setattr(ss._storage._encode, "_write_file", racing_write)
     save_state(state, path)

@@ -38,6 +38,7 @@ loaded record counts the same block bytes. A pipeline continues from such a hand
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import threading
@@ -51,6 +52,7 @@ import torch
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
 from sessionstate._checks import check_count, is_int
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
+from sessionstate._protocols import DeferredRead
 from sessionstate._storage import record_device, recording, register_snapshot_leaf
 from sessionstate._tree import tree_equal
 
@@ -676,16 +678,20 @@ class KVPool:
                     self._filled[block] = 0
                     heapq.heappush(self._free, block)
 
-    def _fill(self, taken: Sequence[int], data: torch.Tensor, fills: Sequence[int]) -> None:
+    def _fill(
+        self, taken: Sequence[int], data: torch.Tensor | DeferredRead, fills: Sequence[int]
+    ) -> None:
         """Write ``data`` into ``taken`` (from `_take`, held by no handle) and set their fills.
 
-        Fails before anything changes when the copy cannot be made (``data`` is moved to the
-        pool's device first).
+        Straight from ``data`` (the host tier's memory, or a tensor on any device) into the
+        pool's storage, one copy per run of consecutive block ids: no intermediate tensor.
+        A copy that fails leaves only blocks that no handle holds written.
         """
+        if isinstance(data, DeferredRead):
+            data = data.read()
         with self._lock:
-            if taken:
-                index = torch.tensor(list(taken), dtype=torch.long, device=self.storage.device)
-                self.storage.index_copy_(0, index, data.to(self.storage.device))
+            for slot, block, count in _runs(taken):
+                self.storage[block : block + count].copy_(data[slot : slot + count])
             for block, fill in zip(taken, fills, strict=True):
                 self._filled[block] = fill
 
@@ -784,7 +790,8 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     """What parking moves for ``leaves``: per pool its blocks' data, per handle its facts.
 
     A block reached by several handles is copied once, with the tokens the longest of them
-    reads (the rest of the block zeros); the copy is on the pool's device.
+    reads (the rest of the block zeros). The copy is deferred (a `DeferredRead`): the host
+    tier has it made straight into its host memory, other callers `read` it.
 
     Raises:
         StaleKVHandleError: for a handle made by a step that was rolled back.
@@ -793,8 +800,9 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     >>> a = pool.append(pool.empty(), torch.ones(3, 3))
     >>> b = pool.append(a, torch.zeros(1, 3))
     >>> payload = offload_payload([("a", a), ("b", b)])
-    >>> tuple(payload["pools"][0]["blocks"].shape), payload["handles"][1]
+    >>> payload["pools"][0]["blocks"].shape, payload["handles"][1]
     ((2, 2, 3), {'pool': 0, 'blocks': [0, 1], 'tokens': 4})
+    >>> payload["pools"][0]["blocks"] = payload["pools"][0]["blocks"].read()  # as a tier does
     >>> del a, b
     >>> a, b = reload_handles(payload)
     >>> b.read()[-1].tolist(), a.blocks == b.blocks[:2], pool.free_blocks
@@ -803,9 +811,54 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
     pools, slots, fills, handles = _gather(leaves, "park")
     saved = []
     for pool, slot_of, filled in zip(pools, slots, fills, strict=True):
-        data = _read_blocks(pool, slot_of, filled)
+        blocks = list(slot_of)
+        shape = (len(blocks), pool.block_tokens, *pool.token_shape)
+        data = DeferredRead(
+            pool.storage.dtype,
+            shape,
+            pool.storage.device,
+            functools.partial(_read_into, pool, blocks, filled),
+        )
         saved.append({"pool": pool, "blocks": data, "fills": filled})
     return {"pools": saved, "handles": handles}
+
+
+def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(first slot, first block, count)`` per run of consecutive block ids in ``blocks``."""
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            yield start, blocks[start], i - start
+            start = i
+
+
+def _read_into(
+    pool: KVPool, blocks: Sequence[int], filled: Sequence[int], out: torch.Tensor
+) -> None:
+    """Copy ``blocks`` of ``pool`` into ``out`` (host bytes, in that order), zeros past each
+    block's fill: one copy per run of consecutive full blocks, under the pool's lock.
+
+    The copies may be asynchronous (a CUDA pool into page-locked memory): a partial block's
+    tokens and its zeros are disjoint ranges, so nothing here waits for them.
+    """
+    dest = out.view(pool.storage.dtype).view(len(blocks), pool.block_tokens, *pool.token_shape)
+    cuda = pool.storage.device.type == "cuda"
+    tokens, n = pool.block_tokens, len(blocks)
+    with pool._lock:
+        src = pool.storage
+        slot = 0
+        while slot < n:
+            block, fill = blocks[slot], filled[slot]
+            if fill < tokens:  # the tokens read, then zeros: disjoint, so no wait between
+                dest[slot, :fill].copy_(src[block, :fill], non_blocking=cuda)
+                dest[slot, fill:].zero_()
+                slot += 1
+                continue
+            end = slot + 1
+            while end < n and filled[end] == tokens and blocks[end] == block + end - slot:
+                end += 1
+            dest[slot:end].copy_(src[block : block + end - slot], non_blocking=cuda)
+            slot = end
 
 
 def reload_handles(payload: Any) -> list[KVHandle]:
@@ -895,7 +948,10 @@ def standalone_handles(payload: Any) -> list[KVHandle]:
     >>> copy.pool is pool, torch.equal(copy.read(), torch.ones(3, 3)), pool.free_blocks
     (False, True, 2)
     """
-    groups = payload["pools"]
+    groups = [
+        {**g, "blocks": g["blocks"].read()} if isinstance(g["blocks"], DeferredRead) else g
+        for g in payload["pools"]
+    ]
     saved = [
         {
             "name": group["pool"].name,

@@ -253,13 +253,59 @@ def _container_header(metadata: Mapping[str, str], data: Sequence[memoryview]) -
     return struct.pack("<Q", len(text)) + text
 
 
-def _write_file(path: Path, header: bytes, data: Sequence[memoryview]) -> None:
+def _write_file(path: Path, header: bytes, data: Sequence[memoryview], *, durable: bool) -> None:
     # Each storage goes from its own memory to the file: a buffered file hands a write larger
     # than its buffer straight to the system.
     with open(path, "wb") as f:
         f.write(header)
         for raw in data:
             f.write(raw)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _sync_directory(directory: Path) -> None:
+    # A rename is on disk once its directory is; Windows cannot open a directory to sync it
+    # (and its rename is not made durable this way).
+    if os.name != "posix":  # pragma: no cover - the tests run on POSIX
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_snapshot(
+    state: PyTree,
+    path: str | os.PathLike[str],
+    /,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    durable: bool,
+) -> None:
+    """`save_state`, durable or not: the disk tier's spool files need not outlive the process.
+
+    ``durable``: the file's bytes reach the disk before it is renamed into place (``fsync``),
+    and the rename before this returns (``fsync`` of the directory). Besides surviving a
+    crash, it keeps a save over an existing file steady (`benchmarks/snapshot.py`): without
+    it, a rename over a file starts the write-back of the new one's delayed blocks (ext4's
+    ``auto_da_alloc``), and a 150 MiB save took 160-250 ms or 700-970 ms, by turns.
+    """
+    header, data = _encode(state, metadata)
+    target = Path(path)
+    # A name no other save uses (two threads or processes saving to one path must not share
+    # a partial file), created with the usual permissions.
+    partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.partial")
+    try:
+        _write_file(partial, header, data, durable=durable)
+        os.replace(partial, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    if durable:
+        _sync_directory(target.parent)
 
 
 def save_state(
@@ -271,7 +317,9 @@ def save_state(
     aliases survive a round trip. The file is written under a name of its own next to ``path``
     and renamed into place, so ``path`` holds either its previous content or the whole new
     snapshot, never a partial one, even if the save fails midway; saves to one path from
-    several threads or processes each write their own file, and the last rename wins. Tensors
+    several threads or processes each write their own file, and the last rename wins. It is
+    durable: the file is synced to disk (``fsync``) before the rename, and its directory
+    after, so once this returns the snapshot survives a crash or a power loss. Tensors
     on any real device are saved (their device is recorded); autograd history and
     ``requires_grad`` are not.
 
@@ -301,17 +349,7 @@ def save_state(
     >>> tree_equal(load_state(path), state)
     True
     """
-    header, data = _encode(state, metadata)
-    target = Path(path)
-    # A name no other save uses (two threads or processes saving to one path must not share
-    # a partial file), created with the usual permissions.
-    partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.partial")
-    try:
-        _write_file(partial, header, data)
-        os.replace(partial, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            partial.unlink()
+    write_snapshot(state, path, metadata=metadata, durable=True)
 
 
 def dumps_state(state: PyTree, /, *, metadata: Mapping[str, str] | None = None) -> bytes:

@@ -11,7 +11,8 @@ original's.
   copy, and the devices are synchronised before `park_tree` returns, so the caller may release
   the device memory as soon as it holds the handle (a device-to-host copy is not valid on the
   host until synchronised).
-- ``"disk"``: the tree's tensors in one snapshot file per parked tree (`save_state`) in a spool
+- ``"disk"``: the tree's tensors in one snapshot file per parked tree (`save_state`'s format, not
+  synced to disk: it does not outlive the process) in a spool
   directory; unparking loads it (`load_state`, checksummed). The file's owner is its handle:
   `ParkedBytes.release` deletes it, and so does the handle's finalizer once nothing holds it.
 
@@ -58,14 +59,20 @@ import contextlib
 
 from sessionstate._checks import describe
 from sessionstate._errors import UnsupportedTensorError
-from sessionstate._protocols import OFFLOAD_HOOKS, STANDALONE_HOOK, STORAGE_ENTRIES_HOOK
+from sessionstate._protocols import (
+    OFFLOAD_HOOKS,
+    STANDALONE_HOOK,
+    STORAGE_ENTRIES_HOOK,
+    DeferredRead,
+)
 from sessionstate._storage._decode import load_state
-from sessionstate._storage._encode import record_device, save_state
+from sessionstate._storage._encode import record_device, write_snapshot
 from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
 from sessionstate._storage._hostpool import HostBufferPool
 from sessionstate._tree import (
     PyTree,
     PyTreeSpec,
+    tree_flatten,
     tree_flatten_with_keys,
     tree_leaves,
     tree_unflatten,
@@ -91,6 +98,8 @@ TIERS: tuple[Tier, ...] = ("host", "disk")
 _names = itertools.count()
 _TENSOR: Any = object()  # marks a tensor leaf's place among the kept leaves
 _OFFLOADED: Any = object()  # marks an offloaded engine leaf's place among the kept leaves
+_DEFERRED: Any = object()  # marks a `DeferredRead`'s place among an offload payload's leaves
+_ALIGNMENT = 64  # where each storage starts in a host slot (a cache line; any dtype's alignment)
 _SPOOL_PREFIX = "sessionstate-spool-"
 _STAGING_PREFIX = f".{_SPOOL_PREFIX}staging-"
 _LOCK_NAME = ".lock"
@@ -158,6 +167,7 @@ class ParkedBytes(abc.ABC):
         label: str,
         storages: Sequence[torch.UntypedStorage],
         engine: Mapping[str | None, tuple[Any, ...]] | None = None,
+        deferred: Sequence[DeferredRead] = (),
     ) -> None:
         self.label = label
         self.engine: dict[str | None, tuple[Any, ...]] = dict(engine or {})
@@ -165,6 +175,9 @@ class ParkedBytes(abc.ABC):
         for storage in storages:
             device = str(storage.device)
             by_device[device] = by_device.get(device, 0) + storage.nbytes()
+        for read in deferred:
+            device = str(read.device)
+            by_device[device] = by_device.get(device, 0) + read.nbytes
         self.nbytes_by_device = {d: n for d, n in by_device.items() if n}
         self.nbytes = sum(self.nbytes_by_device.values())
         self.released = False
@@ -442,43 +455,74 @@ class _Flat:
     kept, and `rebuild` reloads the leaves into their engines.
     """
 
-    def __init__(self, tree: PyTree, label: str) -> None:
-        keys, leaves, treespec = tree_flatten_with_keys(tree)
+    def __init__(self, tree: PyTree, label: str, *, defer: bool = False) -> None:
+        # Key paths only name a leaf in an error: they are built when one is raised (a walk
+        # with key paths costs more than the rest of a small tree's park).
+        leaves, treespec = tree_flatten(tree)
         groups: dict[type, list[int]] = {}
         for i, x in enumerate(leaves):
             if is_offloadable(x):
                 groups.setdefault(type(x), []).append(i)
-        payloads = [
-            getattr(cls, OFFLOAD_HOOKS[0])([(keys[i], leaves[i]) for i in at])
-            for cls, at in groups.items()
-        ]
-        p_keys, p_leaves, self.payload_spec = tree_flatten_with_keys(payloads)
+        try:
+            payloads = _offload(groups, leaves, [""] * len(leaves))
+        except Exception:
+            payloads = _offload(groups, leaves, tree_flatten_with_keys(tree)[0])
+            raise  # pragma: no cover - the offload with key paths raised the same error
+        p_leaves, self.payload_spec = tree_flatten(payloads)
         self.groups = [(cls, at) for cls, at in groups.items()]
-        self.tensors = [
-            (k, x) for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)
-        ] + [
-            (f"<offloaded {k}>", x)
-            for k, x in zip(p_keys, p_leaves, strict=True)
-            if isinstance(x, torch.Tensor)
+        if not defer:  # a tier without host memory of its own: the engines copy out now
+            p_leaves = [x.read() if isinstance(x, DeferredRead) else x for x in p_leaves]
+        self.deferred: list[DeferredRead] = [x for x in p_leaves if isinstance(x, DeferredRead)]
+        self.tensors = [("", x) for x in leaves if isinstance(x, torch.Tensor)] + [
+            ("", x) for x in p_leaves if isinstance(x, torch.Tensor)
         ]
-        self.storages, self.views = _collect(self.tensors, label)
+        try:
+            self.storages, self.views = collect_storages(self.tensors)
+        except UnsupportedTensorError:
+            keys = tree_flatten_with_keys(tree)[0]
+            p_keys = tree_flatten_with_keys(payloads)[0]
+            named = [k for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)]
+            named += [
+                f"<offloaded {k}>"
+                for k, x in zip(p_keys, p_leaves, strict=True)
+                if isinstance(x, torch.Tensor)
+            ]
+            _collect([(k, t) for k, (_, t) in zip(named, self.tensors, strict=True)], label)
+            raise  # pragma: no cover - the walk with key paths raised the same error
         self.treespec: PyTreeSpec = treespec
         offloaded = {i for _, at in self.groups for i in at}
         self.leaves = [
             _OFFLOADED if i in offloaded else _TENSOR if isinstance(x, torch.Tensor) else x
             for i, x in enumerate(leaves)
         ]
-        self.payload_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in p_leaves]
+        self.payload_leaves = [
+            _TENSOR
+            if isinstance(x, torch.Tensor)
+            else _DEFERRED
+            if isinstance(x, DeferredRead)
+            else x
+            for x in p_leaves
+        ]
         self.engine = _engine_leaves(tree) if len(offloaded) < _engine_count(leaves) else {}
 
     def rebuild(self, tensors: Sequence[torch.Tensor], *, standalone: bool = False) -> PyTree:
-        # ``standalone``: engine leaves whose class can are rebuilt outside their engine.
+        # ``tensors``: the tree's and the payloads' tensors, then the deferred reads' (host
+        # tensors their engines copy back from). ``standalone``: engine leaves whose class
+        # can are rebuilt outside their engine.
         it = iter(tensors)
         leaves = [next(it) if x is _TENSOR else x for x in self.leaves]
         if self.groups:
+            marks = self.payload_leaves
+            n = sum(x is _TENSOR for x in marks)
+            d = sum(x is _DEFERRED for x in marks)
+            loaded = iter(tensors[len(tensors) - d - n :])
+            deferred = iter(tensors[len(tensors) - d :])
             payloads = tree_unflatten(
                 self.payload_spec,
-                [next(it) if x is _TENSOR else x for x in self.payload_leaves],
+                [
+                    next(loaded) if x is _TENSOR else next(deferred) if x is _DEFERRED else x
+                    for x in marks
+                ],
             )
             # All or nothing: a reload that fails drops the leaves reloaded before it, whose
             # memory goes back to their engines with them.
@@ -488,6 +532,13 @@ class _Flat:
                 for i, leaf in zip(at, built, strict=True):
                     leaves[i] = leaf
         return tree_unflatten(self.treespec, leaves)
+
+
+def _offload(groups: Mapping[type, list[int]], leaves: Sequence[Any], keys: Sequence[str]) -> Any:
+    return [
+        getattr(cls, OFFLOAD_HOOKS[0])([(keys[i], leaves[i]) for i in at])
+        for cls, at in groups.items()
+    ]
 
 
 def _engine_count(leaves: Sequence[Any]) -> int:
@@ -510,38 +561,51 @@ class _HostBytes(ParkedBytes):
     tier: Tier = "host"
 
     def __init__(self, tree: PyTree, *, label: str, pool: HostBufferPool | None = None) -> None:
-        flat = _Flat(tree, label)
-        super().__init__(label=label, storages=flat.storages, engine=flat.engine)
+        flat = _Flat(tree, label, defer=True)
+        super().__init__(
+            label=label, storages=flat.storages, engine=flat.engine, deferred=flat.deferred
+        )
         self._flat = flat
         self._devices = [s.device for s in flat.storages]
         self._pool = pool
-        if pool is None:
-            self._buffers = copy_storages_to_host(flat.storages)
-        else:
-            self._buffers = copy_storages_to_host(flat.storages, pool=pool, label=label)
-        flat.storages, flat.tensors = [], []  # hold the host copies only
-        if pool is not None:  # the handle owns its ranges: released or collected, they go back
-            offsets = [pool.offset_of(b) for b in self._buffers if b.numel()]
+        # One slot per device: every storage, and every engine's deferred copy, at its own
+        # offset in it (a tiny session is a few calls, not a few per storage).
+        self._slots, buffers = park_into_slots(
+            [storage_bytes(s) for s in flat.storages], flat.deferred, pool=pool, label=label
+        )
+        n = len(flat.storages)
+        self._buffers, self._deferred = (
+            buffers[:n],
+            [
+                b.view(d.dtype).view(d.shape)
+                for b, d in zip(buffers[n:], flat.deferred, strict=True)
+            ],
+        )
+        flat.storages, flat.tensors, flat.deferred = [], [], []  # hold the host copies only
+        if pool is not None:  # the handle owns its slots: released or collected, they go back
+            offsets = [pool.offset_of(slot) for slot in self._slots if slot.numel()]
             self._give_back = weakref.finalize(self, pool.give_back_later, offsets)
 
     def _read(self) -> list[torch.Tensor]:
-        # Copies: the buffers (a host pool's ranges) go back when the session is unparked.
+        # Copies: the slots (a host pool's ranges) go back when the session is unparked.
         storages = [b.clone().untyped_storage() for b in self._buffers]
         for storage, device in zip(storages, self._devices, strict=True):
             record_device(storage, str(device))
-        return rebuild_views(storages, self._flat.views)
+        return rebuild_views(storages, self._flat.views) + [d.clone() for d in self._deferred]
 
     def _load(self) -> list[torch.Tensor]:
+        # The engines copy their deferred bytes back from the slot themselves, straight into
+        # their own memory (a pool's fresh blocks).
         if self._pool is None:
             storages = copy_storages_to_devices(self._buffers, self._devices)
         else:
             storages = copy_storages_to_devices(self._buffers, self._devices, pool=self._pool)
-        return rebuild_views(storages, self._flat.views)
+        return rebuild_views(storages, self._flat.views) + self._deferred
 
     def release(self) -> None:
         running = self._background
         super().release()
-        self._buffers = []
+        self._buffers, self._deferred = [], []
         if self._pool is not None:
             if running is not None and running.future is not None and not running.future.done():
                 # A background restore may still read the ranges: they go back when it ends.
@@ -565,7 +629,8 @@ class _DiskBytes(ParkedBytes):
         self.path = directory / f"parked-{os.getpid()}-{next(_names)}.safetensors"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            save_state(tensors, self.path)
+            # Not synced to disk: a spool file does not outlive the process that parked it.
+            write_snapshot(tensors, self.path, durable=False)
         except OSError as exc:
             msg = (
                 f"Cannot park {label} to disk: writing `{self.path}` failed ({exc}). Free space "
@@ -732,6 +797,89 @@ def _collect(
         raise UnsupportedTensorError(msg) from None
 
 
+def park_into_slots(
+    sources: Sequence[torch.Tensor],
+    deferred: Sequence[DeferredRead] = (),
+    /,
+    *,
+    pool: HostBufferPool | None = None,
+    label: str = "the storages",
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copy ``sources`` (byte tensors) and ``deferred`` reads into one host slot per device.
+
+    Returns the slots and, per source then per deferred read, its bytes: a view of its
+    device's slot at an offset aligned to 64 bytes. A slot is a range of ``pool``
+    (`HostBufferPool.allocate`; every slot is taken before anything is copied: if they do not
+    all fit, those taken go back and `HostPoolFullError` names the bytes), else a new host
+    tensor (page-locked for a CUDA device). The copies of a device are issued together
+    (non-blocking from CUDA into page-locked memory) and each CUDA device is synchronised
+    once at the end, so they are complete when this returns.
+
+    >>> import torch
+    >>> x, y = torch.arange(4, dtype=torch.int32), torch.ones(3, dtype=torch.uint8)
+    >>> slots, views = park_into_slots([x.view(torch.uint8), y])
+    >>> len(slots), [v.numel() for v in views], views[1].data_ptr() - slots[0].data_ptr()
+    (1, [16, 3], 64)
+    """
+    alignment = _ALIGNMENT if pool is None else max(_ALIGNMENT, pool.alignment)
+    devices: dict[torch.device, int] = {}  # each device's slot size so far
+    places: list[tuple[torch.device, int, int]] = []
+    for device, nbytes in [(t.device, t.numel()) for t in sources] + [
+        (d.device, d.nbytes) for d in deferred
+    ]:
+        offset = devices.get(device, 0)
+        places.append((device, offset, nbytes))
+        devices[device] = offset + -(-nbytes // alignment) * alignment
+    slots = _take_slots(devices, pool, label, len(places))
+    try:
+        views = [slots[device][offset : offset + n] for device, offset, n in places]
+        _copy_out(sources, views[: len(sources)], deferred, views[len(sources) :])
+    except BaseException:
+        if pool is not None:
+            for slot in slots.values():
+                pool.free(slot)
+        raise
+    return list(slots.values()), views
+
+
+def _take_slots(
+    sizes: Mapping[torch.device, int], pool: HostBufferPool | None, label: str, count: int
+) -> dict[torch.device, torch.Tensor]:
+    # Every slot first, or none: a park that does not fit takes nothing from the pool.
+    if pool is None:
+        return {
+            d: torch.empty(n, dtype=torch.uint8, pin_memory=d.type == "cuda")
+            for d, n in sizes.items()
+        }
+    taken: dict[torch.device, torch.Tensor] = {}
+    for device, nbytes in sizes.items():
+        view = pool.try_allocate(nbytes)
+        if view is None:
+            for t in taken.values():
+                pool.free(t)
+            raise pool.full_error(sum(sizes.values()), what=f"{label} ({count} storages)")
+        taken[device] = view
+    return taken
+
+
+def _copy_out(
+    sources: Sequence[torch.Tensor],
+    views: Sequence[torch.Tensor],
+    deferred: Sequence[DeferredRead],
+    deferred_views: Sequence[torch.Tensor],
+) -> None:
+    synchronise = {t.device for t in sources if t.device.type == "cuda"}
+    synchronise.update(d.device for d in deferred if d.device.type == "cuda")
+    if sources:
+        # `_foreach_copy_` is torch's one batched copy (no public name): one call for all the
+        # storages, not one per storage; non-blocking from CUDA into page-locked memory.
+        torch._foreach_copy_(list(views), list(sources), non_blocking=bool(synchronise))
+    for read, view in zip(deferred, deferred_views, strict=True):
+        read.copy_into(view)
+    for device in synchronise:
+        torch.cuda.synchronize(device)
+
+
 def copy_storages_to_host(
     storages: Sequence[torch.UntypedStorage],
     /,
@@ -739,63 +887,14 @@ def copy_storages_to_host(
     pool: HostBufferPool | None = None,
     label: str = "the storages",
 ) -> list[torch.Tensor]:
-    """Copy each storage into a host byte tensor (pinned for CUDA sources), synchronised.
-
-    Without ``pool`` each copy is a new host tensor; with one, each is a range of the pool's
-    buffer (`HostBufferPool.allocate`), all of them taken before anything is copied: if they
-    do not all fit, the ranges taken are given back and `HostPoolFullError` names the bytes.
-    CUDA copies are issued non-blocking into pinned memory and each device is synchronised once
-    at the end, so the copies are complete when this returns.
+    """Copy each storage into host bytes (`park_into_slots`: one slot per device); synchronised.
 
     >>> import torch
     >>> x = torch.arange(4, dtype=torch.int32)
     >>> copy_storages_to_host([x.untyped_storage()])[0].numel()
     16
     """
-    if pool is not None:
-        buffers = _pool_buffers(pool, storages, label)
-        try:
-            _copy_out(storages, buffers, pinned=pool.pinned)
-        except BaseException:
-            for buffer in buffers:
-                pool.free(buffer)
-            raise
-        return buffers
-    buffers = [
-        torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=s.device.type == "cuda")
-        for s in storages
-    ]
-    _copy_out(storages, buffers, pinned=True)
-    return buffers
-
-
-def _copy_out(
-    storages: Sequence[torch.UntypedStorage], buffers: Sequence[torch.Tensor], *, pinned: bool
-) -> None:
-    synchronise: set[torch.device] = set()
-    for storage, buffer in zip(storages, buffers, strict=True):
-        cuda = storage.device.type == "cuda"
-        buffer.copy_(storage_bytes(storage), non_blocking=cuda and pinned)
-        if cuda:
-            synchronise.add(storage.device)
-    for device in synchronise:
-        torch.cuda.synchronize(device)
-
-
-def _pool_buffers(
-    pool: HostBufferPool, storages: Sequence[torch.UntypedStorage], label: str
-) -> list[torch.Tensor]:
-    # Every range first, or none: a park that does not fit takes nothing from the pool.
-    taken: list[torch.Tensor] = []
-    for storage in storages:
-        view = pool.try_allocate(storage.nbytes())
-        if view is None:
-            for t in taken:
-                pool.free(t)
-            asked = sum(s.nbytes() for s in storages)
-            raise pool.full_error(asked, what=f"{label} ({len(storages)} storages)")
-        taken.append(view)
-    return taken
+    return park_into_slots([storage_bytes(s) for s in storages], pool=pool, label=label)[1]
 
 
 def copy_storages_to_devices(
@@ -816,22 +915,23 @@ def copy_storages_to_devices(
     >>> copy_storages_to_devices([buf], [torch.device("cpu")])[0].nbytes()
     4
     """
-    out: list[torch.UntypedStorage] = []
+    targets: list[torch.Tensor] = []
     synchronise: set[torch.device] = set()
     for buffer, device in zip(buffers, devices, strict=True):
-        cuda = device.type == "cuda"
         target = None
         if pool is not None and pool.cpu_restores and device.type == "cpu":
             target = pool.resident(buffer.numel())
         if target is None:
             target = torch.empty(buffer.numel(), dtype=torch.uint8, device=device)
-        target.copy_(buffer, non_blocking=cuda and buffer.is_pinned())
-        if cuda:
+        if device.type == "cuda":
             synchronise.add(device)
-        out.append(target.untyped_storage())
+        targets.append(target)
+    if targets:
+        # One batched copy (see `_copy_out`); non-blocking from page-locked memory.
+        torch._foreach_copy_(targets, list(buffers), non_blocking=bool(synchronise))
     for device in synchronise:
         torch.cuda.synchronize(device)
-    return out
+    return [t.untyped_storage() for t in targets]
 
 
 _default_spools: dict[int, SpoolDir] = {}  # per process id: a forked child makes its own
