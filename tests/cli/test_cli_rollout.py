@@ -53,3 +53,19 @@ def test_rollout_keeps_the_best_branch_as_the_session() -> None:
     with pytest.raises(ValueError, match="one positive length"):
         rollout(pipe, "s", [[move(1.0)], []], lambda outs: 0.0)
     assert pipe.session_ids() == ["s"]
+
+
+def test_sizes_says_what_forks_hold_against_deep_copies() -> None:
+    from tests.support import run_cli
+
+    proc = run_cli("sizes", "--preset", "tiny", "--steps", "6", "--branches", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads(proc.stdout)
+    assert (table["steps"], table["branches"], table["branch_steps"]) == (6, 3, 4)
+    # The source once and what each branch wrote, against the source once per copy and once.
+    assert table["source_nbytes"] < table["forks_nbytes"] < table["deep_copies_nbytes"]
+    ratio = table["forks_nbytes"] / table["deep_copies_nbytes"]
+    assert table["forks_over_deep_copies"] == round(ratio, 4)
+    refused = run_cli("sizes", "--model", "cosmos3", "--branches", "2")
+    assert refused.returncode == 2
+    assert "`--branches` measures DreamZero's forks" in refused.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,6 +95,8 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
 
     spec = get_model(args.model)
     steps = spec.size_steps if args.steps is None else args.steps
+    if args.branches is not None:
+        return _branches(args, steps)
     table = _sized(args.preset, steps, spec.name, spec.title, full=args.full)
     if args.json:
         print(json.dumps(table, indent=2))
@@ -129,6 +132,34 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _branches(args: argparse.Namespace, steps: int) -> int:
+    # `--branches N`: what N forks of one session hold against N deep copies (meta).
+    if args.model != "dreamzero":
+        print(
+            f"sessionstate sizes: error: `--branches` measures DreamZero's forks; got "
+            f"--model {args.model}. Drop `--model`, or run `sessionstate rollout` for "
+            "Cosmos3's bytes per plan step.",
+            file=sys.stderr,
+        )
+        return 2
+    from sessionstate.models.dreamzero.sizes import branch_table
+
+    table = branch_table(
+        args.preset, steps=steps, branches=args.branches, branch_steps=args.branch_steps
+    )
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    print(
+        f"{table['branches']} branches of one DreamZero session (preset {args.preset}, "
+        f"{steps} steps, then {table['branch_steps']} each), on meta:\n"
+        f"  forks:       {fmt_bytes(table['forks_nbytes'])}\n"
+        f"  deep copies: {fmt_bytes(table['deep_copies_nbytes'])}\n"
+        f"  forks / deep copies: {table['forks_over_deep_copies']}"
+    )
+    return 0
+
+
 def add_parsers(sub: Any) -> None:
     """Adds ``sizes`` to the subcommands ``sub``."""
     sizes = sub.add_parser(
@@ -153,6 +184,16 @@ def add_parsers(sub: Any) -> None:
         help="steps to run (default: "
         + ", ".join(f"{spec.size_steps} for {name}" for name, spec in MODELS.items())
         + ")",
+    )
+    sizes.add_argument(
+        "--branches",
+        type=positive_int,
+        metavar="N",
+        help="DreamZero: fork the session after --steps steps into N branches, step each "
+        "--branch-steps more, and print what the forks hold against N deep copies",
+    )
+    sizes.add_argument(
+        "--branch-steps", type=positive_int, default=4, help="steps of each branch (default 4)"
     )
     sizes.add_argument("--json", action="store_true", help="print one JSON object")
     sizes.add_argument(

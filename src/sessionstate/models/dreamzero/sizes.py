@@ -98,3 +98,50 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
         "vae_enc_feat_map_64_sessions_nbytes": DEFAULT_MAX_SESSIONS
         * held["managed"]["vae_enc_feat_map"],
     }
+
+
+def branch_table(
+    preset: str, *, steps: int = 40, branches: int = 8, branch_steps: int = 4
+) -> dict[str, Any]:
+    """What ``branches`` forks of a session hold against as many deep copies, on meta.
+
+    One managed session steps ``steps`` times, is forked into ``branches`` branches
+    (`SessionStateManager.fork`) and each branch steps ``branch_steps`` times more. The
+    manager holds the source once and what each branch wrote alone; the bespoke way (a deep
+    copy of the source per branch, each then stepped) holds the source once per branch and
+    once more for itself. Network calls are replayed as for `size_table`.
+
+    >>> table = branch_table("tiny", steps=3, branches=2, branch_steps=1)
+    >>> table["forks_nbytes"] < table["deep_copies_nbytes"]
+    True
+    """
+    from sessionstate._env import ENV_ENABLE
+    from sessionstate.models._sizes import replay_on_meta
+
+    cfg = DreamZeroConfig.preset(preset)
+    pipe = DreamZeroPipeline(cfg, device="meta", host_device="meta", environ={ENV_ENABLE: "1"})
+    replay_on_meta(pipe.nets, REPLAYED, {})
+    inputs = [obs for _, obs in meta_episode(cfg, steps + branch_steps)]
+    for obs in inputs[:steps]:
+        pipe.forward(obs, "source")
+    manager = pipe.manager
+    assert manager is not None
+    source = sum(manager.session_stats("source")["nbytes"].values())
+    ids = [f"branch-{i}" for i in range(branches)]
+    pipe.fork("source", *ids)
+    for sid in ids:
+        for obs in inputs[steps:]:
+            pipe.forward(obs, sid)
+    held = [sum(manager.session_stats(sid)["nbytes"].values()) for sid in ids]
+    forks = int(manager.stats()["total_nbytes"])
+    copies = source + sum(held)
+    return {
+        "preset": preset,
+        "steps": steps,
+        "branches": branches,
+        "branch_steps": branch_steps,
+        "source_nbytes": source,
+        "forks_nbytes": forks,
+        "deep_copies_nbytes": copies,
+        "forks_over_deep_copies": round(forks / copies, 4),
+    }
