@@ -250,3 +250,25 @@ def test_a_batch_decodes_each_sessions_frames_as_its_own_step_does(invariant: bo
         assert ss.nbytes_by_device(cache_a) == ss.nbytes_by_device(cache_b), sid
         if invariant:
             assert ss.tree_equal(mine, theirs), sid
+
+
+def test_a_dreamzero_batch_the_pool_cannot_hold_names_the_setting_to_raise() -> None:
+    spec = get_model("dreamzero")
+    cfg = _config(spec)
+    probe = spec.pipeline(cfg, environ={ss.ENV_ENABLE: "1"}).kv_pool
+    # Room for one session's window and step (5 blocks): six new sessions at once, a block
+    # each, cannot be stepped.
+    nbytes = probe.blocks_for_step(0) * probe.block_nbytes
+    pipe = spec.pipeline(cfg, environ={ss.ENV_ENABLE: "1", ss.ENV_KV_POOL_BYTES: str(nbytes)})
+    (inputs,) = _rounds(spec, cfg, steps=1, sessions=6, seed=0, stagger=1)
+    with pytest.raises(ss.KVPoolExhaustedError) as refused:
+        pipe.forward_many(inputs)
+    text = str(refused.value)
+    assert text.startswith(f"DreamZero batch {list(inputs)!r}: a step can need ")
+    assert text.endswith(
+        "Drop finished sessions, or step a smaller batch, or raise "
+        "`session_state_kv_pool_bytes` to at least "
+        f"{refused.value.needed * probe.block_nbytes} bytes."
+    )
+    assert pipe.session_ids() == []
+    assert pipe.kv_pool.free_blocks == pipe.kv_pool.num_blocks

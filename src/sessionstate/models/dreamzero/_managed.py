@@ -11,7 +11,7 @@ moved to the park tier and back to the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -118,6 +118,30 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
                 session_id,
                 label="DreamZero session",
                 fix="raise `session_state_kv_pool_bytes` to at least {nbytes} bytes",
+            ) from exc
+
+    def forward_many(
+        self, inputs: Mapping[Hashable, Observation], begin: bool | None, batch_invariant: bool
+    ) -> dict[Hashable, Any]:
+        """One batched step of every session in ``inputs``; see `DreamZeroPipeline.forward_many`.
+
+        Raises:
+            KVPoolExhaustedError: if the pool lacks the blocks the batch's steps need even
+                after parking every other session's KV the manager can park (naming the
+                sessions and the bytes needed); every session and the pool are as they were.
+        """
+        try:
+            return super().forward_many(inputs, begin, batch_invariant)
+        except KVPoolExhaustedError as exc:
+            if exc.pool is not self.kv_pool:
+                raise
+            raise kv_shortfall(
+                exc.pool,
+                exc.needed,
+                list(inputs),
+                label="DreamZero batch",
+                fix="step a smaller batch, or raise `session_state_kv_pool_bytes` to at "
+                "least {nbytes} bytes",
             ) from exc
 
     def new_session(self) -> DreamZeroSession:
