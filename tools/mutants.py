@@ -456,6 +456,19 @@ MUTANTS = (
         ("tests/models/test_two_model_contract.py",),
     ),
     Mutant(
+        "rebalance-splits-families",
+        "rebalance weighs and moves each session alone, parting a fork from what it shares",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "            units = self._units(heavy, stats[heavy].nbytes_by_session)\n",
+                "            units = {(k,): n for k, n in stats[heavy]"
+                ".nbytes_by_session.items()}\n",
+            ),
+        ),
+        ("tests/distributed/test_distributed_family.py",),
+    ),
+    Mutant(
         "stack-copies-each-view-alone",
         "stacking copies every view of a record's storage on its own: unstacked records lose "
         "their aliases",

@@ -272,3 +272,42 @@ def test_a_destination_lost_mid_import_leaves_the_family_on_the_source(cluster: 
                 router.step(sid, 512)
     finally:
         router.shutdown()
+
+
+def test_rebalance_moves_a_family_whole_or_not_at_all(cluster: None) -> None:
+    cfg = DreamZeroConfig.preset("tiny")
+    episode = [obs for _, obs in scripted_episode(cfg, steps=6, sessions=1, seed=9)]
+    router = Router(DreamZeroFactory(preset="tiny"), workers=2, timeout=120)
+    try:
+        for obs in episode[:4]:
+            router.step("src", obs)
+        router.fork("src", "b1", "b2")
+        router.step("b1", episode[4])
+        assert router.families() == [{"src", "b1", "b2"}]
+        home = router.owner("src")
+        # The family is all one worker holds: moving it whole cannot narrow the gap, and
+        # moving one member alone (each holds nearly all of it) would part it from what it
+        # shares; so nothing moves.
+        assert router.rebalance(tolerance=0.0) == []
+        assert {router.owner(sid) for sid in ("src", "b1", "b2")} == {home}
+        # Beside a small session on the same worker, the family moves whole, sharing kept.
+        router.step("solo", episode[0])
+        if router.owner("solo") != home:
+            router.migrate("solo", home)
+        moved = router.rebalance(tolerance=0.0)
+        owners = {router.owner(sid) for sid in ("src", "b1", "b2")}
+        assert len(owners) == 1
+        assert router.families() == [{"src", "b1", "b2"}]
+        if owners != {home}:
+            (record,) = [r for r in moved if isinstance(r.session_id, tuple)]
+            assert set(record.session_id) == {"src", "b1", "b2"}
+            stats = _get(router.handle(record.destination).session_stats.remote("b2"))
+            assert stats["nbytes_shared"]["cpu"] > 0
+        # A member migrated alone leaves its family; dropped, it is gone from it.
+        away = _other(router, "b2")
+        router.migrate("b2", away)
+        assert router.families() == [{"src", "b1"}]
+        router.drop("b1")
+        assert router.families() == []
+    finally:
+        router.shutdown()

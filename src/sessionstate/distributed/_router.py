@@ -134,6 +134,9 @@ class Router:
         self._room: dict[str, bool] = dict.fromkeys(self._handles, True)
         self._dead: set[str] = set()
         self._lost: dict[Hashable, str] = {}  # session -> the message saying how it was lost
+        # Sessions forked from one another and not parted since: each member maps to its
+        # family's one set (what they share lives on one worker; `rebalance` moves it whole).
+        self._families: dict[Hashable, set[Hashable]] = {}
         self._notices: dict[Hashable, SessionRestoredError] = {}
         self.migrations: list[MigrationRecord] = []
         # Surface a failing factory here, not at the first step.
@@ -300,6 +303,7 @@ class Router:
             with self._lock:
                 # Forgotten first, so a worker loss found by the drop cannot restore it.
                 self._sessions.pop(session_id, None)
+                self._part(session_id)
                 owner, epoch = session.owner, session.epoch
             if owner not in self._dead:
                 try:
@@ -372,6 +376,7 @@ class Router:
             # epoch. Switch first; only then may the source let its copy go.
             with self._lock:
                 session.owner, session.epoch = destination, new_epoch
+                self._part(session_id)  # what it shared stays behind
                 self._reported[source] = max(0, self._reported.get(source, 0) - ack.nbytes)
                 record = MigrationRecord(
                     session_id, source, destination, ack.nbytes, time.perf_counter() - start
@@ -450,6 +455,11 @@ class Router:
                     "fork_session",
                     source_id,
                 )
+                with self._lock:
+                    members = self._families.get(source_id) or {source_id}
+                    members.update(branch_ids)
+                    for sid in members:
+                        self._families[sid] = members
             except BaseException as exc:
                 with self._lock:
                     for b in branches:
@@ -544,6 +554,7 @@ class Router:
             with self._lock:
                 for sid, new_epoch in zip(ids, new_epochs, strict=True):
                     family[sid].owner, family[sid].epoch = destination, new_epoch
+                self._part(*ids)  # a family moved whole stays one; a part of one, its own
                 self._reported[source] = max(0, self._reported.get(source, 0) - ack.nbytes)
                 record = MigrationRecord(
                     what, source, destination, ack.nbytes, time.perf_counter() - start
@@ -565,10 +576,12 @@ class Router:
         """Migrate sessions until resident bytes per worker are within ``tolerance``.
 
         Repeatedly moves, from the heaviest worker to the lightest, the session whose move
-        leaves the two closest, while a move narrows their gap. On return the spread
-        (heaviest minus lightest worker's resident bytes) is at most ``tolerance`` times the
-        mean, or no single session can narrow it: then it is at most the smallest session on
-        the heaviest worker.
+        leaves the two closest, while a move narrows their gap. A family of forks
+        (`families`) moves whole, with `migrate_many`, weighed by what it holds there (each
+        member's own bytes and their shared history once): never one member apart from what
+        it shares. On return the spread (heaviest minus lightest worker's resident bytes) is
+        at most ``tolerance`` times the mean, or no session or family can narrow it: then it
+        is at most the smallest of them on the heaviest worker.
 
         Returns:
             The migrations made, in order.
@@ -587,14 +600,46 @@ class Router:
             gap = totals[heavy] - totals[light]
             if gap <= tolerance * sum(totals.values()) / len(totals):
                 break
-            candidates = {
-                sid: n for sid, n in stats[heavy].nbytes_by_session.items() if 0 < n < gap
-            }
+            units = self._units(heavy, stats[heavy].nbytes_by_session)
+            candidates = {unit: n for unit, n in units.items() if 0 < n < gap}
             if not candidates:
                 break
-            sid = min(candidates, key=lambda s: (abs(gap - 2 * candidates[s]), repr(s)))
-            done.append(self.migrate(sid, light))
+            unit = min(candidates, key=lambda u: (abs(gap - 2 * candidates[u]), repr(u)))
+            if len(unit) == 1:
+                done.append(self.migrate(unit[0], light))
+            else:
+                done.append(self.migrate_many(list(unit), light))
         return done
+
+    def _units(
+        self, worker: str, nbytes_by_session: dict[Hashable, int]
+    ) -> dict[tuple[Hashable, ...], int]:
+        # What `rebalance` may move from `worker`: each family whole, each other session on
+        # its own, with the bytes moving it frees there. A family's: what each member holds
+        # alone, and the largest part a member shares (their common history) once.
+        with self._lock:
+            families = {
+                id(f): f
+                for sid in nbytes_by_session
+                if (f := self._families.get(sid))
+                and all(m in self._sessions and self._sessions[m].owner == worker for m in f)
+            }
+        units: dict[tuple[Hashable, ...], int] = {}
+        grouped = {sid for f in families.values() for sid in f}
+        for sid, n in nbytes_by_session.items():
+            if sid not in grouped:
+                units[(sid,)] = n
+        handle = self._handles[worker]
+        for family in families.values():
+            members = tuple(sorted(family, key=repr))
+            stats = [
+                self._get(handle.session_stats.remote(sid), worker, "session_stats", sid)
+                for sid in members
+            ]
+            alone = [sum(s["nbytes"].values()) - sum(s["nbytes_shared"].values()) for s in stats]
+            shared = max(sum(s["nbytes_shared"].values()) for s in stats)
+            units[members] = sum(alone) + shared
+        return units
 
     def shutdown(self) -> None:
         """Kill every worker actor; the router cannot be used afterwards."""
@@ -851,6 +896,30 @@ class Router:
     def _lose(self, session_id: Hashable, msg: str) -> None:
         del self._sessions[session_id]
         self._lost[session_id] = msg
+        self._part(session_id)
+
+    def _part(self, *session_ids: Hashable) -> None:
+        # The sessions leave their families (under the lock); the moved ones of one family,
+        # if several, stay a family of their own.
+        moved = set(session_ids)
+        for family in {id(f): f for sid in moved if (f := self._families.get(sid))}.values():
+            leaving = family & moved
+            family -= leaving
+            for rest in (family, leaving):
+                for sid in rest:
+                    if len(rest) > 1 and rest is leaving:
+                        self._families[sid] = leaving
+                    elif len(rest) <= 1:
+                        self._families.pop(sid, None)
+
+    def families(self) -> list[set[Hashable]]:
+        """The families of sessions: each a set of sessions forked from one another (by
+        `fork`) and neither dropped, lost nor moved apart since; each lives on one worker.
+
+        `rebalance` moves a family whole; `migrate` of one member parts it from the others.
+        """
+        with self._lock:
+            return [set(f) for f in {id(f): f for f in self._families.values()}.values()]
 
     def _restore(self, session_id: Hashable, session: _Session, worker: str) -> None:
         while self.workers:
