@@ -144,14 +144,15 @@ def unstack(batch: Batch[R], /, *, copy: bool = True) -> list[R]:
     grouped = {j: g for g in batch.groups for j in g}
     for i in range(batch.size):
         leaves: list[Any] = []
-        owned: dict[int, torch.Tensor] = {}  # one copy per batched leaf or storage group
+        owned: dict[int, torch.Tensor] = {}  # one copy per batched leaf (by id)
+        bases: dict[int, torch.Tensor] = {}  # one copy per storage group (by first leaf)
         for j, (x, d) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
             if d != 0:
                 leaves.append(x)
             elif not copy:
                 leaves.append(x[i])
             elif j in grouped:
-                leaves.append(_rebuilt(batch.leaves, grouped[j], j, i, owned))
+                leaves.append(_rebuilt(batch.leaves, grouped[j], j, i, bases))
             else:
                 mine = owned.get(id(x))
                 if mine is None:
@@ -329,15 +330,15 @@ def _laid_out_alike(group: list[list[torch.Tensor]]) -> bool:
 
 
 def _rebuilt(
-    leaves: tuple[Any, ...], group: tuple[int, ...], j: int, i: int, owned: dict[int, Any]
+    leaves: tuple[Any, ...], group: tuple[int, ...], j: int, i: int, bases: dict[int, Any]
 ) -> torch.Tensor:
     # Record i's leaf j of a storage group: a view into the record's one copy of the storage
     # (the stacked storage holds record i's at [i * n, (i + 1) * n)).
     first = leaves[group[0]]
     n = first.stride(0)
-    base = owned.get(-1 - group[0])
+    base = bases.get(group[0])
     if base is None:
-        base = owned[-1 - group[0]] = torch.as_strided(first, (n,), (1,), i * n).clone()
+        base = bases[group[0]] = torch.as_strided(first, (n,), (1,), i * n).clone()
     x = leaves[j]
     return base.as_strided(x.shape[1:], x.stride()[1:], x.storage_offset())
 

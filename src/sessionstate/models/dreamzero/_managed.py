@@ -242,23 +242,18 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         out: list[tuple[torch.Tensor | None, FeatMap | None]] = [(None, None)] * len(preps)
 
         def key(i: int) -> tuple[object, ...]:
-            slots = caches[i] or ()
-            return videos[i].shape, tuple(None if t is None else t.shape for t in slots)
+            return videos[i].shape, _layout(caches[i])
 
         for group in buckets(range(len(preps)), key=key):
             if len(group) == 1:
                 out[group[0]] = model.decode(videos[group[0]], caches[group[0]])
                 continue
             maps = [caches[i] or model.nets.init_decode_map() for i in group]
-            joined = tuple(
-                None if slots[0] is None else torch.cat(slots) for slots in zip(*maps, strict=True)
-            )
-            pixels, cache = model.decode(torch.cat([videos[i] for i in group]), joined)
+            pixels, cache = model.decode(torch.cat([videos[i] for i in group]), _joined(maps))
             assert pixels is not None
             assert cache is not None
             for j, i in enumerate(group):
-                own = tuple(None if t is None else _own(t, j) for t in cache)
-                out[i] = (_own(pixels, j), own)
+                out[i] = (_own(pixels, j), _split(cache, j))
         return out
 
     def _prepare_batch(
@@ -303,15 +298,9 @@ class ManagedPath(ManagedPathBase[DreamZeroSession]):
         if requests[0].kind == "image":
             joined = nets.encode_image(frames)
             return [tuple(_own(x, i) for x in joined) for i in range(len(requests))]
-        maps = [r.feat_map for r in requests if r.feat_map is not None]
-        cache = tuple(
-            None if slots[0] is None else torch.cat(slots) for slots in zip(*maps, strict=True)
-        )
+        cache = _joined([r.feat_map for r in requests if r.feat_map is not None])
         out, new = nets.encode_chunk(frames, cache)
-        return [
-            (_own(out, i), tuple(None if t is None else _own(t, i) for t in new))
-            for i in range(len(requests))
-        ]
+        return [(_own(out, i), _split(new, i)) for i in range(len(requests))]
 
     def _prepare(
         self, state: DreamZeroSession, obs: Observation
@@ -472,13 +461,7 @@ class _Encode:
 
     def key(self) -> tuple[object, ...]:
         """What must be equal for encodes to run as one batch."""
-        slots = () if self.feat_map is None else self.feat_map
-        return (
-            self.kind,
-            self.frames.shape,
-            self.frames.dtype,
-            tuple(None if t is None else t.shape for t in slots),
-        )
+        return self.kind, self.frames.shape, self.frames.dtype, _layout(self.feat_map)
 
 
 def _drive(gen: Generator[_Encode, Any, _Prepared], encode: Callable[[_Encode], Any]) -> _Prepared:
@@ -504,6 +487,23 @@ def _advance(
         asks[i] = next(gens[i]) if result is None else gens[i].send(result)
     except StopIteration as stop:
         done[i] = stop.value
+
+
+def _layout(feat_map: FeatMap | None) -> tuple[object, ...]:
+    # A causal-conv cache's slots by shape (None where empty): caches of one layout batch.
+    return tuple(None if t is None else t.shape for t in feat_map or ())
+
+
+def _joined(maps: Sequence[FeatMap]) -> FeatMap:
+    # The caches of one layout as one batch's cache, slot by slot.
+    return tuple(
+        None if slots[0] is None else torch.cat(slots) for slots in zip(*maps, strict=True)
+    )
+
+
+def _split(cache: FeatMap, i: int) -> FeatMap:
+    # Example i's cache of a batch's, its own tensors.
+    return tuple(None if t is None else _own(t, i) for t in cache)
 
 
 def _own(x: torch.Tensor, i: int) -> torch.Tensor:
