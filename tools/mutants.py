@@ -359,8 +359,59 @@ MUTANTS = (
         "batch-evicts-before-the-budget-check",
         "a batch the budget cannot hold evicts others before it is refused",
         "sessionstate/_manager/_table.py",
-        (("                if totals.get(device, 0) > budget:", "                if False:"),),
+        (("            if totals.get(device, 0) > budget:", "            if False:"),),
         ("tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",),
+    ),
+    Mutant(
+        "put-walks-no-changed-value",
+        "a put against the stored record's names walks none of the values that changed",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "moved = map(operator.is_not, last.raw, raw)",
+                "moved = itertools.repeat(False)",
+            ),
+        ),
+        (
+            "tests/manager/test_ledger_fast_paths.py::test_puts_by_what_changed_and_batches_equal_a_recount",
+        ),
+    ),
+    Mutant(
+        "ledger-moves-no-changed-key",
+        "the ledger, moving by the changed keys alone, moves by none",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "pairs = [(key, values[key]) for key in values.changed]",
+                "pairs = []",
+            ),
+        ),
+        (
+            "tests/manager/test_ledger_fast_paths.py::test_puts_by_what_changed_and_batches_equal_a_recount",
+        ),
+    ),
+    Mutant(
+        "stored-values-keep-their-parent",
+        "stored values keep the values they were walked against: every version stays alive",
+        "sessionstate/_manager/_ledger.py",
+        (("                values.parent = None", "                pass"),),
+        (
+            "tests/manager/test_ledger_fast_paths.py::test_a_stored_record_keeps_no_earlier_version_alive",
+        ),
+    ),
+    Mutant(
+        "refused-batch-keeps-its-ledger",
+        "a batch of held sessions refused by the budget leaves the ledger moved",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            ledger.set_many(zip(ids, replaced, strict=True))\n            raise",
+                "            raise",
+            ),
+        ),
+        (
+            "tests/manager/test_get_put_many.py::test_a_batch_of_held_sessions_over_the_budget_is_refused_whole",
+        ),
     ),
     Mutant(
         "placement-ignores-room",

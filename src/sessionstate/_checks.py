@@ -192,6 +192,8 @@ def check_session_id(session_id: object) -> Hashable:
     >>> check_session_id(42), check_session_id(("user", 7))
     (42, ('user', 7))
     """
+    if type(session_id) is str or type(session_id) is int:  # the common ids: valid
+        return session_id
     if session_id is None:
         msg = (
             "`session_id` must not be None: None almost always means a missing id. Pass the "

@@ -126,3 +126,25 @@ def test_a_batch_steps_in_one_forward_and_is_stored_as_if_each_stepped_alone() -
     for sid in batched.session_ids():
         assert tree_equal(batched.peek(sid, on_host=True), alone.peek(sid, on_host=True))
     assert_stats_equal_a_recount(batched)
+
+
+def test_a_batch_of_held_sessions_over_the_budget_is_refused_whole() -> None:
+    # Every member held and resident: the ledger moves once for the batch, and a batch over
+    # the whole budget puts every member back, the ledger with them.
+    m: SessionStateManager[SessionState] = SessionStateManager(max_bytes={"cpu": 2_000})
+    m.put_many({"a": _record(1.0), "b": _record(2.0)})
+    before = {sid: m.peek(sid) for sid in ("a", "b")}
+    order = m.session_ids()
+    huge = SessionState(
+        objects={"cache": TensorCache(name="cache").allocate().commit(torch.zeros(1000))}
+    )
+    with pytest.raises(
+        SessionAdmissionError, match=r"Cannot store the batch \['a', 'b'\]: together"
+    ):
+        m.put_many({"a": _record(3.0), "b": huge})
+    assert m.session_ids() == order
+    for sid, record in before.items():
+        assert m.peek(sid) is record
+    assert_stats_equal_a_recount(m)
+    m.put_many({"a": _record(3.0), "b": _record(4.0)})
+    assert_stats_equal_a_recount(m)

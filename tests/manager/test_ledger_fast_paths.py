@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import gc
 import operator
+import weakref
 
 import pytest
 import torch
@@ -270,3 +271,76 @@ def test_a_lazy_ledger_nobody_reads_stays_bounded(churn: str) -> None:
     assert max(pending) <= 8 * 2 + 256 + 1
     assert max(pending) > 8  # the changes were placed, not skipped
     assert ledger.totals() == {"cpu": 8}
+
+
+# -- put by what changed: a successor with the stored record's names is compared by identity and
+# -- only its changed values walked; a batch of such records moves the ledger once.
+
+BATCH_OPS = st.lists(
+    st.lists(
+        st.sampled_from(["attr", "tensor-attr", "commit", "same", "new-name", "drop-name"]),
+        min_size=3,
+        max_size=3,
+    ),
+    max_size=12,
+)
+
+
+def _next(state: SessionState, op: str, k: int) -> SessionState:
+    cache = state.object("cache", TensorCache)
+    if op == "attr":
+        return state.with_attrs(n=k)
+    if op == "tensor-attr":
+        return state.with_attrs(x=torch.full((k % 5 + 1,), float(k)))
+    if op == "commit":
+        return state.with_object("cache", cache.commit((torch.zeros(k % 7 + 1),)))
+    if op == "new-name":  # different names: the whole record is walked
+        return state.with_attrs(**{f"extra{k % 3}": torch.ones(2)})
+    if op == "drop-name":
+        return state.clear_attrs(*[n for n in state.attrs if n.startswith("extra")])
+    return state
+
+
+@given(BATCH_OPS, st.booleans())
+def test_puts_by_what_changed_and_batches_equal_a_recount(
+    rounds: list[list[str]], budgeted: bool
+) -> None:
+    manager: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 1 << 20} if budgeted else None
+    )
+    states = {
+        f"s{i}": SessionState(
+            objects={"cache": TensorCache().allocate().commit((torch.zeros(3),))},
+            attrs={"n": 0, "x": torch.zeros(2)},
+        )
+        for i in range(3)
+    }
+    manager.put_many(states)
+    for k, ops in enumerate(rounds, start=1):
+        states = {sid: _next(s, op, k) for (sid, s), op in zip(states.items(), ops, strict=True)}
+        if k % 2:
+            manager.put_many(states)
+        else:
+            for sid, s in states.items():
+                manager.put(sid, s)
+        for sid, s in states.items():
+            assert manager.peek(sid) is s
+        assert_stats_equal_a_recount(manager)
+
+
+def test_a_stored_record_keeps_no_earlier_version_alive() -> None:
+    # Values walked against the stored ones point back at them until they are stored; stored
+    # values must not, or every version of a session would stay alive.
+    manager: SessionStateManager[SessionState] = SessionStateManager()
+    first = SessionState(attrs={"n": 0, "x": torch.zeros(1000)})
+    manager.put_many({"a": first})
+    first_x = weakref.ref(first.attrs["x"])
+    state = first.with_attrs(x=torch.ones(1000))
+    del first
+    manager.put_many({"a": state})
+    for k in range(3):
+        state = state.with_attrs(n=k)
+        manager.put("a", state)
+        manager.put_many({"a": state.with_attrs(n=-k)})
+    gc.collect()
+    assert first_x() is None

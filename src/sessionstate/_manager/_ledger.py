@@ -28,6 +28,7 @@ import functools
 import itertools
 import operator
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import cast
 
 import attrs
 import torch
@@ -382,6 +383,33 @@ class _Item:
 Values = dict[ValueKey, _Item]
 """A session's values as the ledger holds them, by `ValueKey`."""
 
+
+class _Walked(dict[ValueKey, _Item]):
+    """`Values` as `SessionLedger.values_for` builds them, with what the next walk compares.
+
+    ``names`` (the record's object and attribute names, None for a record class with fields
+    of its own), ``order`` and ``raw`` (its keys and values in order) let the walk of a
+    successor with the same names find the values that changed by identity, in one pass, and
+    walk those alone;
+    ``parent`` (the values it was walked against, until stored) and ``changed`` (the keys
+    walked) let the ledger move by those keys alone.
+    """
+
+    __slots__ = ("changed", "names", "order", "parent", "raw")  # (no instance dict to make)
+
+    names: tuple[tuple[str, ...], tuple[str, ...]] | None
+    order: tuple[ValueKey, ...]
+    raw: tuple[object, ...]
+    parent: Values | None
+    changed: tuple[ValueKey, ...]
+
+
+_NONE = _Walked()  # no values held
+_NONE.names, _NONE.order, _NONE.raw, _NONE.parent, _NONE.changed = None, (), (), None, ()
+
+# Per record class, whether it holds objects and attributes alone (no fields of its own).
+_PLAIN: dict[type, bool] = {}
+
 _MAX_DROPPED = 8  # leading leaves a new version of a value may drop and still share the rest
 
 
@@ -481,6 +509,41 @@ def entries_of(values: Mapping[ValueKey, _Item]) -> Iterator[StorageEntry]:
         yield from item.entries
 
 
+def _moves(previous: Values, values: Values) -> tuple[list[StorageEntry], list[StorageEntry]]:
+    # The references a session's ledger entries gain and lose going from `previous` to
+    # `values`: nothing for a value they share (most values of a step); for a value derived
+    # from the one it replaces, the leaves it added and those its base dropped. Clears the
+    # bases of `values` (stored items keep no earlier versions alive).
+    added: list[StorageEntry] = []
+    removed: list[StorageEntry] = []
+    matched = 0  # keys of `previous` that `values` holds too
+    pairs: Iterable[tuple[ValueKey, _Item]] = values.items()
+    if getattr(values, "parent", None) is previous:  # walked against `previous`: same keys
+        pairs = [(key, values[key]) for key in values.changed]  # type: ignore[attr-defined]
+        matched = len(previous) - len(pairs)
+    for key, item in pairs:
+        old = previous.get(key)
+        if old is item:
+            matched += 1
+            continue
+        base, item.base = item.base, None
+        kept = 0
+        if old is not None:
+            matched += 1
+            derived = base is old
+            kept = len(old.leaves) - item.dropped if derived else 0
+            for entries in old.per_leaf(0, item.dropped if derived else len(old.leaves)):
+                removed += entries
+        for entries in item.per_leaf(kept):
+            added += entries
+    if matched < len(previous):  # values gone from the record
+        for key, old in previous.items():
+            if key not in values:
+                for entries in old.per_leaf():
+                    removed += entries
+    return added, removed
+
+
 class SessionLedger:
     """Per session, the storages each stored value reaches; and the `Ledger` of them all.
 
@@ -519,12 +582,34 @@ class SessionLedger:
             UnsupportedTensorError: for a leaf the accounting cannot count, naming its key
                 path inside the session.
         """
-        held = self._values.get(session_id, {})
-        out: Values = {}
+        held = self._values.get(session_id, _NONE)
+        objects, attributes = state._objects, state._attrs
+        plain = _PLAIN.get(type(state))
+        if plain is None:
+            plain = _PLAIN[type(state)] = len(attrs.fields(type(state))) == 2
+        names = (tuple(objects), tuple(attributes)) if plain else None
+        raw = (*objects.values(), *attributes.values()) if plain else ()
         try:
-            for key, value in iter_values(state):
-                item = held.get(key)
-                out[key] = item if item is not None and item.value is value else _walk(value, item)
+            if names is not None and getattr(held, "names", None) == names:
+                # The names the stored values were walked from: compare by identity, in key
+                # order, and walk what changed alone.
+                last = cast(_Walked, held)
+                out = _Walked(last)
+                changed = []
+                moved = map(operator.is_not, last.raw, raw)
+                for key, value in itertools.compress(zip(last.order, raw, strict=True), moved):
+                    out[key] = _walk(value, last[key])
+                    changed.append(key)
+                out.parent, out.changed, out.order = last, tuple(changed), last.order
+            else:
+                out = _Walked()
+                for key, value in iter_values(state):
+                    item = held.get(key)
+                    out[key] = (
+                        item if item is not None and item.value is value else _walk(value, item)
+                    )
+                out.order, out.parent, out.changed = tuple(out), None, ()
+            out.names, out.raw = names, raw
         except UnsupportedTensorError:
             # Walked value by value, the error lacks the key path inside the session: walk the
             # whole record once more so the error names it.
@@ -544,42 +629,43 @@ class SessionLedger:
         derived from the one stored (its base) moves by the difference: the leaves it added,
         the leaves its base dropped.
         """
-        ledgers = [self._ledger]
-        if self._alone is not None:
-            alone = self._alone.get(session_id)
-            if alone is None:
-                alone = self._alone[session_id] = Ledger()
-            ledgers.append(alone)
-        previous = self._values.get(session_id, {})
+        return self.set_many(((session_id, values),))[0]
+
+    def set_many(self, items: Iterable[tuple[Hashable, Values]], /) -> list[Values]:
+        """`set` for each of ``items`` (distinct sessions), the ledger of them all moved once:
+        every reference a batch adds, then every one it removes. Returns the values replaced,
+        in order."""
+        replaced: list[Values] = []
         added: list[StorageEntry] = []
-        for key, item in values.items():
-            old = previous.get(key)
-            if old is item:
-                continue
-            kept = len(old.leaves) - item.dropped if old is not None and item.base is old else 0
-            for entries in item.per_leaf(kept):
-                added += entries
         removed: list[StorageEntry] = []
-        for key, old in previous.items():
-            new = values.get(key)
-            if new is old:
-                continue
-            gone = new.dropped if new is not None and new.base is old else len(old.leaves)
-            for entries in old.per_leaf(0, gone):
-                removed += entries
-        for ledger in ledgers:
-            ledger.add(added)
-        for ledger in ledgers:
-            ledger.remove(removed)
-        for item in values.values():
-            item.base = None
-        if values:
-            self._values[session_id] = values
-        else:
-            self._values.pop(session_id, None)
-            if self._alone is not None:
-                del self._alone[session_id]
-        return previous
+        alone_ledgers = self._alone
+        for session_id, values in items:
+            previous = self._values.get(session_id, _NONE)
+            came, went = _moves(previous, values)
+            if type(values) is _Walked:
+                values.parent = None  # stored values keep no earlier versions alive
+            if alone_ledgers is not None:
+                alone = alone_ledgers.get(session_id)
+                if alone is None:
+                    alone = alone_ledgers[session_id] = Ledger()
+                if came:
+                    alone.add(came)
+                if went:
+                    alone.remove(went)
+            added += came
+            removed += went
+            if values:
+                self._values[session_id] = values
+            else:
+                self._values.pop(session_id, None)
+                if alone_ledgers is not None:
+                    del alone_ledgers[session_id]
+            replaced.append(previous)
+        if added:
+            self._ledger.add(added)
+        if removed:
+            self._ledger.remove(removed)
+        return replaced
 
     def total(self, device: str, /) -> int:
         """Resident bytes on ``device``, each storage once across every session."""

@@ -17,7 +17,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Collection, Hashable, Iterable
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError, reason
 from sessionstate._events import Reporter, SessionEvent, span
@@ -123,9 +123,22 @@ class Parking:
         """Whether the record stored for ``session_id`` holds a parked object."""
         return session_id in self._parked
 
-    def track(self, session_id: Hashable, state: SessionState, /) -> None:
-        """``state`` is now stored for ``session_id``: keep its parked objects' handles."""
-        parked = {n: o for n, o in state.objects.items() if isinstance(o, ParkedObject)}
+    def track(
+        self,
+        session_id: Hashable,
+        state: SessionState,
+        /,
+        parked: dict[str, ParkedObject] | None = None,
+    ) -> None:
+        """``state`` is now stored for ``session_id``: keep its parked objects' handles.
+
+        ``parked``: ``state``'s parked objects by name, when the caller has them already.
+        """
+        if parked is None:
+            parked = parked_objects(state)
+        if not parked and session_id not in self._parked and session_id not in self._reserved:
+            self._kv_parked.discard(session_id)  # resident before and after: nothing to move
+            return
         prefetched = session_id in self._reserved
         self._unreserve(session_id, dropped=True)
         if not parked and session_id not in self._parked:  # resident before and after
@@ -221,7 +234,7 @@ class Parking:
                 )
             for name in names:
                 self._remember_parked(state.objects[name], new.objects[name])
-        parked = {n: o for n, o in new.objects.items() if isinstance(o, ParkedObject)}
+        parked = parked_objects(new)
         moved = 0
         for handle in made:
             moved += handle.nbytes
@@ -588,3 +601,19 @@ def _drop_prefetch(handle: ParkedBytes) -> None:
 def _handles_of(objects: Iterable[ParkedObject]) -> list[ParkedBytes]:
     # Objects parked together share one handle: each handle once.
     return list({id(obj.handle): obj.handle for obj in objects}.values())
+
+
+def parked_objects(state: SessionState, /) -> dict[str, ParkedObject]:
+    """``state``'s parked objects by name (a lookup per object: puts call it every step)."""
+    out: dict[str, ParkedObject] = {}
+    for name, obj in state._objects.items():
+        parked = _PARKED_TYPES.get(type(obj))
+        if parked is None:
+            parked = _PARKED_TYPES[type(obj)] = issubclass(type(obj), ParkedObject)
+        if parked:
+            out[name] = cast(ParkedObject, obj)
+    return out
+
+
+# Per state-object class, whether it is a `ParkedObject` (an ABC's isinstance costs more).
+_PARKED_TYPES: dict[type, bool] = {}

@@ -45,8 +45,8 @@ from sessionstate._errors import (
 from sessionstate._events import EventHook, Reporter, SessionEvent, span
 from sessionstate._kv._pool import kv_shortfall
 from sessionstate._manager._guard import ImmutabilityGuard
-from sessionstate._manager._ledger import SessionLedger, entries_of
-from sessionstate._manager._parking import HostPoolFull, Parking
+from sessionstate._manager._ledger import SessionLedger, Values, entries_of
+from sessionstate._manager._parking import HostPoolFull, Parking, parked_objects
 from sessionstate._manager._policy import (
     BudgetPolicy,
     OnFull,
@@ -363,8 +363,7 @@ class SessionStateManager(Generic[SessionT]):
         (['c', 'a'], ['b', 'c', 'a'])
         """
         ids = self._batch_ids(session_ids, "get_many")
-        for session_id in ids:
-            self._await_prefetch(session_id)
+        self._await_prefetch(*ids)
         with self._lock:
             missing = [sid for sid in ids if sid not in self._table]
             if missing:
@@ -450,31 +449,46 @@ class SessionStateManager(Generic[SessionT]):
     def _store_batch(self, pairs: Sequence[tuple[Hashable, SessionT]], ids: list[Hashable]) -> None:
         # Under the lock, once the batch fits the cap: each put, no member parked or evicted
         # for another; a refusal of any puts every member back as it was, and the LRU order.
-        # A batch the budget cannot hold even alone is refused first: the puts would evict
-        # (or park) others for it and then be refused anyway.
-        policy = self._policy
-        if policy is not None:
-            totals = count_entries(
-                entry
-                for session_id, state in pairs
-                for entry in entries_of(self._ledger.values_for(session_id, state))
-            )
-            for device, budget in policy.max_bytes.items():
-                if totals.get(device, 0) > budget:
-                    msg = (
-                        f"Cannot store the batch {ids!r}: together it holds {totals[device]} "
-                        f"bytes on {device}, more than the whole budget of {budget} bytes "
-                        "there (`max_bytes`); storing it would evict or park every other "
-                        "session and still not fit. Store a smaller batch, or raise the "
-                        f"budget for {device}."
-                    )
-                    self._refuse(ids[0], SessionAdmissionError(msg))
+        # A batch the budget cannot hold even alone is refused before anything is parked or
+        # evicted for it.
+        ledger, parking, table = self._ledger, self._parking, self._table
+        walked = [ledger.values_for(session_id, state) for session_id, state in pairs]
+        if any(sid not in table or parking.is_parked(sid) for sid in ids) or any(
+            _stores_parked(values, state) for values, (_, state) in zip(walked, pairs, strict=True)
+        ):
+            self._store_batch_by_one(pairs, ids, walked)
+            return
+        # Every member held and resident before and after (a batched step's records): the
+        # ledger moved once for the batch, one room check, then the table.
+        replaced = ledger.set_many(zip(ids, walked, strict=True))
+        try:
+            policy = self._policy
+            if policy is not None:
+                # Over a budget, the batch alone may be (each member then fits alone: it
+                # holds no more than the batch).
+                if policy.over(ledger, {}):
+                    self._refuse_batch_over_budget(ids, walked)
+                self._make_room(ids[0], {}, ids)
+        except BaseException:
+            ledger.set_many(zip(ids, replaced, strict=True))
+            raise
+        for session_id, state in pairs:
+            table[session_id] = state
+            table.move_to_end(session_id)
+            parking.track(session_id, state, {})
+            self._record_versions(session_id, state)
+
+    def _store_batch_by_one(
+        self, pairs: Sequence[tuple[Hashable, SessionT]], ids: list[Hashable], walked: list[Values]
+    ) -> None:
+        # `_store_batch` when a member is new or holds parked objects: put by put.
+        self._refuse_batch_over_budget(ids, walked)
         before = {sid: self._table.get(sid) for sid in ids}
         order = list(self._table)
         done: list[Hashable] = []
         try:
-            for session_id, state in pairs:
-                self._put_locked(session_id, state, touch=True, keep=ids)
+            for (session_id, state), values in zip(pairs, walked, strict=True):
+                self._put_locked(session_id, state, touch=True, keep=ids, values=values)
                 done.append(session_id)
         except BaseException:
             for session_id in reversed(done):
@@ -487,6 +501,24 @@ class SessionStateManager(Generic[SessionT]):
                 if session_id in self._table:
                     self._table.move_to_end(session_id)
             raise
+
+    def _refuse_batch_over_budget(self, ids: list[Hashable], walked: list[Values]) -> None:
+        # Refuse a batch whose records together (each storage once) exceed a device's whole
+        # budget: storing it would evict or park every other session and still not fit.
+        policy = self._policy
+        if policy is None:
+            return
+        totals = count_entries(entry for values in walked for entry in entries_of(values))
+        for device, budget in policy.max_bytes.items():
+            if totals.get(device, 0) > budget:
+                msg = (
+                    f"Cannot store the batch {ids!r}: together it holds {totals[device]} "
+                    f"bytes on {device}, more than the whole budget of {budget} bytes "
+                    "there (`max_bytes`); storing it would evict or park every other "
+                    "session and still not fit. Store a smaller batch, or raise the "
+                    f"budget for {device}."
+                )
+                self._refuse(ids[0], SessionAdmissionError(msg))
 
     def _batch_ids(self, session_ids: Sequence[Hashable], method: str) -> list[Hashable]:
         ids = list(session_ids)
@@ -1492,22 +1524,23 @@ class SessionStateManager(Generic[SessionT]):
         touch: bool,
         like: Hashable | None = None,
         keep: Collection[Hashable] = (),
+        values: Values | None = None,
     ) -> None:
         # Nothing changes unless the whole put succeeds, except that other sessions may have
         # been parked (losslessly) or evicted to make room. `like`: a session whose stored
         # record `state` shares its values with (a fork's source, all but a split random key),
-        # whose walked values are reused, not walked.
-        if like is not None:
-            values = self._ledger.values_for(like, state)
-        else:
-            values = self._ledger.values_for(session_id, state)
+        # whose walked values are reused, not walked. `values`: the ledger's values for
+        # `state`, walked already (a batch's budget check walked them).
+        if values is None:
+            values = self._ledger.values_for(session_id if like is None else like, state)
         # Stored in the ledger first, so the budget reads what the record holds alone from the
         # per-session totals this put just moved (the cost of what changed, not a walk of the
         # record); a refusal moves the ledger back.
         previous = self._ledger.set(session_id, values)
         # Parked bytes this record holds are held from now on: a session evicted to admit it
         # (a caller's fork by hand: `put("b", m.peek("a"))`) does not release them.
-        storing = tuple(o for o in state.objects.values() if isinstance(o, ParkedObject))
+        parked = parked_objects(state)
+        storing = tuple(parked.values())
         self._parking.storing = storing
         try:
             if self._policy is not None:
@@ -1525,7 +1558,7 @@ class SessionStateManager(Generic[SessionT]):
             raise
         self._parking.storing = ()
         self._table[session_id] = state
-        self._parking.track(session_id, state)
+        self._parking.track(session_id, state, parked)
         self._record_versions(session_id, state)
 
     def _admit(self, session_id: Hashable, keep: Collection[Hashable] = ()) -> None:
@@ -1656,11 +1689,12 @@ class SessionStateManager(Generic[SessionT]):
         self._record_versions(session_id, new)
         return True
 
-    def _await_prefetch(self, session_id: Hashable) -> None:
-        # Wait, outside the lock, for the session's background restores: other sessions'
-        # calls go on meanwhile. Costs one lookup when nothing is prefetched.
+    def _await_prefetch(self, *session_ids: Hashable) -> None:
+        # Wait, outside the lock, for the sessions' background restores: other sessions'
+        # calls go on meanwhile. Costs one lookup per session when nothing is prefetched.
+        parking = self._parking
         with self._lock:
-            pending = self._parking.pending(session_id)
+            pending = [handle for sid in session_ids for handle in parking.pending(sid)]
         for handle in pending:
             handle.wait_prefetch()
 
@@ -1861,6 +1895,16 @@ def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
         + (f"{then} " if then else "")
         + "`session_ids()` lists the held ones."
     )
+
+
+def _stores_parked(values: Values, state: SessionState) -> bool:
+    # Whether `state`, whose session is resident (its stored record holds no parked object),
+    # holds a parked object: of the values its walk found changed, when it knows them.
+    parent = getattr(values, "parent", None)
+    if parent is None:
+        return bool(parked_objects(state))
+    changed = values.changed  # type: ignore[attr-defined]
+    return any(key[0] == "o" and isinstance(values[key].value, ParkedObject) for key in changed)
 
 
 def _lost(session_id: Hashable) -> str:
