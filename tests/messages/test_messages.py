@@ -552,6 +552,8 @@ CORE_MESSAGES = {
     "_tree.py": 2,
     "_frozen.py": 2,
     "_storage/_movers.py": 0,
+    # The KV pool's own (test_kvpool.py, test_kv_park.py), then `read_many`'s two (below).
+    "_kv/_pool.py": 12 + 2,
 }
 
 
@@ -817,3 +819,19 @@ def test_family_snapshot_refusals(tmp_path: Path) -> None:
         "Cannot restore the family ['1']: the cap (max_sessions=1, `on_full='refuse'`, 1 held) "
         "cannot hold it. Drop finished sessions, or raise `max_sessions`."
     )
+
+
+def test_read_many_messages() -> None:
+    from sessionstate._kv._pool import read_many
+
+    pool = ss.KVPool(8, block_tokens=2, token_shape=(), name="kv")
+    long, short = (pool.append(pool.empty(), torch.zeros(n)) for n in (3, 1))
+    msg = "`read_many` needs at least one handle; pass the handles of the sessions to read."
+    with pytest.raises(ValueError, match=_exact(msg)):
+        read_many([])
+    msg = (
+        "`read_many` reads handles of one token count (a shape bucket): handle 0 reads 3 "
+        "tokens but handle 1 reads 1. Read the handles of each token count together."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        read_many([long, short])
