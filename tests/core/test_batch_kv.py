@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sessionstate as ss
 from sessionstate._kv._cache import GatheredKV
@@ -211,3 +213,55 @@ def test_a_batched_append_to_another_pool_or_of_another_dtype_is_refused() -> No
         kv.append(other, torch.zeros(1, 2))
     with pytest.raises(ValueError, match=r"dtype torch\.float64"):
         kv.append(pool, torch.zeros(1, 2, dtype=torch.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_tokens=st.integers(1, 3),
+    tokens=st.integers(0, 5),
+    forks=st.lists(st.booleans(), min_size=1, max_size=4),
+    window=st.one_of(st.none(), st.integers(0, 4)),
+    appends=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+)
+def test_batched_kv_steps_as_the_pool_does_for_any_layout(
+    block_tokens: int, tokens: int, forks: list[bool], window: int | None, appends: list[int]
+) -> None:
+    # Records that fork one handle or hold their own, stepped round after round (each round
+    # appending its number of tokens), batched and one by one on a twin pool.
+    pools = [ss.KVPool(64, block_tokens=block_tokens, token_shape=TOKEN) for _ in range(2)]
+
+    def family(pool: ss.KVPool) -> list[ss.SessionState]:
+        source = pool.append(pool.empty(), torch.arange(tokens * 2.0).view(tokens, 2))
+        own = [
+            pool.append(pool.empty(), torch.full((tokens, 2), float(i))) for i in range(len(forks))
+        ]
+        caches = [source if fork else mine for fork, mine in zip(forks, own, strict=True)]
+        return [
+            ss.SessionState(objects={"kv": ss.KVCache(name="kv").allocate().commit(h)})
+            for h in caches
+        ]
+
+    def step_for(pool: ss.KVPool, k: int) -> Any:
+        def step(state: ss.SessionState, x: torch.Tensor) -> tuple[ss.SessionState, Any]:
+            cache = state.object("kv", ss.KVCache)
+            kv = cache.read()
+            assert kv is not None
+            new = x.expand(k, 2) + kv.sum()
+            return state.with_object("kv", cache.append(pool, new, window=window)), kv.sum()
+
+        return step
+
+    batched, singles = family(pools[0]), family(pools[1])
+    for r, k in enumerate(appends):
+        xs = torch.arange(len(forks) * 2.0).view(-1, 2) + r
+        batch, outs = ss.vmap(step_for(pools[0], k))(ss.stack(batched), xs)
+        batched = ss.unstack(batch)
+        del batch
+        stepped = [step_for(pools[1], k)(s, x) for s, x in zip(singles, xs, strict=True)]
+        singles = [s for s, _ in stepped]
+        for got, want, out, (_, expected) in zip(batched, singles, outs, stepped, strict=True):
+            assert torch.equal(_kv(got), _kv(want))
+            assert torch.equal(out, expected)
+        gc.collect()
+        assert pools[0].free_blocks == pools[1].free_blocks
+        assert pools[0].free_blocks == 64 - _live_blocks(batched)
