@@ -265,3 +265,35 @@ def test_batched_kv_steps_as_the_pool_does_for_any_layout(
         gc.collect()
         assert pools[0].free_blocks == pools[1].free_blocks
         assert pools[0].free_blocks == 64 - _live_blocks(batched)
+
+
+def test_a_managers_batched_step_stacks_and_unstacks_kv_all_or_nothing() -> None:
+    # `step_many` runs the vmapped step inside the pool's transaction (unstack's nests in it):
+    # a step that fails after unstack committed gives every new block back.
+    pool = _pool(blocks=16)
+    step = _stepper(pool, None)
+    m: ss.SessionStateManager[ss.SessionState] = ss.SessionStateManager(pools=(pool,))
+    ids = ["a", "b", "c"]
+    for i, sid in enumerate(ids):
+        m.put(sid, _record(pool, float(i)))
+    xs = torch.ones(3, 2)
+
+    def batched(states: list[ss.SessionState]) -> tuple[list[ss.SessionState], list[Any]]:
+        batch, outs = ss.vmap(step)(ss.stack(states), xs)
+        return ss.unstack(batch), list(outs)
+
+    def failing(states: list[ss.SessionState]) -> tuple[list[ss.SessionState], list[Any]]:
+        batched(states)
+        raise RuntimeError("the step failed after its commit")
+
+    before = [_kv(m.peek(sid)).clone() for sid in ids]
+    free = pool.free_blocks
+    with pytest.raises(RuntimeError, match="after its commit"):
+        m.step_many(ids, failing, new=ss.SessionState)
+    gc.collect()
+    assert pool.free_blocks == free
+    expected = [step(m.peek(sid), x)[0] for sid, x in zip(ids, xs, strict=True)]
+    m.step_many(ids, batched, new=ss.SessionState)
+    for sid, kv, want in zip(ids, before, expected, strict=True):
+        assert torch.equal(_kv(m.peek(sid))[:3], kv)
+        assert torch.equal(_kv(m.peek(sid)), _kv(want))
