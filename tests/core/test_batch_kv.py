@@ -213,6 +213,8 @@ def test_a_batched_append_to_another_pool_or_of_another_dtype_is_refused() -> No
         kv.append(other, torch.zeros(1, 2))
     with pytest.raises(ValueError, match=r"dtype torch\.float64"):
         kv.append(pool, torch.zeros(1, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="`window` must be a non-negative int"):
+        kv.append(pool, torch.zeros(1, 2), window=-1)
 
 
 @settings(max_examples=40, deadline=None)

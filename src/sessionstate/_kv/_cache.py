@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from sessionstate._accounting import StorageEntry, leaf_entries, note_derived, noted_derivation
-from sessionstate._kv._pool import KVHandle, KVPool
+from sessionstate._kv._pool import KVHandle, KVPool, _check_window
 from sessionstate._protocols import Derivation
 from sessionstate._stateobject import SingleValueObject
 from sessionstate._tree import field, register_record, static_field
@@ -71,9 +71,11 @@ class GatheredKV:
         trims a handle (whole leading blocks older than the newest ``window`` tokens).
 
         Raises:
-            ValueError: for another pool than the one the tokens were gathered from, or
-                ``kv`` of another token shape or dtype than the pool's.
+            ValueError: for another pool than the one the tokens were gathered from, ``kv``
+                of another token shape or dtype than the pool's, or a negative ``window``.
+            TypeError: for a ``window`` that is not an int.
         """
+        _check_window(window)  # the pool's own rule and message for a window
         if pool is not self.pool:
             msg = (
                 f"Cannot append to KV gathered from pool {self.pool.name!r} with pool "
