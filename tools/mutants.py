@@ -528,6 +528,33 @@ MUTANTS = (
         ("tests/core/test_batch.py",),
     ),
     Mutant(
+        "unstack-drops-new-kv-tokens",
+        "unstacking a batch gives each record its gathered handle back, dropping the tokens "
+        "its step appended",
+        "sessionstate/_batch.py",
+        (("            plans.append((j, i, handle, new, window))\n", ""),),
+        ("tests/core/test_batch_kv.py",),
+    ),
+    Mutant(
+        "unstack-commits-kv-to-another-session",
+        "unstacking a batch appends each record's new tokens to another record's handle",
+        "sessionstate/_batch.py",
+        (
+            (
+                "            plans.append((j, i, handle, new, window))\n",
+                "            plans.append((j, i, handles[-1 - i], new, window))\n",
+            ),
+        ),
+        ("tests/core/test_batch_kv.py",),
+    ),
+    Mutant(
+        "unstack-commits-kv-outside-a-transaction",
+        "a batch's KV commit that fails part way keeps the blocks its first appends took",
+        "sessionstate/_batch.py",
+        (("            transactions.enter_context(pool.transaction())\n", "            pass\n"),),
+        ("tests/core/test_batch_kv.py",),
+    ),
+    Mutant(
         "step-never-checks-what-it-read",
         "a managed step that wrote into the record it read is published unseen (the guard "
         "records the versions anew)",

@@ -9,18 +9,25 @@ per-example shapes, so the records' own checks hold), and the step is written fo
 
 A batch keeps its leaves flat rather than as one stacked record: a record checks its leaves'
 shapes (a buffer's chunks must agree), and a record mixing stacked and shared leaves would not
-pass. Non-tensor leaves (counters, flags) must be equal across the records; engine handles
-(`KVHandle`) are not batched yet.
+pass. Non-tensor leaves (counters, flags) must be equal across the records.
+
+Engine handles (`KVHandle`, in a `KVCache`) are gathered: `stack` reads every session's blocks
+in one gather per leaf (`read_many`) and puts a `GatheredKV` (the tokens as a plain tensor) in
+the handle's place, so a step reads and appends KV as tensors, purely, under `vmap`; `unstack`
+appends each session's new tokens to its own handle, all sessions or none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
 import torch
 
+from sessionstate._kv._cache import GatheredKV
+from sessionstate._kv._pool import KVHandle, KVPool, read_many
 from sessionstate._tree import PyTreeSpec, tree_flatten, tree_flatten_with_keys, tree_unflatten
 
 __all__ = ["Batch", "stack", "unstack", "vmap"]
@@ -41,6 +48,7 @@ class Batch(Generic[R]):
         size: How many records.
         paths: Each leaf's key path, for messages.
         groups: See the attribute.
+        handles: See the attribute.
     """
 
     leaves: tuple[Any, ...]
@@ -51,10 +59,13 @@ class Batch(Generic[R]):
     groups: tuple[tuple[int, ...], ...] = ()
     """Batched leaves that are views of one storage in every record, as their positions:
     `unstack` gives each record one copy of that storage and rebuilds the views on it."""
+    handles: Mapping[str, tuple[KVHandle, ...]] = attrs.field(factory=dict, kw_only=True)
+    """Per path of a `GatheredKV` leaf, the records' handles its tokens were gathered from:
+    `unstack` appends each record's new tokens to its own."""
 
     @property
     def shared(self) -> int:
-        """How many tensor leaves are one tensor for the whole batch (not stacked).
+        """How many tensor leaves (gathered KV included) are one tensor for the whole batch.
 
         >>> import torch
         >>> from sessionstate import LatentBuffer, SessionState
@@ -65,7 +76,7 @@ class Batch(Generic[R]):
         1
         """
         return sum(
-            d is None and isinstance(x, torch.Tensor)
+            d is None and isinstance(x, (torch.Tensor, GatheredKV))
             for d, x in zip(self.dims, self.leaves, strict=True)
         )
 
@@ -81,11 +92,16 @@ def stack(records: Sequence[R], /) -> Batch[R]:
     alike in every record, are stacked as their storage, so `unstack` gives each record its
     views of one copy again: the records' sharing survives the batch.
 
+    A `KVHandle` leaf (a `KVCache`'s) is gathered: the records' handles, of one pool and one
+    token count, are read in one gather (`read_many`) into a `GatheredKV` holding the tokens
+    stacked (a copy, counted as tensor bytes); a handle every record holds (forks not yet
+    stepped) is read once and stays unbatched. The batch remembers the handles for `unstack`.
+
     Raises:
         ValueError: for no records, or records that differ in structure, in a tensor leaf's
-            shape, dtype or device, or in a non-tensor leaf, naming the first difference
-            and its key path.
-        TypeError: for an engine handle leaf (`KVHandle`), which cannot be batched yet.
+            shape, dtype or device, in a non-tensor leaf, or in the pool or token count of
+            a `KVHandle`, naming the first difference and its key path.
+        StaleKVHandleError: for a handle made by a step that was rolled back.
 
     >>> import torch
     >>> from sessionstate import LatentBuffer, SessionState
@@ -114,16 +130,27 @@ def stack(records: Sequence[R], /) -> Batch[R]:
             column.append(leaf)
     out: list[Any] = []
     dims: list[int | None] = []
+    handles: dict[str, tuple[KVHandle, ...]] = {}
     groups = _storage_groups(columns)
     grouped = {j for g in groups for j in g}
     for j, (path, column) in enumerate(zip(keys, columns, strict=True)):
-        value, dim = _stack_leaf(path, column, stacked=j not in grouped)
+        if all(isinstance(leaf, KVHandle) for leaf in column):
+            value, dim = _gather_kv(path, column)
+            handles[path] = tuple(column)
+        else:
+            value, dim = _stack_leaf(path, column, stacked=j not in grouped)
         out.append(value)
         dims.append(dim)
     for members in groups:
         _stack_storage(columns, members, out)
     return Batch(
-        tuple(out), tuple(dims), spec, len(records), tuple(keys), tuple(map(tuple, groups))
+        tuple(out),
+        tuple(dims),
+        spec,
+        len(records),
+        tuple(keys),
+        tuple(map(tuple, groups)),
+        handles=handles,
     )
 
 
@@ -134,6 +161,17 @@ def unstack(batch: Batch[R], /, *, copy: bool = True) -> list[R]:
     its slice), so a record keeps alive only its own bytes; ``copy=False`` gives views into
     the stacked tensors (each record then reaches the whole stacked storage).
 
+    Gathered KV (`GatheredKV`) goes back into the records' handles: a record whose tokens are
+    the gathered ones gets its handle back; one whose step appended gets a new handle, its
+    handle with the new tokens appended in the pool (trimmed as a windowed append trims).
+    The appends are all made or none (inside the pools' transactions): a pool that cannot
+    hold them all raises `KVPoolExhaustedError` with every block given back.
+
+    Raises:
+        ValueError: for gathered KV whose tokens no longer begin with those gathered (KV
+            is append-only) or that the step moved to another path, naming the path.
+        KVPoolExhaustedError: if a pool has too few free blocks for the new tokens.
+
     >>> import torch
     >>> from sessionstate import SessionState, tree_equal
     >>> records = [SessionState(attrs={"x": torch.full((2,), float(i))}) for i in range(3)]
@@ -142,12 +180,15 @@ def unstack(batch: Batch[R], /, *, copy: bool = True) -> list[R]:
     """
     out = []
     grouped = {j: g for g in batch.groups for j in g}
+    committed = _commit_kv(batch)
     for i in range(batch.size):
         leaves: list[Any] = []
         owned: dict[int, torch.Tensor] = {}  # one copy per batched leaf (by id)
         bases: dict[int, torch.Tensor] = {}  # one copy per storage group (by first leaf)
         for j, (x, d) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
-            if d != 0:
+            if j in committed:
+                leaves.append(committed[j][i])
+            elif d != 0:
                 leaves.append(x)
             elif not copy:
                 leaves.append(x[i])
@@ -175,6 +216,11 @@ def vmap(
     Non-tensor leaves the step returns (a counter it increments) must not depend on the
     batched inputs.
 
+    Gathered KV is a tensor inside: `KVCache.read` returns the session's tokens and
+    `KVCache.append` returns a cache holding them followed by the new ones, writing nothing
+    to the pool (`unstack` does). An empty `KVCache` has nothing gathered: its first append
+    needs the pool, so step such sessions one by one.
+
     Batched kernels may round differently from batch-1 kernels (a batched convolution against
     N single ones): compare a batch with its records stepped one by one before relying on
     bit-identity, and step them one by one where it is required.
@@ -192,58 +238,149 @@ def vmap(
     """
 
     def run(batch: Batch[R], inputs: Any) -> tuple[Batch[R], Any]:
-        tensors = [i for i, x in enumerate(batch.leaves) if isinstance(x, torch.Tensor)]
+        # Tensor leaves and gathered KV's tokens go through `torch.func.vmap`; the rest is fixed.
+        tensors = [i for i, x in enumerate(batch.leaves) if isinstance(x, _BATCHABLE)]
         fixed = list(batch.leaves)
         result: dict[str, Any] = {}
 
         def one(tensor_leaves: list[torch.Tensor], x: Any) -> tuple[list[torch.Tensor], Any]:
             leaves = list(fixed)
             for i, leaf in zip(tensors, tensor_leaves, strict=True):
-                leaves[i] = leaf
+                kv = fixed[i]
+                leaves[i] = attrs.evolve(kv, tokens=leaf) if isinstance(kv, GatheredKV) else leaf
             new, out = step(tree_unflatten(batch.spec, leaves), x)
             keys, new_leaves, new_spec = tree_flatten_with_keys(new)
             result["spec"], result["keys"], result["leaves"] = new_spec, keys, new_leaves
-            return [leaf for leaf in new_leaves if isinstance(leaf, torch.Tensor)], out
+            return [_tensor(leaf) for leaf in new_leaves if isinstance(leaf, _BATCHABLE)], out
 
         dims = [batch.dims[i] for i in tensors]
         stepped, out = torch.func.vmap(one, in_dims=(dims, in_dims))(
-            [batch.leaves[i] for i in tensors], inputs
+            [_tensor(batch.leaves[i]) for i in tensors], inputs
         )
         leaves: list[Any] = []
         new_dims: list[int | None] = []
         produced = iter(stepped)
         for leaf in result["leaves"]:
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, _BATCHABLE):
                 value = next(produced)
                 # vmap returns an output that no batched input reached expanded along the
                 # batch (stride 0): one tensor again, shared by every record.
-                if batch.size > 1 and value.stride(0) == 0:
-                    leaves.append(value[0])
-                    new_dims.append(None)
-                else:
-                    leaves.append(value)
-                    new_dims.append(0)
+                shared = batch.size > 1 and value.dim() > 0 and value.stride(0) == 0
+                if shared:
+                    value = value[0]
+                leaves.append(
+                    attrs.evolve(leaf, tokens=value) if isinstance(leaf, GatheredKV) else value
+                )
+                new_dims.append(None if shared else 0)
             else:
                 leaves.append(leaf)
                 new_dims.append(None)
         new_batch: Batch[R] = Batch(
-            tuple(leaves), tuple(new_dims), result["spec"], batch.size, tuple(result["keys"])
+            tuple(leaves),
+            tuple(new_dims),
+            result["spec"],
+            batch.size,
+            tuple(result["keys"]),
+            handles=batch.handles,
         )
         return new_batch, out
 
     return run
 
 
+_BATCHABLE = (torch.Tensor, GatheredKV)
+"""Leaves `vmap` maps over: tensors, and gathered KV (through its tokens)."""
+
+
+def _tensor(leaf: torch.Tensor | GatheredKV) -> torch.Tensor:
+    return leaf.tokens if isinstance(leaf, GatheredKV) else leaf
+
+
+def _gather_kv(path: str, column: list[KVHandle]) -> tuple[GatheredKV, int | None]:
+    # The records' handles read into one tensor: one gather for the batch, or one read of the
+    # handle every record holds (unbatched, as a shared tensor stays).
+    first = column[0]
+    if all(h is first for h in column):
+        return GatheredKV(first.read(), pool=first.pool, gathered=first.tokens), None
+    for i, h in enumerate(column[1:], start=1):
+        if h.pool is not first.pool:
+            msg = (
+                f"Cannot stack the KV at {path}: record 0's handle is in KV pool "
+                f"{first.pool.name!r} but record {i}'s is in pool {h.pool.name!r}. A batch "
+                "reads its sessions' KV from one pool: step the sessions of each pool in "
+                "separate batches."
+            )
+            raise ValueError(msg)
+        if h.tokens != first.tokens:
+            msg = (
+                f"Cannot stack the KV at {path}: record 0 holds {first.tokens} tokens but "
+                f"record {i} holds {h.tokens}. A batch needs one token count per KV (a shape "
+                "bucket): step sessions of different lengths in separate batches."
+            )
+            raise ValueError(msg)
+    return GatheredKV(read_many(column), pool=first.pool, gathered=first.tokens), 0
+
+
+def _commit_kv(batch: Batch[Any]) -> dict[int, list[KVHandle]]:
+    # Per gathered KV leaf, each record's handle: its own if its tokens are those gathered,
+    # else a new one with the new tokens appended. Every check runs before the first append;
+    # the appends run inside the pools' transactions, so a failure gives every block back.
+    plans: list[tuple[int, int, KVHandle, torch.Tensor, int | None]] = []
+    out: dict[int, list[KVHandle]] = {}
+    for j, (x, d) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
+        if not isinstance(x, GatheredKV):
+            continue
+        path = batch.paths[j]
+        handles = batch.handles.get(path)
+        if handles is None:
+            msg = (
+                f"Cannot unstack the KV at {path}: the batch gathered KV at "
+                f"{sorted(batch.handles)} only, and the step moved it. A batched step keeps "
+                "each `KVCache` where it found it."
+            )
+            raise ValueError(msg)
+        gathered = read_many(handles) if d == 0 else handles[0].read()
+        out[j] = list(handles)
+        overlap = x.gathered - x.dropped  # gathered tokens the step's KV still begins with
+        for i, handle in enumerate(handles):
+            tokens = x.tokens[i] if d == 0 else x.tokens
+            before = gathered[i] if d == 0 else gathered
+            if len(tokens) < overlap or (
+                overlap > 0 and not torch.equal(tokens[:overlap], before[x.dropped :])
+            ):
+                msg = (
+                    f"Cannot unstack the KV at {path} of record {i}: its {len(tokens)} tokens "
+                    f"do not begin with the {x.gathered} gathered from its handle. KV is "
+                    "append-only: a batched step extends it with `KVCache.append` and never "
+                    "rewrites or drops tokens."
+                )
+                raise ValueError(msg)
+            if len(tokens) == overlap and x.dropped == 0:
+                continue  # unchanged: the record keeps its handle
+            new = tokens[max(overlap, 0) :]
+            if overlap < 0:  # the window left out tokens past the gathered ones too
+                pad = tokens.new_zeros((-overlap, *tokens.shape[1:]))
+                new = torch.cat([pad, new])
+            # The window that leaves out exactly the tokens the batched appends left out.
+            window = None if x.dropped == 0 else max(len(tokens) - x.pool.block_tokens + 1, 0)
+            plans.append((j, i, handle, new, window))
+    pools: list[KVPool] = []
+    for _, _, handle, _, _ in plans:
+        if all(handle.pool is not p for p in pools):
+            pools.append(handle.pool)
+    with contextlib.ExitStack() as transactions:
+        for pool in pools:
+            transactions.enter_context(pool.transaction())
+        made = [handle.pool.append(handle, new, window=window) for *_, handle, new, window in plans]
+    for (j, i, *_), handle in zip(plans, made, strict=True):
+        out[j][i] = handle
+    return out
+
+
 def _stack_leaf(path: str, column: list[Any], *, stacked: bool = True) -> tuple[Any, int | None]:
     # The column checked and stacked (``stacked=False``: checked only, a storage group's).
     first = column[0]
     if not isinstance(first, torch.Tensor):
-        if type(first).__name__ == "KVHandle":
-            msg = (
-                f"Cannot stack the engine handle at {path}: `KVHandle`s are not batched yet. "
-                "Step sessions holding KV one by one."
-            )
-            raise TypeError(msg)
         for i, value in enumerate(column[1:], start=1):
             if type(value) is not type(first) or value != first:
                 msg = (

@@ -130,14 +130,6 @@ def test_a_leaf_of_another_shape_is_named_with_its_path() -> None:
         ss.stack([])
 
 
-def test_engine_handles_are_not_batched_yet() -> None:
-    pool = ss.KVPool(4, block_tokens=2, token_shape=())
-    h = pool.append(pool.empty(), torch.arange(3.0))
-    state = ss.SessionState(objects={"kv": ss.KVCache(name="kv").allocate().commit(h)})
-    with pytest.raises(TypeError, match=r"KVHandle.*not batched yet"):
-        ss.stack([state, state])
-
-
 def test_vmap_of_the_twenty_line_step_over_sixteen_sessions_is_sixteen_steps() -> None:
     records = _forked(16)
     xs = torch.randn(16, 1, 4, generator=torch.Generator().manual_seed(2))

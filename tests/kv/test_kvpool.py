@@ -325,3 +325,41 @@ def test_adopt_never_converts_a_dtype() -> None:
     assert narrow.free_blocks == 2
     same = KVPool(2, block_tokens=2, token_shape=(), dtype=torch.float64)
     assert torch.equal(same.adopt(handle).read(), handle.read())
+
+
+def test_read_many_gathers_every_handle_in_one_copy_of_exactly_its_tokens() -> None:
+    from sessionstate._kv._pool import read_many
+
+    pool = _pool(blocks=12)
+    a = pool.append(pool.empty(), _kv(6))
+    b = pool.append(pool.append(pool.empty(), _kv(2, 100.0)), _kv(4, 200.0))  # two appends
+    c = pool.append(pool.append(pool.empty(), _kv(9, 50.0)), _kv(1), window=6)  # windowed
+    assert c.tokens == 6
+    before = _state(pool)
+    got = read_many([a, b, c, a])
+    assert got.shape == (4, 6, 2, 3)
+    for row, handle in zip(got, [a, b, c, a], strict=True):
+        assert torch.equal(row, handle.read())
+    assert got.is_contiguous()
+    assert got.untyped_storage().nbytes() == 4 * 6 * 6 * 4  # the tokens, not whole blocks
+    assert _state(pool) == before  # a read takes and writes nothing
+    assert read_many([pool.empty()]).shape == (1, 0, 2, 3)
+
+
+def test_read_many_refuses_a_stale_handle() -> None:
+    from sessionstate._kv._pool import read_many
+
+    pool = _pool()
+    kept = pool.append(pool.empty(), _kv(2))
+    made: list[KVHandle] = []
+
+    def failing_step() -> None:
+        with pool.transaction():
+            made.append(pool.append(pool.empty(), _kv(2)))
+            raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError):
+        failing_step()
+    (dead,) = made
+    with pytest.raises(StaleKVHandleError):
+        read_many([kept, dead])

@@ -552,6 +552,14 @@ CORE_MESSAGES = {
     "_tree.py": 2,
     "_frozen.py": 2,
     "_storage/_movers.py": 0,
+    # Batches: no records, structures, non-tensor values and leaf shapes; then KV of two pools,
+    # of two token counts, moved by the step, and rewritten by it (test_batch_kv_messages).
+    "_batch.py": 4 + 4,
+    # The KV pool's own (test_kvpool.py, test_kv_park.py), then `read_many`'s two (below).
+    "_kv/_pool.py": 12 + 2,
+    # A commit of something not a handle (test_park.py); a batched append to another pool or
+    # of another token shape or dtype (test_batch_kv_messages).
+    "_kv/_cache.py": 1 + 2,
 }
 
 
@@ -817,3 +825,92 @@ def test_family_snapshot_refusals(tmp_path: Path) -> None:
         "Cannot restore the family ['1']: the cap (max_sessions=1, `on_full='refuse'`, 1 held) "
         "cannot hold it. Drop finished sessions, or raise `max_sessions`."
     )
+
+
+def test_batch_kv_messages() -> None:
+    import attrs
+
+    from sessionstate._kv._cache import GatheredKV
+
+    pool = ss.KVPool(8, block_tokens=2, token_shape=(), name="kv")
+    other = ss.KVPool(8, block_tokens=2, token_shape=(), name="other")
+
+    def record(p: ss.KVPool, n: int) -> ss.SessionState:
+        cache = ss.KVCache(name="kv").allocate().append(p, torch.zeros(n))
+        return ss.SessionState(objects={"kv": cache})
+
+    a, b, c = record(pool, 3), record(other, 3), record(pool, 1)
+    msg = (
+        "Cannot stack the KV at objects['kv'].handle: record 0's handle is in KV pool 'kv' but "
+        "record 1's is in pool 'other'. A batch reads its sessions' KV from one pool: step the "
+        "sessions of each pool in separate batches."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.stack([a, b])
+    msg = (
+        "Cannot stack the KV at objects['kv'].handle: record 0 holds 3 tokens but record 1 "
+        "holds 1. A batch needs one token count per KV (a shape bucket): step sessions of "
+        "different lengths in separate batches."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.stack([a, c])
+
+    def move(state: ss.SessionState, x: torch.Tensor) -> tuple[ss.SessionState, torch.Tensor]:
+        cache = state.object("kv", ss.KVCache)
+        return ss.SessionState(objects={"moved": cache}), x
+
+    batch, _ = ss.vmap(move)(ss.stack([a, record(pool, 3)]), torch.zeros(2))
+    msg = (
+        "Cannot unstack the KV at objects['moved'].handle: the batch gathered KV at "
+        "[\"objects['kv'].handle\"] only, and the step moved it. A batched step keeps each "
+        "`KVCache` where it found it."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.unstack(batch)
+
+    def rewrite(state: ss.SessionState, x: torch.Tensor) -> tuple[ss.SessionState, torch.Tensor]:
+        kv = state.object("kv", ss.KVCache).view()
+        moved = attrs.evolve(kv, tokens=kv.tokens + x)
+        return ss.SessionState(
+            objects={"kv": ss.KVCache(name="kv", handle=moved, allocated=True)}
+        ), x
+
+    batch, _ = ss.vmap(rewrite)(ss.stack([a, record(pool, 3)]), torch.ones(2))
+    msg = (
+        "Cannot unstack the KV at objects['kv'].handle of record 0: its 3 tokens do not begin "
+        "with the 3 gathered from its handle. KV is append-only: a batched step extends it with "
+        "`KVCache.append` and never rewrites or drops tokens."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.unstack(batch)
+
+    gathered = GatheredKV(torch.zeros(3), pool=pool, gathered=3)
+    msg = (
+        "Cannot append to KV gathered from pool 'kv' with pool 'other' inside a batch: a "
+        "batched step appends to the pool its sessions' KV is in. Step a session that moves to "
+        "another pool on its own."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        gathered.append(other, torch.zeros(1))
+    msg = (
+        "KV pool 'kv' stores tokens of shape () and dtype torch.float32, got a `kv` of shape "
+        "(1, 2) and dtype torch.float32; pass a tensor of shape (n, *()) of the pool's dtype."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        gathered.append(pool, torch.zeros(1, 2))
+
+
+def test_read_many_messages() -> None:
+    from sessionstate._kv._pool import read_many
+
+    pool = ss.KVPool(8, block_tokens=2, token_shape=(), name="kv")
+    long, short = (pool.append(pool.empty(), torch.zeros(n)) for n in (3, 1))
+    msg = "`read_many` needs at least one handle; pass the handles of the sessions to read."
+    with pytest.raises(ValueError, match=_exact(msg)):
+        read_many([])
+    msg = (
+        "`read_many` reads handles of one token count (a shape bucket): handle 0 reads 3 "
+        "tokens but handle 1 reads 1. Read the handles of each token count together."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        read_many([long, short])

@@ -1117,3 +1117,52 @@ def _describe(saved: Any) -> str:
         shown = f"tensor{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{v!r:.40}"
         parts.append(f"{k!r}: {shown}")
     return "{" + ", ".join(parts) + "}"
+
+
+# -- a batch's read: the blocks of many handles gathered at once -------------------------------
+
+
+def read_many(handles: Sequence[KVHandle], /) -> torch.Tensor:
+    """The tokens of ``handles``, stacked: ``(len(handles), tokens, *token_shape)``.
+
+    One gather for the whole batch (one `index_select` of every handle's blocks, under the
+    pool's lock), not one read per handle: what `stack` does with a batch of records holding
+    KV. The handles must be of one pool and read one number of tokens (a shape bucket); a
+    handle may appear more than once.
+
+    Raises:
+        ValueError: for no handles, handles of several pools, or handles of different
+            token counts.
+        StaleKVHandleError: for a handle whose step was rolled back.
+
+    >>> pool = KVPool(4, block_tokens=2, token_shape=())
+    >>> a = pool.append(pool.empty(), torch.arange(3.0))
+    >>> b = pool.append(pool.empty(), torch.arange(3.0) + 10)
+    >>> read_many([a, b])
+    tensor([[ 0.,  1.,  2.],
+            [10., 11., 12.]])
+    """
+    if not handles:
+        msg = "`read_many` needs at least one handle; pass the handles of the sessions to read."
+        raise ValueError(msg)
+    first = handles[0]
+    pool, tokens = first.pool, first.tokens
+    for i, handle in enumerate(handles):
+        pool._check(handle, "read")
+        if handle.tokens != tokens:
+            msg = (
+                f"`read_many` reads handles of one token count (a shape bucket): handle 0 "
+                f"reads {tokens} tokens but handle {i} reads {handle.tokens}. Read the "
+                "handles of each token count together."
+            )
+            raise ValueError(msg)
+    # Token by token (each handle's first ``tokens`` rows of its blocks), so the result holds
+    # exactly the tokens read. Equal token counts mean equal block counts.
+    bt = pool.block_tokens
+    blocks = torch.tensor([h.blocks for h in handles], dtype=torch.long).view(len(handles), -1)
+    rows = (blocks[:, :, None] * bt + torch.arange(bt)).view(len(handles), -1)[:, :tokens]
+    with pool._lock:
+        index = rows.reshape(-1).to(pool.storage.device)
+        flat = pool.storage.view(pool.num_blocks * bt, *pool.token_shape)
+        gathered = flat.index_select(0, index)
+    return gathered.view(len(handles), tokens, *pool.token_shape)
