@@ -10,7 +10,9 @@ Every parking figure is taken through `SessionStateManager` with the settings a 
 byte budget, the host or disk tier, a host pool by its bytes), and in turns with its floor:
 each repeat times every variant once, in an order that rotates, so a change in machine load
 hits them all; the figure is the median. What matters is the ratios within one run, and
-nothing here asserts a time.
+nothing here asserts a time. The target ratios come with the same ratio in CPU time
+(`time.process_time`, the keys ending ``_cpu``): on a busy machine a wall-clock ratio moves
+with the time spent waiting for a core, the CPU-time one much less.
 
 1. ``round_trip``: two sessions of one `TensorCache` (a tensor of N MiB and a view of it)
    under a budget that holds one: each `get` of the other parks one and unparks the other,
@@ -27,7 +29,8 @@ nothing here asserts a time.
    memory, which page-faults). Target: with a host pool, 1.5x two ``copy_``.
 3. ``tiny_session``: one DreamZero tiny session (its storages and its KV) parked with
    `park_until` and read back with `get`, beside one consolidated copy of its bytes (one
-   tensor out and back). Target: 10x.
+   tensor out and back). Target: 10x. Beside them the host tier alone (``park_tree`` of the
+   same objects and ``restore``): what the manager's bookkeeping adds is the difference.
 4. ``put_check``: `SessionStateManager.put` of a DreamZero-shaped record (one value changed
    per put, as a model step does) with a byte budget that never parks, vs the same put without
    a budget, vs a plain walk of the record's leaves (`tree_leaves`). Target: within 2x.
@@ -67,24 +70,37 @@ from sessionstate import (
     nbytes_by_device,
     tree_leaves,
 )
+from sessionstate._storage import park_tree
 
 _MIB = 1024 * 1024
 
 
 def _in_turns(
-    variants: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 2
+    variants: Mapping[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 2,
+    *,
+    cpu: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """The median seconds of each variant, timed in turns (the order rotates each repeat)."""
+    """The median seconds of each variant, timed in turns (the order rotates each repeat).
+
+    ``cpu``, when given, receives the median CPU seconds of each (`time.process_time`): the
+    cross-check that time spent waiting for a busy machine's cores did not make a ratio.
+    """
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + repeats):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             variants[name]()
-            took = time.perf_counter() - start
+            took, took_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if r >= warmup:
                 times[name].append(took)
+                cpu_times[name].append(took_cpu)
+    if cpu is not None:
+        cpu.update({name: statistics.median(t) for name, t in cpu_times.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -141,6 +157,7 @@ def round_trip(mib: int, repeats: int) -> dict[str, Any]:
         return torch.load(path)
 
     try:
+        cpu: dict[str, float] = {}
         medians = _in_turns(
             {
                 **{name: _alternate(m) for name, m in managers.items()},
@@ -149,6 +166,7 @@ def round_trip(mib: int, repeats: int) -> dict[str, Any]:
                 "torch_save_load": save_load,
             },
             repeats,
+            cpu=cpu,
         )
         stats = {name: m.stats() for name, m in managers.items()}
     finally:
@@ -163,6 +181,7 @@ def round_trip(mib: int, repeats: int) -> dict[str, Any]:
     for name in ("host", "host_pool"):
         out[f"{name}_over_fresh_floor"] = medians[name] / medians["fresh_floor"]
         out[f"{name}_over_copy_floor"] = medians[name] / medians["copy_floor"]
+        out[f"{name}_over_fresh_floor_cpu"] = cpu[name] / cpu["fresh_floor"]
     out["disk_over_torch_save_load"] = medians["disk"] / medians["torch_save_load"]
     out["host_pool_spills"] = stats["host_pool"]["host_pool_spills"]
     return out
@@ -207,7 +226,10 @@ def kv_park(mib: int, repeats: int) -> dict[str, Any]:
     def fresh_floor() -> None:
         back.copy_(torch.empty_like(src).copy_(src))
 
-    medians = _in_turns({**trips, "copy_floor": floor, "fresh_floor": fresh_floor}, repeats)
+    cpu: dict[str, float] = {}
+    medians = _in_turns(
+        {**trips, "copy_floor": floor, "fresh_floor": fresh_floor}, repeats, cpu=cpu
+    )
     for name, m in managers.items():
         state = m.get("a")
         assert state is not None
@@ -225,6 +247,7 @@ def kv_park(mib: int, repeats: int) -> dict[str, Any]:
         "copy_floor_ms": medians["copy_floor"] * 1e3,
         "fresh_floor_ms": medians["fresh_floor"] * 1e3,
         "kv_host_pool_over_copy_floor": medians["kv_host_pool"] / medians["copy_floor"],
+        "kv_host_pool_over_copy_floor_cpu": cpu["kv_host_pool"] / cpu["copy_floor"],
         "kv_over_copy_floor": medians["kv"] / medians["copy_floor"],
         "kv_over_fresh_floor": medians["kv"] / medians["fresh_floor"],
     }
@@ -249,6 +272,12 @@ def tiny_session(repeats: int) -> dict[str, Any]:
         if isinstance(t, torch.Tensor)
     }
     nbytes = sum(nbytes_by_device(state).values())
+    # The tier's share: the same objects parked and restored by the host tier alone. A copy
+    # of them (its own storages, its own blocks of the session's pool), so the manager's
+    # session is the only holder of its own.
+    objects = park_tree(
+        {name: state.object(name) for name, obj in state.objects.items() if obj.parkable}, "host"
+    ).restore()
     del state
 
     def trip() -> None:
@@ -257,6 +286,9 @@ def tiny_session(repeats: int) -> dict[str, Any]:
             msg = "the tiny session was lost"
             raise RuntimeError(msg)
 
+    def tier() -> None:
+        park_tree(objects, "host").restore()
+
     flat = torch.randn(nbytes // 4)
     dst, back = torch.zeros_like(flat), torch.zeros_like(flat)
 
@@ -264,13 +296,20 @@ def tiny_session(repeats: int) -> dict[str, Any]:
         dst.copy_(flat)
         back.copy_(dst)
 
-    medians = _in_turns({"session": trip, "one_copy": floor}, repeats * 10)
+    cpu: dict[str, float] = {}
+    medians = _in_turns({"session": trip, "tier": tier, "one_copy": floor}, repeats * 10, cpu=cpu)
     return {
         "storages": len(storages),
+        "parked_storages": len(
+            {id(t.untyped_storage()) for t in tree_leaves(objects) if isinstance(t, torch.Tensor)}
+        ),
         "nbytes": nbytes,
         "park_unpark_us": medians["session"] * 1e6,
+        "tier_park_restore_us": medians["tier"] * 1e6,
         "one_copy_us": medians["one_copy"] * 1e6,
         "over_one_copy": medians["session"] / medians["one_copy"],
+        "tier_over_one_copy": medians["tier"] / medians["one_copy"],
+        "over_one_copy_cpu": cpu["session"] / cpu["one_copy"],
         "parks": m.stats()["parks"],
     }
 
@@ -366,16 +405,18 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
     }
     names = list(pipes)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu_times: dict[str, list[float]] = {name: [] for name in names}
     for i, (sid, obs) in enumerate(episode):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
             pipe = pipes[name]
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             if name == "budgeted_prefetch" and i + 1 < len(episode):
                 pipe.prefetch(episode[i + 1][0], make_room=True)
             pipe.forward(obs, sid)
             if i >= sessions:  # the first round starts the sessions: not timed
                 times[name].append(time.perf_counter() - start)
+                cpu_times[name].append(time.process_time() - start_cpu)
     stats = {name: pipe.stats() for name, pipe in pipes.items()}
     evictions = sum(s.get("evictions", 0) for s in stats.values())
     if evictions:
@@ -385,6 +426,7 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         )
         raise RuntimeError(msg)
     medians = {name: statistics.median(t) for name, t in times.items()}
+    cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
     fetched = stats["budgeted_prefetch"]
     return {
         "sessions": sessions,
@@ -396,6 +438,7 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         "budgeted_prefetch_step_ms": medians["budgeted_prefetch"] * 1e3,
         "budgeted_over_unbudgeted": medians["budgeted"] / medians["unbudgeted"],
         "prefetch_over_unbudgeted": medians["budgeted_prefetch"] / medians["unbudgeted"],
+        "budgeted_over_unbudgeted_cpu": cpu["budgeted"] / cpu["unbudgeted"],
         "parks": stats["budgeted"].get("parks", 0),
         "kv_parks": stats["budgeted"].get("kv_parks", 0),
         "evictions": evictions,

@@ -634,6 +634,28 @@ MUTANTS = (
         ("tests/storage/test_hostpool.py", "tests/storage/test_park.py"),
     ),
     Mutant(
+        "host-whole-runs-overlap",
+        "the host tier's consolidated runs of whole tensors take no room in the slot, so the "
+        "run of the next dtype is copied over the previous one",
+        "sessionstate/_storage/_park.py",
+        (
+            (
+                "        spans.append((device, dtype, offset, nbytes, at))\n"
+                "        devices[device] = offset + -(-nbytes // alignment) * alignment\n",
+                "        spans.append((device, dtype, offset, nbytes, at))\n",
+            ),
+        ),
+        ("tests/storage/test_park.py",),
+    ),
+    Mutant(
+        "host-whole-tensor-sharing-a-storage",
+        "a whole tensor whose storage another tensor of the tree reaches is restored into a "
+        "storage of its own, so the two no longer share it",
+        "sessionstate/_storage/_park.py",
+        (("            shared.add(first)\n", "            pass\n"),),
+        ("tests/storage/test_park.py",),
+    ),
+    Mutant(
         "kv-park-reads-runs-from-the-slot-index",
         "parking KV copies a run of consecutive blocks from the pool at its slot index "
         "instead of its block id (right only when a session's blocks start at block 0)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -57,6 +58,84 @@ def test_objects_parked_together_keep_a_shared_storage_shared() -> None:
     a, b = back.object("a").view(), back.object("b").view()
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     assert nbytes_by_device(back) == {"cpu": 32}
+
+
+def _whole_and_partial_tensors() -> dict[str, Any]:
+    # Tensors that are each the whole of their own storage, of several dtypes and shapes (a
+    # scalar among them), beside ones that are not: a view pair whose first tensor is whole,
+    # a slice keeping a longer storage alive, a transposed tensor and an empty one.
+    base = torch.arange(12.0)
+    return {
+        "f32": torch.arange(6.0).view(2, 3) + 0.5,
+        "i64": torch.arange(5) * 7,
+        "bf16": torch.linspace(-1, 1, 7).to(torch.bfloat16),
+        "u8": torch.arange(3, dtype=torch.uint8),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "f32b": torch.full((4,), -3.0),
+        "whole_then_view": (base, base.view(3, 4)[1:]),
+        "slice": torch.arange(10.0)[2:5],
+        "transposed": torch.arange(6.0).view(2, 3).t(),
+        "empty": torch.empty(0),
+    }
+
+
+def _storages(tree: Any) -> list[torch.UntypedStorage]:
+    return [t.untyped_storage() for t in ss.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_restored_tensors_each_own_a_storage_of_the_same_size(tier: str, tmp_path: Path) -> None:
+    tree = _whole_and_partial_tensors()
+    handle = park_module.park_tree(tree, tier, spool_dir=tmp_path)  # type: ignore[arg-type]
+    for back in (handle.restore(), handle.restore(), handle.read()):
+        assert tree_equal(back, tree)
+        assert alias_graph(back) == alias_graph(tree)
+        assert nbytes_by_device(back) == nbytes_by_device(tree)
+        for old, new in zip(ss.tree_leaves(tree), ss.tree_leaves(back), strict=True):
+            assert (new.shape, new.stride(), new.storage_offset()) == (
+                old.shape,
+                old.stride(),
+                old.storage_offset(),
+            )
+            assert new.untyped_storage().nbytes() == old.untyped_storage().nbytes()
+        # Every tensor that had a storage of its own has one of its own again: no restored
+        # storage is shared by tensors that did not share one.
+        pointers = {s.data_ptr() for s in _storages(back) if s.nbytes()}
+        assert len(pointers) == len({s.data_ptr() for s in _storages(tree) if s.nbytes()})
+        assert pointers.isdisjoint(s.data_ptr() for s in _storages(tree))
+    assert handle.nbytes == sum(nbytes_by_device(tree).values())
+
+
+def test_host_tier_moves_whole_tensors_as_one_run_per_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tree = _whole_and_partial_tensors()
+    seen: dict[str, Any] = {}
+    real = park_module.park_into_slots
+
+    def spy(sources: Any, *args: Any, **kwargs: Any) -> Any:
+        slots, views = real(sources, *args, **kwargs)
+        seen.update(sources=sources, whole=kwargs.get("whole", ()), slots=slots, views=views)
+        return slots, views
+
+    monkeypatch.setattr(park_module, "park_into_slots", spy)
+    back = park_module.park_tree(tree, "host").restore()
+    assert tree_equal(back, tree)
+    # One slot; the whole tensors go as runs, the rest storage by storage.
+    assert len(seen["slots"]) == 1
+    whole = seen["whole"]
+    assert len(whole) == 7  # all but the view pair, the slice, the transposed and the empty
+    assert len(seen["sources"]) == 4  # their storages
+    shaped = seen["views"][len(seen["sources"]) :]
+    for t, view in zip(whole, shaped, strict=True):
+        assert torch.equal(view, t)
+        assert view.shape == t.shape
+    # Whole tensors of one dtype lie one after the other in the slot, in order.
+    f32 = [(t, v) for t, v in zip(whole, shaped, strict=True) if t.dtype == torch.float32]
+    assert len(f32) == 3
+    for (t, v), (_, w) in itertools.pairwise(f32):
+        assert w.data_ptr() - v.data_ptr() == t.nbytes
 
 
 def test_parked_object_refuses_reads_with_a_clear_error() -> None:

@@ -32,8 +32,6 @@ from sessionstate._storage import (
     Tier,
     reclaim_spool,
 )
-from sessionstate._storage._park import is_offloadable
-from sessionstate._tree import tree_leaves
 
 __all__ = ["HostPoolFull", "Parking"]
 
@@ -106,7 +104,7 @@ class Parking:
         self.share_restored = True
         self._parks = 0
         self._unparks = 0
-        self._kv_parks = 0  # parks that moved K/V (see `_holds_kv`)
+        self._kv_parks = 0  # parks that moved K/V (see `park`)
         self._kv_unparks = 0
         self._kv_parked: set[Hashable] = set()  # sessions whose parked objects hold K/V
         self._spills = 0  # parks the host pool could not hold, spooled to disk instead
@@ -191,7 +189,6 @@ class Parking:
         # again: this session holds the same parked bytes.
         shared = self._parked_already(state, names)
         names = [name for name in names if name not in shared]
-        moves_kv = any(_holds_kv(state.objects[name]) for name in names)
         spilled = False
         start = time.perf_counter()
         try:
@@ -223,6 +220,11 @@ class Parking:
         made = _handles_of(
             [o for n in names if isinstance(o := new.objects[n], ParkedObject)]
         )  # the handles this park created: the manager's to release (not a caller's own)
+        # K/V moved: the library's K/V objects, or engine leaves the handles offloaded (read
+        # from the handles: no walk of the objects).
+        moves_kv = any(isinstance(state.objects[name], _KV_OBJECTS) for name in names) or any(
+            handle.offloads for handle in made
+        )
         if moves_kv:
             self._kv_handles.update(id(handle) for handle in made)
         else:
@@ -583,11 +585,7 @@ class Parking:
         self._groups.pop(id(handle), None)
 
 
-def _holds_kv(obj: StateObject) -> bool:
-    # K/V state: the library's K/V objects, or an object holding an engine leaf that offloads.
-    if isinstance(obj, (EncodeOnceKV, KVCache)):
-        return True
-    return any(is_offloadable(leaf) for leaf in tree_leaves(obj))
+_KV_OBJECTS = (EncodeOnceKV, KVCache)
 
 
 def _drop_prefetch(handle: ParkedBytes) -> None:

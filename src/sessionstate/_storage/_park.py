@@ -7,10 +7,16 @@ from, copies the bytes back and rebuilds every leaf as the same view: two views 
 are views of one storage again, and `nbytes_by_device` of the rebuilt tree equals the
 original's.
 
-- ``"host"``: host memory. A CUDA storage is copied into pinned memory with a non-blocking
-  copy, and the devices are synchronised before `park_tree` returns, so the caller may release
-  the device memory as soon as it holds the handle (a device-to-host copy is not valid on the
-  host until synchronised).
+- ``"host"``: host memory, one slot per device (`park_into_slots`). A tensor that is the whole
+  of a storage no other tensor of the tree reaches (contiguous from its start to its end: most
+  of a session's state) is not walked as a storage and a view: the tensors of one device and
+  dtype are copied as one consolidated run of the slot, in one batched call with the rest,
+  and restored in one batched call as fresh tensors, each its own allocation of its
+  storage's size (so each storage is still counted once, by its own bytes, and freed on its
+  own). A CUDA storage is copied into pinned memory with a non-blocking copy, and the
+  devices are synchronised before `park_tree` returns, so the caller may release the device
+  memory as soon as it holds the handle (a device-to-host copy is not valid on the host
+  until synchronised).
 - ``"disk"``: the tree's tensors in one snapshot file per parked tree (`save_state`'s format, not
   synced to disk: it does not outlive the process) in a spool
   directory; unparking loads it (`load_state`, checksummed). The file's owner is its handle:
@@ -44,7 +50,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,7 +73,13 @@ from sessionstate._protocols import (
 )
 from sessionstate._storage._decode import load_state
 from sessionstate._storage._encode import record_device, write_snapshot
-from sessionstate._storage._format import ViewSpec, collect_storages, rebuild_views, storage_bytes
+from sessionstate._storage._format import (
+    ViewSpec,
+    _check_tensor,
+    collect_storages,
+    rebuild_views,
+    storage_bytes,
+)
 from sessionstate._storage._hostpool import HostBufferPool
 from sessionstate._tree import (
     PyTree,
@@ -168,17 +180,25 @@ class ParkedBytes(abc.ABC):
         storages: Sequence[torch.UntypedStorage],
         engine: Mapping[str | None, tuple[Any, ...]] | None = None,
         deferred: Sequence[DeferredRead] = (),
+        whole: Sequence[torch.Tensor] = (),
     ) -> None:
+        # ``whole``: tensors each the whole of its storage, counted by their bytes.
         self.label = label
         self.engine: dict[str | None, tuple[Any, ...]] = dict(engine or {})
-        by_device: dict[str, int] = {}
+        by_device: dict[torch.device, int] = {}
         for storage in storages:
-            device = str(storage.device)
+            device = storage.device
             by_device[device] = by_device.get(device, 0) + storage.nbytes()
+        for t in whole:
+            device = t.device
+            by_device[device] = by_device.get(device, 0) + t.nbytes
+        named: dict[str, int] = {}
+        for device, nbytes in by_device.items():
+            named[str(device)] = named.get(str(device), 0) + nbytes
         for read in deferred:
-            device = str(read.device)
-            by_device[device] = by_device.get(device, 0) + read.nbytes
-        self.nbytes_by_device = {d: n for d, n in by_device.items() if n}
+            name = str(read.device)
+            named[name] = named.get(name, 0) + read.nbytes
+        self.nbytes_by_device = {d: n for d, n in named.items() if n}
         self.nbytes = sum(self.nbytes_by_device.values())
         self.released = False
         self.last_restore_prefetched = False
@@ -188,6 +208,11 @@ class ParkedBytes(abc.ABC):
 
     def __repr__(self) -> str:
         return f"ParkedBytes(tier={self.tier!r}, label={self.label!r}, nbytes={self.nbytes})"
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the tier holds engine leaves' bytes (`KVHandle` blocks), to reload them."""
+        return bool(self._flat.groups)
 
     def restore(self) -> PyTree:
         """Rebuild the parked tree: fresh storages on their devices, every leaf a view of one.
@@ -453,57 +478,101 @@ class _Flat:
     Offloadable engine leaves are replaced by their classes' offload payloads: the payloads'
     tensors join the tree's (so the tier moves them with the rest), their other values are
     kept, and `rebuild` reloads the leaves into their engines.
+
+    With ``whole=True`` (the host tier) the tensors that are each the whole of a storage no
+    other tensor of the tree reaches, contiguous from its start (`_is_whole`: what most state
+    holds), are set apart in ``whole`` (their places among the tensors in ``whole_at``): the
+    tier moves them as consolidated copies, one per device and dtype, and restores each as a
+    fresh tensor of its own; the others go storage by storage (``storages``, ``views``).
     """
 
-    def __init__(self, tree: PyTree, label: str, *, defer: bool = False) -> None:
+    def __init__(
+        self, tree: PyTree, label: str, *, defer: bool = False, whole: bool = False
+    ) -> None:
         # Key paths only name a leaf in an error: they are built when one is raised (a walk
-        # with key paths costs more than the rest of a small tree's park).
+        # with key paths costs more than the rest of a small tree's park). One pass sorts
+        # the leaves: tensors, engine leaves that offload, the rest.
         leaves, treespec = tree_flatten(tree)
         groups: dict[type, list[int]] = {}
+        marks: list[Any] = []
+        tensors: list[torch.Tensor] = []
+        stays = False  # whether an engine leaf without the offload protocol stays in place
         for i, x in enumerate(leaves):
-            if is_offloadable(x):
+            if isinstance(x, torch.Tensor):
+                tensors.append(x)
+                marks.append(_TENSOR)
+            elif is_engine_leaf(x) and is_offloadable(x):
                 groups.setdefault(type(x), []).append(i)
+                marks.append(_OFFLOADED)
+            else:
+                stays = stays or is_engine_leaf(x)
+                marks.append(x)
         try:
             payloads = _offload(groups, leaves, [""] * len(leaves))
         except Exception:
             payloads = _offload(groups, leaves, tree_flatten_with_keys(tree)[0])
             raise  # pragma: no cover - the offload with key paths raised the same error
-        p_leaves, self.payload_spec = tree_flatten(payloads)
         self.groups = [(cls, at) for cls, at in groups.items()]
-        if not defer:  # a tier without host memory of its own: the engines copy out now
-            p_leaves = [x.read() if isinstance(x, DeferredRead) else x for x in p_leaves]
-        self.deferred: list[DeferredRead] = [x for x in p_leaves if isinstance(x, DeferredRead)]
-        self.tensors = [("", x) for x in leaves if isinstance(x, torch.Tensor)] + [
-            ("", x) for x in p_leaves if isinstance(x, torch.Tensor)
-        ]
+        p_leaves: list[Any] = []
+        self.payload_leaves: list[Any] = []
+        self.deferred: list[DeferredRead] = []
+        if groups:
+            p_leaves, self.payload_spec = tree_flatten(payloads)
+            if not defer:  # a tier without host memory of its own: the engines copy out now
+                p_leaves = [x.read() if isinstance(x, DeferredRead) else x for x in p_leaves]
+            for x in p_leaves:
+                if isinstance(x, torch.Tensor):
+                    tensors.append(x)
+                    self.payload_leaves.append(_TENSOR)
+                elif isinstance(x, DeferredRead):
+                    self.deferred.append(x)
+                    self.payload_leaves.append(_DEFERRED)
+                else:
+                    self.payload_leaves.append(x)
+        self.tensors = tensors
+        self.whole: list[torch.Tensor] = []
+        self.whole_at: list[int] = []
         try:
-            self.storages, self.views = collect_storages(self.tensors)
+            if whole:
+                self.whole_at = _whole_places(tensors)
+                self.whole = [tensors[i] for i in self.whole_at]
+                rest = sorted(set(range(len(tensors))).difference(self.whole_at))
+                self.rest_at = rest
+                self.storages, self.views = collect_storages([("", tensors[i]) for i in rest])
+            else:
+                self.rest_at = list(range(len(tensors)))
+                self.storages, self.views = collect_storages([("", t) for t in tensors])
         except UnsupportedTensorError:
             keys = tree_flatten_with_keys(tree)[0]
-            p_keys = tree_flatten_with_keys(payloads)[0]
             named = [k for k, x in zip(keys, leaves, strict=True) if isinstance(x, torch.Tensor)]
-            named += [
-                f"<offloaded {k}>"
-                for k, x in zip(p_keys, p_leaves, strict=True)
-                if isinstance(x, torch.Tensor)
-            ]
-            _collect([(k, t) for k, (_, t) in zip(named, self.tensors, strict=True)], label)
+            if groups:
+                p_keys = tree_flatten_with_keys(payloads)[0]
+                named += [
+                    f"<offloaded {k}>"
+                    for k, x in zip(p_keys, p_leaves, strict=True)
+                    if isinstance(x, torch.Tensor)
+                ]
+            _collect(list(zip(named, tensors, strict=True)), label)
             raise  # pragma: no cover - the walk with key paths raised the same error
         self.treespec: PyTreeSpec = treespec
-        offloaded = {i for _, at in self.groups for i in at}
-        self.leaves = [
-            _OFFLOADED if i in offloaded else _TENSOR if isinstance(x, torch.Tensor) else x
-            for i, x in enumerate(leaves)
-        ]
-        self.payload_leaves = [
-            _TENSOR
-            if isinstance(x, torch.Tensor)
-            else _DEFERRED
-            if isinstance(x, DeferredRead)
-            else x
-            for x in p_leaves
-        ]
-        self.engine = _engine_leaves(tree) if len(offloaded) < _engine_count(leaves) else {}
+        self.leaves = marks
+        self.engine = _engine_leaves(tree) if stays else {}
+
+    def ordered(
+        self, whole: Sequence[torch.Tensor], rest: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The tensors in the tree's order, from the whole ones and the others (each in its
+        own order)."""
+        if not whole:
+            return list(rest)
+        if not rest:
+            return list(whole)
+        out: list[Any] = [None] * (len(whole) + len(rest))
+        for i, t in zip(self.whole_at, whole, strict=True):
+            out[i] = t
+        for i, t in zip(self.rest_at, rest, strict=True):
+            out[i] = t
+        return out
 
     def rebuild(self, tensors: Sequence[torch.Tensor], *, standalone: bool = False) -> PyTree:
         # ``tensors``: the tree's and the payloads' tensors, then the deferred reads' (host
@@ -541,8 +610,36 @@ def _offload(groups: Mapping[type, list[int]], leaves: Sequence[Any], keys: Sequ
     ]
 
 
-def _engine_count(leaves: Sequence[Any]) -> int:
-    return sum(map(is_engine_leaf, leaves))
+def _whole_places(tensors: Sequence[torch.Tensor]) -> list[int]:
+    # The places of the tensors that are each the whole of a storage no other tensor of the
+    # walk reaches: contiguous from the start of their storage to its end, and plain (no
+    # lazy negation or conjugation), so that restored as a fresh tensor of the same shape
+    # each holds the same bytes in a storage of the same size. Every tensor is checked as
+    # `collect_storages` checks it.
+    seen: dict[Any, int] = {}  # storage identity -> the first tensor's place
+    shared: set[int] = set()
+    whole: list[int] = []
+    for i, t in enumerate(tensors):
+        _check_tensor(t, "")
+        storage = t.untyped_storage()
+        pointer = storage.data_ptr()
+        nbytes = storage.nbytes()
+        identity = (t.device, pointer, nbytes) if pointer else storage._cdata
+        first = seen.get(identity)
+        if first is not None:
+            shared.add(first)
+            continue
+        seen[identity] = i
+        if (
+            pointer
+            and t.nbytes == nbytes
+            and t.storage_offset() == 0
+            and t.is_contiguous()
+            and not t.is_neg()
+            and not t.is_conj()
+        ):
+            whole.append(i)
+    return [i for i in whole if i not in shared] if shared else whole
 
 
 def _engine_leaves(tree: PyTree) -> dict[str | None, tuple[Any, ...]]:
@@ -561,27 +658,42 @@ class _HostBytes(ParkedBytes):
     tier: Tier = "host"
 
     def __init__(self, tree: PyTree, *, label: str, pool: HostBufferPool | None = None) -> None:
-        flat = _Flat(tree, label, defer=True)
+        # Restores into the pool's ranges (`cpu_restores`) take their destinations storage
+        # by storage: every tensor goes so then.
+        whole = pool is None or not pool.cpu_restores
+        flat = _Flat(tree, label, defer=True, whole=whole)
         super().__init__(
-            label=label, storages=flat.storages, engine=flat.engine, deferred=flat.deferred
+            label=label,
+            storages=flat.storages,
+            engine=flat.engine,
+            deferred=flat.deferred,
+            whole=flat.whole,
         )
         self._flat = flat
         self._devices = [s.device for s in flat.storages]
+        self._whole_devices = [t.device for t in flat.whole]
         self._pool = pool
-        # One slot per device: every storage, and every engine's deferred copy, at its own
-        # offset in it (a tiny session is a few calls, not a few per storage).
+        # One slot per device: every storage, every engine's deferred copy and, consolidated
+        # per dtype, every whole tensor, at its own offset in it (a tiny session is a few
+        # calls, not a few per storage).
         self._slots, buffers = park_into_slots(
-            [storage_bytes(s) for s in flat.storages], flat.deferred, pool=pool, label=label
+            [storage_bytes(s) for s in flat.storages],
+            flat.deferred,
+            pool=pool,
+            label=label,
+            whole=flat.whole,
         )
-        n = len(flat.storages)
+        n, d = len(flat.storages), len(flat.deferred)
         self._buffers, self._deferred = (
             buffers[:n],
             [
                 b.view(d.dtype).view(d.shape)
-                for b, d in zip(buffers[n:], flat.deferred, strict=True)
+                for b, d in zip(buffers[n : n + d], flat.deferred, strict=True)
             ],
         )
-        flat.storages, flat.tensors, flat.deferred = [], [], []  # hold the host copies only
+        self._whole = buffers[n + d :]  # each whole tensor's bytes, shaped as it was
+        # Hold the host copies only.
+        flat.storages, flat.tensors, flat.deferred, flat.whole = [], [], [], []
         if pool is not None:  # the handle owns its slots: released or collected, they go back
             offsets = [pool.offset_of(slot) for slot in self._slots if slot.numel()]
             self._give_back = weakref.finalize(self, pool.give_back_later, offsets)
@@ -591,7 +703,11 @@ class _HostBytes(ParkedBytes):
         storages = [b.clone().untyped_storage() for b in self._buffers]
         for storage, device in zip(storages, self._devices, strict=True):
             record_device(storage, str(device))
-        return rebuild_views(storages, self._flat.views) + [d.clone() for d in self._deferred]
+        whole = torch._foreach_clone(self._whole) if self._whole else []
+        for t, device in zip(whole, self._whole_devices, strict=True):
+            record_device(t.untyped_storage(), str(device))
+        rest = rebuild_views(storages, self._flat.views)
+        return self._flat.ordered(whole, rest) + [d.clone() for d in self._deferred]
 
     def _load(self) -> list[torch.Tensor]:
         # The engines copy their deferred bytes back from the slot themselves, straight into
@@ -600,12 +716,14 @@ class _HostBytes(ParkedBytes):
             storages = copy_storages_to_devices(self._buffers, self._devices)
         else:
             storages = copy_storages_to_devices(self._buffers, self._devices, pool=self._pool)
-        return rebuild_views(storages, self._flat.views) + self._deferred
+        whole = clone_to_devices(self._whole, self._whole_devices)
+        rest = rebuild_views(storages, self._flat.views)
+        return self._flat.ordered(whole, rest) + self._deferred
 
     def release(self) -> None:
         running = self._background
         super().release()
-        self._buffers, self._deferred = [], []
+        self._buffers, self._deferred, self._whole = [], [], []
         if self._pool is not None:
             if running is not None and running.future is not None and not running.future.done():
                 # A background restore may still read the ranges: they go back when it ends.
@@ -620,7 +738,7 @@ class _DiskBytes(ParkedBytes):
     def __init__(self, tree: PyTree, *, label: str, spool_dir: str | os.PathLike[str]) -> None:
         flat = _Flat(tree, label)
         super().__init__(label=label, storages=flat.storages, engine=flat.engine)
-        tensors = [t for _, t in flat.tensors]
+        tensors = flat.tensors
         flat.storages, flat.tensors = [], []  # the file holds the tensors; keep the rest
         self._flat = flat
         self._devices = [t.device for t in tensors]
@@ -804,22 +922,31 @@ def park_into_slots(
     *,
     pool: HostBufferPool | None = None,
     label: str = "the storages",
+    whole: Sequence[torch.Tensor] = (),
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Copy ``sources`` (byte tensors) and ``deferred`` reads into one host slot per device.
+    """Copy ``sources`` (byte tensors), ``deferred`` reads and ``whole`` tensors into one host
+    slot per device.
 
-    Returns the slots and, per source then per deferred read, its bytes: a view of its
-    device's slot at an offset aligned to 64 bytes. A slot is a range of ``pool``
+    Returns the slots and, per source, then per deferred read, then per whole tensor, its
+    bytes: a view of its device's slot at an offset aligned to 64 bytes (a source's or a
+    read's), or a view shaped as the tensor, of ``dtype``, in one contiguous run of the slot
+    per device and dtype that the whole tensors of that device and dtype share, one after the
+    other (a whole tensor must be contiguous). A slot is a range of ``pool``
     (`HostBufferPool.allocate`; every slot is taken before anything is copied: if they do not
     all fit, those taken go back and `HostPoolFullError` names the bytes), else a new host
-    tensor (page-locked for a CUDA device). The copies of a device are issued together
-    (non-blocking from CUDA into page-locked memory) and each CUDA device is synchronised
-    once at the end, so they are complete when this returns.
+    tensor (page-locked for a CUDA device). The copies are issued together, in one batched
+    call (non-blocking from CUDA into page-locked memory), and each CUDA device is
+    synchronised once at the end, so they are complete when this returns.
 
     >>> import torch
     >>> x, y = torch.arange(4, dtype=torch.int32), torch.ones(3, dtype=torch.uint8)
     >>> slots, views = park_into_slots([x.view(torch.uint8), y])
     >>> len(slots), [v.numel() for v in views], views[1].data_ptr() - slots[0].data_ptr()
     (1, [16, 3], 64)
+    >>> z = torch.arange(6.0).view(2, 3)
+    >>> slots, views = park_into_slots([], whole=[z, z + 1])
+    >>> views[1].shape, views[1].data_ptr() - slots[0].data_ptr(), views[1][1].tolist()
+    (torch.Size([2, 3]), 24, [4.0, 5.0, 6.0])
     """
     alignment = _ALIGNMENT if pool is None else max(_ALIGNMENT, pool.alignment)
     devices: dict[torch.device, int] = {}  # each device's slot size so far
@@ -830,16 +957,78 @@ def park_into_slots(
         offset = devices.get(device, 0)
         places.append((device, offset, nbytes))
         devices[device] = offset + -(-nbytes // alignment) * alignment
-    slots = _take_slots(devices, pool, label, len(places))
+    runs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    run_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
+    for i, t in enumerate(whole):
+        key = (t.device, t.dtype)
+        runs.setdefault(key, []).append(i)
+        run_bytes[key] = run_bytes.get(key, 0) + t.nbytes
+    spans: list[tuple[torch.device, torch.dtype, int, int, list[int]]] = []
+    for (device, dtype), at in runs.items():
+        nbytes = run_bytes[device, dtype]
+        offset = devices.get(device, 0)
+        spans.append((device, dtype, offset, nbytes, at))
+        devices[device] = offset + -(-nbytes // alignment) * alignment
+    count = len(places) + len(whole)
+    slots = _take_slots(devices, pool, label, count)
     try:
         views = [slots[device][offset : offset + n] for device, offset, n in places]
-        _copy_out(sources, views[: len(sources)], deferred, views[len(sources) :])
+        shaped: list[Any] = [None] * len(whole)
+        for device, dtype, offset, nbytes, at in spans:
+            run = slots[device][offset : offset + nbytes].view(dtype)
+            members = [whole[i] for i in at]
+            # One call makes every member's view of the run (torch's own helper for
+            # bucketed copies: the run split in order, each piece viewed as the member).
+            for i, view in zip(at, _unflatten(run, members), strict=True):
+                shaped[i] = view
+        _copy_out(
+            [*sources, *whole],
+            [*views[: len(sources)], *shaped],
+            deferred,
+            views[len(sources) :],
+            devices,
+        )
     except BaseException:
         if pool is not None:
             for slot in slots.values():
                 pool.free(slot)
         raise
-    return list(slots.values()), views
+    return list(slots.values()), views + shaped
+
+
+def _unflatten(run: torch.Tensor, members: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # Views of ``run``, one per member, shaped as it, in order (no public name in torch).
+    views: list[torch.Tensor] = torch._C._nn.unflatten_dense_tensors(run, list(members))
+    return views
+
+
+def clone_to_devices(
+    views: Sequence[torch.Tensor], devices: Sequence[torch.device], /
+) -> list[torch.Tensor]:
+    """A fresh tensor per host view, on its device, holding its values; synchronised.
+
+    Each is its own allocation, of the view's shape and dtype (contiguous): one batched call
+    clones the CPU ones, one batched copy fills the others (non-blocking from page-locked
+    memory).
+
+    >>> import torch
+    >>> slot = torch.arange(6.0)
+    >>> a, b = clone_to_devices([slot[:2], slot[2:].view(2, 2)], [torch.device("cpu")] * 2)
+    >>> b.tolist(), b.untyped_storage().data_ptr() != slot.untyped_storage().data_ptr()
+    ([[2.0, 3.0], [4.0, 5.0]], True)
+    """
+    if not views:
+        return []
+    if all(device.type == "cpu" for device in devices):
+        return list(torch._foreach_clone(list(views)))
+    targets = [
+        torch.empty(v.shape, dtype=v.dtype, device=d) for v, d in zip(views, devices, strict=True)
+    ]
+    synchronise = {d for d in devices if d.type == "cuda"}
+    torch._foreach_copy_(targets, list(views), non_blocking=bool(synchronise))
+    for device in synchronise:
+        torch.cuda.synchronize(device)
+    return targets
 
 
 def _take_slots(
@@ -867,9 +1056,10 @@ def _copy_out(
     views: Sequence[torch.Tensor],
     deferred: Sequence[DeferredRead],
     deferred_views: Sequence[torch.Tensor],
+    devices: Iterable[torch.device],
 ) -> None:
-    synchronise = {t.device for t in sources if t.device.type == "cuda"}
-    synchronise.update(d.device for d in deferred if d.device.type == "cuda")
+    # ``devices``: every device the sources and the reads are on.
+    synchronise = [device for device in devices if device.type == "cuda"]
     if sources:
         # `_foreach_copy_` is torch's one batched copy (no public name): one call for all the
         # storages, not one per storage; non-blocking from CUDA into page-locked memory.
