@@ -192,6 +192,8 @@ def check_session_id(session_id: object) -> Hashable:
     >>> check_session_id(42), check_session_id(("user", 7))
     (42, ('user', 7))
     """
+    if type(session_id) in _PLAIN_IDS:  # the common ids: hashable, never None or NaN
+        return session_id
     if session_id is None:
         msg = (
             "`session_id` must not be None: None almost always means a missing id. Pass the "
@@ -216,6 +218,9 @@ def check_session_id(session_id: object) -> Hashable:
         )
         raise ValueError(msg)
     return session_id
+
+
+_PLAIN_IDS = frozenset({str, int})
 
 
 def _holds_nan(value: object) -> bool:

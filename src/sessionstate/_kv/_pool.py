@@ -510,13 +510,13 @@ class KVPool:
                 while written < n:
                     offset = tokens % bt
                     if offset == 0:
-                        blocks.append(self._allocate(fresh))
+                        blocks.append(self._allocate(fresh, changed))
                     elif filled[blocks[-1]] != offset:
                         # Another branch wrote past this handle's end: copy the block's prefix.
                         old = blocks[-1]
-                        blocks[-1] = self._allocate(fresh)
-                        self.storage[blocks[-1], :offset].copy_(self.storage[old, :offset])
-                        self._set_filled(blocks[-1], offset)
+                        copy = blocks[-1] = self._allocate(fresh, changed)
+                        self.storage[copy, :offset].copy_(self.storage[old, :offset])
+                        filled[copy] = offset
                     take = min(bt - offset, n - written)
                     end = offset + take
                     block = blocks[-1]
@@ -638,8 +638,8 @@ class KVPool:
             )
             raise StaleKVHandleError(msg)
 
-    def _allocate(self, fresh: list[int]) -> int:
-        # Caller holds the lock.
+    def _allocate(self, fresh: list[int], changed: dict[int, int] | None) -> int:
+        # Caller holds the lock; `changed`: the transaction's first fills (None: no transaction).
         if not self._free:
             msg = (
                 f"KV pool {self.name!r} has no free block: all {self.num_blocks} blocks of "
@@ -649,15 +649,10 @@ class KVPool:
             raise KVPoolExhaustedError(msg, pool=self, needed=1)
         block = heapq.heappop(self._free)
         fresh.append(block)
-        self._set_filled(block, 0)
+        if changed is not None:
+            changed.setdefault(block, self._filled[block])
+        self._filled[block] = 0
         return block
-
-    def _set_filled(self, block: int, filled: int) -> None:
-        # Caller holds the lock.
-        log = getattr(self._local, "log", None)
-        if log is not None:
-            log["filled"].setdefault(block, self._filled[block])
-        self._filled[block] = filled
 
     def _handle(self, blocks: tuple[int, ...], tokens: int, *, logged: bool = True) -> KVHandle:
         if blocks:
