@@ -12,6 +12,7 @@ wrapper cost of their own).
 
     .venv/bin/python benchmarks/overhead_ab.py                 # 10 and 400 chunks held
     .venv/bin/python benchmarks/overhead_ab.py --chunks 10 --rounds 60 --parts
+    .venv/bin/python benchmarks/overhead_ab.py --chunks 10 --rounds 300 --bare  # without put, get
 
 Timing only: nothing here asserts a time.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import itertools
 import statistics
 import time
@@ -32,8 +34,24 @@ from micro import OVERHEAD_WINDOW, overhead_pipeline
 from sessionstate import KVPool, LatentBuffer, SessionState, SessionStateManager
 
 
+@functools.cache
+def bare_pipeline() -> Any:
+    """The managed pipeline, its manager's `put`, `get` and `drop` only a dict's store and read.
+
+    What the managed step costs besides `put` and `get`: the step's own transitions, commits
+    and KV pool, and the manager's `step` around them.
+    """
+    pipe, _ = overhead_pipeline.__wrapped__("managed")
+    store: dict[Any, Any] = {}
+    manager = pipe._path.manager
+    manager.put = store.__setitem__
+    manager.get = store.get
+    manager.drop = lambda session_id: store.pop(session_id, None) is not None
+    return pipe
+
+
 def _steps(kind: str, chunks: int, observations: Iterator[Any]) -> list[float]:
-    pipe, _ = overhead_pipeline(kind)
+    pipe = bare_pipeline() if kind == "bare" else overhead_pipeline(kind)[0]
     pipe.drop_session("bench")
     for _ in range(chunks):  # untimed: grow the session to its length
         pipe.forward(next(observations), "bench")
@@ -46,11 +64,17 @@ def _steps(kind: str, chunks: int, observations: Iterator[Any]) -> list[float]:
     return times
 
 
-def alternate(chunks: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Per path, the fastest and the median step (us) over ``rounds`` alternating rounds."""
+def alternate(chunks: int, rounds: int, *, bare: bool = False) -> dict[str, dict[str, float]]:
+    """Per path, the fastest and the median step (us) over ``rounds`` alternating rounds.
+
+    With ``bare``, a third path in the turns: the managed one without `put` and `get`
+    (`bare_pipeline`).
+    """
     _, observations = overhead_pipeline("bespoke")
     obs = itertools.cycle(observations)
     fastest: dict[str, list[float]] = {"bespoke": [], "managed": []}
+    if bare:
+        fastest["bare"] = []
     for _ in range(rounds):
         for kind in fastest:
             fastest[kind].append(min(_steps(kind, chunks, obs)))
@@ -148,17 +172,28 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="*", default=[10, 400])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--parts", action="store_true", help="time the managed step's parts")
+    parser.add_argument(
+        "--bare", action="store_true", help="also time the managed step without put and get"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for chunks in args.chunks:
-        r = alternate(chunks, args.rounds)
+        r = alternate(chunks, args.rounds, bare=args.bare)
         b, m = r["bespoke"], r["managed"]
         print(
             f"{chunks} chunks: bespoke min {b['min_us']:.0f} us, median {b['median_us']:.0f}; "
             f"managed min {m['min_us']:.0f} us, median {m['median_us']:.0f}; overhead "
             f"{m['min_us'] - b['min_us']:.0f} us (min), {m['median_us'] - b['median_us']:.0f} "
-            "us (median)"
+            f"us (median); managed / bespoke {m['median_us'] / b['median_us']:.2f}x (median), "
+            f"{m['min_us'] / b['min_us']:.2f}x (min)"
         )
+        if args.bare:
+            w = r["bare"]
+            print(
+                f"    without put and get: min {w['min_us']:.0f} us, median "
+                f"{w['median_us']:.0f}; / bespoke {w['median_us'] / b['median_us']:.2f}x "
+                f"(median), {w['min_us'] / b['min_us']:.2f}x (min)"
+            )
         if args.parts:
             for name, us in parts(chunks, args.rounds).items():
                 print(f"    {name:16s} {us:8.1f} us")

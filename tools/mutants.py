@@ -736,6 +736,14 @@ MUTANTS = (
         ("tests/manager/test_ledger_fast_paths.py",),
     ),
     Mutant(
+        "kv-append-skips-the-handle-check",
+        "KVPool.append writes after a handle that is dead or of another pool (the check a "
+        "valid call passes at the cost of a comparison never falls back to the full one)",
+        "sessionstate/_kv/_pool.py",
+        (('            self._check(handle, "append to")\n', "            pass\n"),),
+        ("tests/kv/test_kvpool.py",),
+    ),
+    Mutant(
         "kv-handle-never-gives-blocks-back",
         "a collected KVHandle keeps its blocks (the lease is never released)",
         "sessionstate/_kv/_pool.py",

@@ -192,7 +192,7 @@ def check_session_id(session_id: object) -> Hashable:
     >>> check_session_id(42), check_session_id(("user", 7))
     (42, ('user', 7))
     """
-    if type(session_id) is str or type(session_id) is int:  # the common ids: valid
+    if type(session_id) in _PLAIN_IDS:  # the common ids: hashable, never None or NaN
         return session_id
     if session_id is None:
         msg = (
@@ -218,6 +218,9 @@ def check_session_id(session_id: object) -> Hashable:
         )
         raise ValueError(msg)
     return session_id
+
+
+_PLAIN_IDS = frozenset({str, int})
 
 
 def _holds_nan(value: object) -> bool:

@@ -37,6 +37,7 @@ __all__ = [
     "CONTAINERS",
     "CONTAINERS_BY_CLASS",
     "CONTAINERS_BY_TAG",
+    "IMMUTABLE_LEAVES",
     "ContainerKind",
     "FrozenDict",
     "freeze",
@@ -154,7 +155,8 @@ _FIXES: dict[type, str] = {
 }
 
 
-_LEAVES = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
+IMMUTABLE_LEAVES = frozenset({torch.Tensor, int, float, bool, str, bytes, type(None)})
+"""Types `freeze` returns as they are (the common attribute values)."""
 
 
 def freeze(value: Any, where: str, /) -> Any:
@@ -174,7 +176,7 @@ def freeze(value: Any, where: str, /) -> Any:
     True
     """
     kind = type(value)
-    if kind in _LEAVES:  # the common attribute values: immutable leaves, returned as they are
+    if kind in IMMUTABLE_LEAVES:  # the common attribute values, returned as they are
         return value
     if kind is list:
         return tuple(freeze(v, f"{where}[{i}]") for i, v in enumerate(value))

@@ -355,7 +355,8 @@ class LatentBuffer(StateObject):
         >>> len(buf), len(bigger)
         (0, 1)
         """
-        self._require_allocated("commit to")
+        if not self.allocated:
+            self._require_allocated("commit to")
         seq = self._seq
         _check_chunk(self.name, self.dim, chunk, seq[-1] if seq else None)
         return self._with_chunks(_joined(seq, (chunk,), self.maxlen), 1)

@@ -13,7 +13,7 @@ import torch
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._checks import check_count, describe
 from sessionstate._errors import MissingKeyError, reason
-from sessionstate._frozen import freeze
+from sessionstate._frozen import IMMUTABLE_LEAVES, freeze
 from sessionstate._random import RandomKey
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import HostBufferPool, ParkedBytes, Tier, park_tree
@@ -253,7 +253,7 @@ class SessionState:
                 "Add it with `state.with_object(name, obj)`."
             )
             raise MissingKeyError(msg) from None
-        if not isinstance(obj, cls):
+        if type(obj) is not cls and not isinstance(obj, cls):
             held = type(obj).__name__
             fix = (
                 "unpark the session first (`state.unpark()`)."
@@ -364,7 +364,9 @@ class SessionState:
                 new_objects[name] = obj
         new_attrs = _set_attrs(type(self), self._attrs, values) if values else self._attrs
         # Only the names given can clash; a clash is reported over the whole record.
-        if any(n in new_objects for n in values) or any(n in new_attrs for n in objects or ()):
+        if not new_objects.keys().isdisjoint(values) or (
+            objects and not new_attrs.keys().isdisjoint(objects)
+        ):
             _check_disjoint(new_objects, new_attrs)
         return self._replace(new_objects, new_attrs)
 
@@ -629,9 +631,15 @@ def _set_attrs(
 ) -> dict[str, Any]:
     """A copy of ``attributes`` with ``values`` set, coerced where declared and frozen."""
     new = dict(attributes)
+    declared = cls.__session_attrs__
     for name, value in values.items():
-        declared = _declared_attr(cls, name)
-        new[name] = freeze(value if declared is None else declared.convert(value), name)
+        if declared:
+            attr = declared.get(name)
+            if attr is None:
+                _declared_attr(cls, name)  # raises, naming the declared ones
+            value = attr.convert(value)  # type: ignore[union-attr]
+        # The common values (tensors, numbers, None) are immutable leaves: no call to freeze.
+        new[name] = value if type(value) in IMMUTABLE_LEAVES else freeze(value, name)
     return new
 
 

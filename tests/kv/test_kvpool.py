@@ -125,6 +125,10 @@ def test_a_failed_transaction_leaves_the_pool_as_before() -> None:
     )
     with pytest.raises(StaleKVHandleError, match=re.escape(msg)):
         grown.read()
+    msg = msg.replace("Cannot read", "Cannot append to")
+    with pytest.raises(StaleKVHandleError, match=re.escape(msg)):
+        pool.append(grown, _kv(1))
+    assert _state(pool) == before  # the refused append took nothing
     del grown
     gc.collect()
     assert _state(pool) == before

@@ -146,7 +146,8 @@ class KVCache(SingleValueObject[KVHandle]):
             NotAllocatedError: if the cache is not allocated.
             TypeError: if ``handle`` is not a `KVHandle` or None.
         """
-        self._require_allocated("commit to")
+        if not self.allocated:
+            self._require_allocated("commit to")
         if handle is not None and not isinstance(handle, KVHandle):
             msg = (
                 f"KVCache `{self.name}` holds a KVHandle (or None), got {handle!r:.80} "

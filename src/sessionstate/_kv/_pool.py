@@ -43,7 +43,7 @@ import heapq
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
@@ -57,6 +57,40 @@ from sessionstate._storage import record_device, recording, register_snapshot_le
 from sessionstate._tree import tree_equal
 
 __all__ = ["KVHandle", "KVPool", "offload_payload", "reload_handles"]
+
+
+class _Transaction:
+    """`KVPool.transaction`: a plain context manager, as a step enters one every time.
+
+    The outermost on a thread keeps the log of what the block did (handles made, first fills
+    of blocks written) and undoes it if the block raises; nested ones leave it to that one.
+    """
+
+    __slots__ = ("log", "pool")
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.log: dict[str, Any] | None = None
+
+    def __enter__(self) -> None:
+        local = self.pool._local
+        if getattr(local, "log", None) is None:  # else nested: the outermost decides
+            self.log = local.log = {"leases": [], "filled": {}}
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        log = self.log
+        if log is None:
+            return
+        pool = self.pool
+        try:
+            if kind is not None:
+                with pool._lock:
+                    for lease in reversed(log["leases"]):
+                        lease.release()  # drops the handle's references, once
+                    for block, filled in log["filled"].items():
+                        pool._filled[block] = filled if pool._refs[block] else 0
+        finally:
+            pool._local.log = None
 
 
 class _Lease:
@@ -332,6 +366,7 @@ class KVPool:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._block_entries: dict[int, StorageEntry] = {}  # see `_entries`
+        self._block_views: dict[int, torch.Tensor] = {}  # see `_block_view`
         # A standalone pool read from a parked record stands in for a pool on this device,
         # within the `recorded_devices` block that read it: a snapshot taken there records
         # its blocks on that device (see `standalone_handles`).
@@ -442,8 +477,11 @@ class KVPool:
         >>> h.blocks, h.tokens, h.read()
         ((1, 2), 3, tensor([2., 3., 4.]))
         """
-        self._check(handle, "append to")
-        if tuple(kv.shape[1:]) != self.token_shape:
+        # The checks a valid call passes at the cost of a comparison each; the full check
+        # (and its message) only for what fails one.
+        if type(handle) is not KVHandle or handle.pool is not self or not handle._lease.held:
+            self._check(handle, "append to")
+        if kv.shape[1:] != self.token_shape:
             msg = (
                 f"KV pool {self.name!r} stores tokens of shape {self.token_shape}, got a `kv` "
                 f"of shape {tuple(kv.shape)}; pass a tensor of shape (n, *{self.token_shape})."
@@ -457,8 +495,12 @@ class KVPool:
                 f"`dtype={kv.dtype}`."
             )
             raise TypeError(msg)
-        _check_window(window)
+        if window is not None and (type(window) is not int or window < 0):
+            _check_window(window)
         n, bt = int(kv.shape[0]), self.block_tokens
+        filled = self._filled
+        log = getattr(self._local, "log", None)
+        changed = None if log is None else log["filled"]  # first fill of each block written
         with self._lock:
             blocks = list(handle.blocks)
             tokens = handle.tokens
@@ -468,17 +510,23 @@ class KVPool:
                 while written < n:
                     offset = tokens % bt
                     if offset == 0:
-                        blocks.append(self._allocate(fresh))
-                    elif self._filled[blocks[-1]] != offset:
+                        blocks.append(self._allocate(fresh, changed))
+                    elif filled[blocks[-1]] != offset:
                         # Another branch wrote past this handle's end: copy the block's prefix.
                         old = blocks[-1]
-                        blocks[-1] = self._allocate(fresh)
-                        self.storage[blocks[-1], :offset].copy_(self.storage[old, :offset])
-                        self._set_filled(blocks[-1], offset)
+                        copy = blocks[-1] = self._allocate(fresh, changed)
+                        self.storage[copy, :offset].copy_(self.storage[old, :offset])
+                        filled[copy] = offset
                     take = min(bt - offset, n - written)
                     end = offset + take
-                    self.storage[blocks[-1], offset:end].copy_(kv[written : written + take])
-                    self._set_filled(blocks[-1], end)
+                    block = blocks[-1]
+                    # One view per side: the block's (kept by the pool), and all of `kv` when
+                    # it fits.
+                    dest = self._block_view(block)[offset:end]
+                    dest.copy_(kv if take == n else kv[written : written + take])
+                    if changed is not None:
+                        changed.setdefault(block, filled[block])
+                    filled[block] = end
                     written += take
                     tokens += take
                 if window is not None:
@@ -489,7 +537,7 @@ class KVPool:
             finally:
                 for block in fresh:  # taken but left out (or failed): back to the free list
                     if self._refs[block] == 0:
-                        self._filled[block] = 0
+                        filled[block] = 0
                         heapq.heappush(self._free, block)
             return new
 
@@ -535,14 +583,16 @@ class KVPool:
         >>> pool.read(pool.empty()).shape
         torch.Size([0])
         """
-        self._check(handle, "read")
-        if not handle.blocks:
+        if type(handle) is not KVHandle or handle.pool is not self or not handle._lease.held:
+            self._check(handle, "read")
+        blocks = handle.blocks
+        if not blocks:
             return self.storage.new_empty((0, *self.token_shape))
-        gathered = torch.cat([self.storage[b] for b in handle.blocks])
-        return gathered[: handle.tokens]
+        gathered = torch.cat([self._block_view(b) for b in blocks])
+        tokens = handle.tokens
+        return gathered if tokens == len(blocks) * self.block_tokens else gathered[:tokens]
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self) -> AbstractContextManager[None]:
         """Undo everything done inside the block on this thread if it raises.
 
         Blocks taken are returned, writes past handles' ends are forgotten, and handles made
@@ -560,22 +610,7 @@ class KVPool:
         >>> pool.free_blocks, h.alive
         (2, False)
         """
-        log = getattr(self._local, "log", None)
-        if log is not None:  # nested: the outermost transaction decides
-            yield
-            return
-        log = self._local.log = {"leases": [], "filled": {}}
-        try:
-            yield
-        except BaseException:
-            with self._lock:
-                for lease in reversed(log["leases"]):
-                    lease.release()  # drops the handle's references, once
-                for block, filled in log["filled"].items():
-                    self._filled[block] = filled if self._refs[block] else 0
-            raise
-        finally:
-            self._local.log = None
+        return _Transaction(self)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -603,8 +638,8 @@ class KVPool:
             )
             raise StaleKVHandleError(msg)
 
-    def _allocate(self, fresh: list[int]) -> int:
-        # Caller holds the lock.
+    def _allocate(self, fresh: list[int], changed: dict[int, int] | None) -> int:
+        # Caller holds the lock; `changed`: the transaction's first fills (None: no transaction).
         if not self._free:
             msg = (
                 f"KV pool {self.name!r} has no free block: all {self.num_blocks} blocks of "
@@ -614,15 +649,10 @@ class KVPool:
             raise KVPoolExhaustedError(msg, pool=self, needed=1)
         block = heapq.heappop(self._free)
         fresh.append(block)
-        self._set_filled(block, 0)
+        if changed is not None:
+            changed.setdefault(block, self._filled[block])
+        self._filled[block] = 0
         return block
-
-    def _set_filled(self, block: int, filled: int) -> None:
-        # Caller holds the lock.
-        log = getattr(self._local, "log", None)
-        if log is not None:
-            log["filled"].setdefault(block, self._filled[block])
-        self._filled[block] = filled
 
     def _handle(self, blocks: tuple[int, ...], tokens: int, *, logged: bool = True) -> KVHandle:
         if blocks:
@@ -636,6 +666,15 @@ class KVPool:
         if log is not None:
             log["leases"].append(lease)
         return handle
+
+    def _block_view(self, block: int) -> torch.Tensor:
+        # Block `block` of the storage as a tensor: a view that never changes while the pool
+        # lives, so it is made once (an index into the storage costs more than the copy a
+        # step makes through it).
+        view = self._block_views.get(block)
+        if view is None:
+            view = self._block_views[block] = self.storage[block]
+        return view
 
     def _release(self, blocks: tuple[int, ...]) -> None:
         with self._lock:

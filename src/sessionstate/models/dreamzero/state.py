@@ -287,6 +287,9 @@ class DreamZeroSession(SessionState):
         return self._typed(name, LatentBuffer)
 
     def _typed(self, name: str, cls: type[_O]) -> _O:
+        obj = self._objects.get(name)
+        if type(obj) is cls:  # what a step reads: the checks below for anything else
+            return obj
         obj = self.object(name)
         if not isinstance(obj, cls):
             obj.view()  # a parked object refuses here, saying how to unpark it
