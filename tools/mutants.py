@@ -414,6 +414,21 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "ring-backing-never-compacts",
+        "a ring's ledger backing keeps 64 dropped chunks alive before it is copied",
+        "sessionstate/_manager/_ledger.py",
+        (
+            (
+                "if previous.stop == len(backing) and start <= len(leaves):",
+                "if previous.stop == len(backing) and start <= 64 + len(leaves):",
+            ),
+        ),
+        (
+            "tests/manager/test_ledger_fast_paths.py::"
+            "test_the_ledger_keeps_at_most_a_rings_worth_of_dropped_chunks_alive",
+        ),
+    ),
+    Mutant(
         "placement-ignores-room",
         "the router places a new session on a worker that reported no room",
         "sessionstate/distributed/_router.py",

@@ -20,7 +20,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sessionstate import KVCache, KVHandle, KVPool, SessionState, SessionStateManager, TensorCache
+from sessionstate import (
+    KVCache,
+    KVHandle,
+    KVPool,
+    LatentBuffer,
+    SessionState,
+    SessionStateManager,
+    TensorCache,
+)
 from sessionstate._accounting import derivation, storage_entries
 from sessionstate._manager import Ledger
 from sessionstate.testing import EagerLedger
@@ -344,3 +352,26 @@ def test_a_stored_record_keeps_no_earlier_version_alive() -> None:
         manager.put_many({"a": state.with_attrs(n=-k)})
     gc.collect()
     assert first_x() is None
+
+
+@pytest.mark.parametrize("maxlen", [1, 2, 8])
+def test_the_ledger_keeps_at_most_a_rings_worth_of_dropped_chunks_alive(maxlen: int) -> None:
+    # The ledger's entries keep their storages alive; a ring's dropped chunks must not stay
+    # reachable through them beyond one ring's worth, unseen by `stats()` and the budget.
+    manager: SessionStateManager[SessionState] = SessionStateManager()
+    ring = LatentBuffer(name="b", dim=0).allocate(maxlen=maxlen)
+    record = SessionState(objects={"b": ring})
+    refs = []  # weak references to the chunks' storages (what the ledger's entries hold)
+    for i in range(200):
+        chunk = torch.full((100,), float(i))
+        refs.append(chunk.untyped_storage()._weak_ref())
+        record = record.with_object("b", record.object("b", LatentBuffer).commit(chunk))
+        manager.put("a", record)
+        del chunk
+    del record
+    gc.collect()
+    alive = sum(not torch.UntypedStorage._expired(ref) for ref in refs)
+    for ref in refs:
+        torch.UntypedStorage._free_weak_ref(ref)
+    assert maxlen <= alive <= 2 * maxlen + 1
+    assert manager.stats()["total_nbytes"] == maxlen * 400

@@ -475,9 +475,6 @@ _TENSOR_OR_NONE = frozenset({torch.Tensor, type(None)})
 # Attribute values that are leaves themselves, walked without a tree flatten.
 _SCALAR_LEAVES = frozenset({int, float, bool, str, bytes})
 
-_COMPACT_AT = 64  # positions a ring's backing may lead with (dropped) before it is copied
-
-
 def _successor(
     value: object,
     leaves: Sequence[object],
@@ -488,7 +485,10 @@ def _successor(
     # `previous`'s leaves less its first `dropped`, then `added`: extend the shared backing
     # in place while `previous` ends it (nobody appended past it), else copy the kept run.
     backing, start = previous.backing, previous.start + dropped
-    if previous.stop == len(backing) and start <= _COMPACT_AT + len(leaves):
+    # A ring's backing leads with the entries of the chunks it dropped, and an entry keeps
+    # its storage alive: copy the kept run once they outnumber the live ones, so the ledger
+    # keeps at most one ring's worth of dropped chunks alive (amortised O(1) per commit).
+    if previous.stop == len(backing) and start <= len(leaves):
         backing.extend(added)
     else:
         backing, start = previous.per_leaf(dropped) + added, 0
