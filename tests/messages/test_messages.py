@@ -559,7 +559,7 @@ CORE_MESSAGES = {
     "_kv/_pool.py": 12 + 2,
     # A commit of something not a handle (test_park.py); a batched append to another pool or
     # of another token shape or dtype (test_batch_kv_messages).
-    "_kv/_cache.py": 1 + 2,
+    "_kv/_cache.py": 1 + 2 + 1,
 }
 
 
@@ -898,6 +898,21 @@ def test_batch_kv_messages() -> None:
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         gathered.append(pool, torch.zeros(1, 2))
+    msg = (
+        "Cannot append to the empty KV cache 'kv' inside `vmap`: an empty (or reset) cache has "
+        "no tokens gathered for the batch, and its first append must write the pool. Step "
+        "sessions whose KV cache is empty or reset one by one, then batch them."
+    )
+    fresh = [record(pool, 1), record(pool, 1)]
+    before = pool.free_blocks
+
+    def restart(state: ss.SessionState, x: torch.Tensor) -> tuple[ss.SessionState, torch.Tensor]:
+        cache = state.object("kv", ss.KVCache).reset().append(pool, x[None])
+        return state.with_object("kv", cache), x
+
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.vmap(restart)(ss.stack(fresh), torch.ones(2))
+    assert pool.free_blocks == before  # the pool untouched
 
 
 def test_read_many_messages() -> None:

@@ -180,12 +180,22 @@ class KVCache(SingleValueObject[KVHandle]):
 
         Raises:
             NotAllocatedError: if the cache is not allocated.
+            ValueError: for an empty cache appended to inside `vmap` (nothing was gathered
+                for it, and the pool cannot be written there).
         """
         self._require_allocated("append to")
         held: object = self.handle
         if isinstance(held, GatheredKV):
             extended: Any = held.append(pool, kv, window=window)  # the field's type omits it
             return attrs.evolve(self, handle=extended)
+        if held is None and torch._C._functorch.is_batchedtensor(kv):
+            msg = (
+                f"Cannot append to the empty KV cache {self.name!r} inside `vmap`: an empty "
+                "(or reset) cache has no tokens gathered for the batch, and its first append "
+                "must write the pool. Step sessions whose KV cache is empty or reset one by "
+                "one, then batch them."
+            )
+            raise ValueError(msg)
         start = pool.empty() if self.handle is None else pool.adopt(self.handle)
         return attrs.evolve(self, handle=pool.append(start, kv, window=window))
 
