@@ -317,6 +317,31 @@ def test_lost_session() -> None:
     assert str(info.value) == msg
 
 
+def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step() -> None:
+    pool = ss.KVPool(6, block_tokens=2, token_shape=(2,), name="p2")
+    m: ss.SessionStateManager[ss.SessionState] = ss.SessionStateManager(pools=(pool,))
+    for sid in "abc":
+        cache = ss.KVCache(name="kv").allocate().append(pool, torch.ones(4, 2))
+        m.put(sid, ss.SessionState(objects={"kv": cache}))
+
+    def grow(states: list[ss.SessionState]) -> tuple[list[ss.SessionState], list[int]]:
+        grown = [
+            s.with_object("kv", s.object("kv", ss.KVCache).append(pool, torch.ones(1, 2)))
+            for s in states
+        ]
+        return grown, [0] * len(states)
+
+    msg = (
+        "Batch ['b', 'c']: KV pool 'p2' ran out of blocks during the step (1 needed, 0 free). "
+        "The pool declares no `step_tokens`, so the manager made no room before the step: it "
+        "parks other sessions' KV only for a pool that says what a step takes. Build the pool "
+        "with `step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+    )
+    with pytest.raises(ss.KVPoolExhaustedError, match=_exact(msg)):
+        m.step_many(["b", "c"], grow, new=ss.SessionState)
+    assert pool.free_blocks == 0  # the three sessions' blocks, the step's given back
+
+
 def test_refused_admission() -> None:
     manager = SessionStateManager(2, on_full="refuse")
     manager.put("a", SessionState())
@@ -533,7 +558,7 @@ CORE_MESSAGES = {
     # Then forks (4), family snapshots (5 + 3: test_family_snapshot_*), batches (3:
     # test_batch_io_messages), a batch over the whole budget (1: test_batch_budget_message)
     # and a batched step's count of records (1: test_step_many.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3 + 1 + 1,
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 5 + 3 + 3 + 1 + 1 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,

@@ -1131,7 +1131,7 @@ class SessionStateManager(Generic[SessionT]):
         except KVPoolExhaustedError as exc:
             if not any(exc.pool is pool for pool in self._pools):
                 raise
-            raise self._step_shortfall((session_id,), exc.pool) from exc
+            raise self._step_shortfall((session_id,), exc.pool, exc.needed) from exc
         return out
 
     def step_many(
@@ -1206,7 +1206,7 @@ class SessionStateManager(Generic[SessionT]):
         except KVPoolExhaustedError as exc:
             if not any(exc.pool is pool for pool in self._pools):
                 raise
-            raise self._step_shortfall(ids, exc.pool) from exc
+            raise self._step_shortfall(ids, exc.pool, exc.needed) from exc
         return outs
 
     def park_until(
@@ -1792,14 +1792,24 @@ class SessionStateManager(Generic[SessionT]):
         return sum(pool.blocks_for_step(self._held_blocks(sid, pool)) for sid in session_ids)
 
     def _step_shortfall(
-        self, session_ids: Sequence[Hashable], pool: EnginePool
+        self, session_ids: Sequence[Hashable], pool: EnginePool, needed: int
     ) -> KVPoolExhaustedError:
+        # `needed`: the blocks the append that failed asked for.
         with self._lock:
             need = self._step_blocks(session_ids, pool)
         named: object = session_ids[0]
         label, fix = "Session", ""
         if len(session_ids) > 1:
             named, label, fix = list(session_ids), "Batch", "step a smaller batch, or "
+        if pool.blocks_for_step(0) == 0:  # the pool says nothing of a step: no room was made
+            msg = (
+                f"{label} {named!r}: KV pool {pool.name!r} ran out of blocks during the step "
+                f"({needed} needed, {pool.free_blocks} free). The pool declares no "
+                "`step_tokens`, so the manager made no room before the step: it parks other "
+                "sessions' KV only for a pool that says what a step takes. Build the pool with "
+                "`step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+            )
+            return KVPoolExhaustedError(msg, pool=pool, needed=needed)
         return kv_shortfall(
             pool,
             max(need, 1),
