@@ -405,8 +405,9 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "            ledger.set_many(zip(ids, replaced, strict=True))\n            raise",
-                "            raise",
+                "            ledger.set_many(zip(ids, replaced, strict=True))\n"
+                "            ledger.undo_growth(grown)\n",
+                "            ledger.undo_growth(grown)\n",
             ),
         ),
         (
@@ -426,6 +427,37 @@ MUTANTS = (
         (
             "tests/manager/test_ledger_fast_paths.py::"
             "test_the_ledger_keeps_at_most_a_rings_worth_of_dropped_chunks_alive",
+        ),
+    ),
+    Mutant(
+        "refused-put-keeps-its-growth",
+        "a put refused after its walk leaves its new chunks in the stored buffer's backing",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            self._ledger.undo_growth(grown)\n"
+                "            self._parking.storing = ()",
+                "            self._parking.storing = ()",
+            ),
+        ),
+        (
+            "tests/manager/test_ledger_fast_paths.py::"
+            "test_a_refused_put_keeps_none_of_its_new_chunks_alive",
+        ),
+    ),
+    Mutant(
+        "refused-batch-keeps-its-growth",
+        "a batch refused after its walk leaves its new chunks in the stored buffers' backings",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            ledger.undo_growth(grown)\n            raise",
+                "            raise",
+            ),
+        ),
+        (
+            "tests/manager/test_ledger_fast_paths.py::"
+            "test_a_refused_put_keeps_none_of_its_new_chunks_alive",
         ),
     ),
     Mutant(

@@ -25,6 +25,7 @@ from sessionstate import (
     KVHandle,
     KVPool,
     LatentBuffer,
+    SessionAdmissionError,
     SessionState,
     SessionStateManager,
     TensorCache,
@@ -375,3 +376,35 @@ def test_the_ledger_keeps_at_most_a_rings_worth_of_dropped_chunks_alive(maxlen: 
         torch.UntypedStorage._free_weak_ref(ref)
     assert maxlen <= alive <= 2 * maxlen + 1
     assert manager.stats()["total_nbytes"] == maxlen * 400
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_refused_put_keeps_none_of_its_new_chunks_alive(batched: bool) -> None:
+    # A put walks the new record before the budget refuses it, and the walk of a buffer's
+    # commit extends the stored buffer's ledger backing in place: a refusal must cut that
+    # extension off, or the refused chunk stays alive until the session's next put.
+    manager: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 20_000}, park_tier="disk"
+    )
+    buffer = LatentBuffer(name="b", dim=0).allocate().commit(torch.ones(1000))
+    record = SessionState(objects={"b": buffer})
+    manager.put("a", record)
+    chunk = torch.zeros(1000)
+    ref = chunk.untyped_storage()._weak_ref()
+    refused = record.with_object("b", buffer.commit(chunk)).with_attrs(big=torch.zeros(10_000))
+    del chunk
+    store = (lambda r: manager.put_many({"a": r})) if batched else (lambda r: manager.put("a", r))
+    with pytest.raises(SessionAdmissionError):
+        store(refused)
+    del refused
+    gc.collect()
+    try:
+        assert torch.UntypedStorage._expired(ref)
+    finally:
+        torch.UntypedStorage._free_weak_ref(ref)
+    assert manager.peek("a") is record
+    assert_stats_equal_a_recount(manager)
+    # The stored buffer goes on growing as before.
+    grown = record.with_object("b", buffer.commit(torch.full((1000,), 2.0)))
+    manager.put("a", grown)
+    assert_stats_equal_a_recount(manager)

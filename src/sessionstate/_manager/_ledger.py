@@ -365,6 +365,10 @@ class _Item:
     start: int = 0
     base: _Item | None = None
     dropped: int = 0
+    grew: int = -1
+    """Where this item's walk extended ``backing`` in place (its length before), until the item
+    is stored: a put refused after the walk cuts the extension off again (`undo_growth`), so
+    a refused record's new leaves are not kept alive by the stored item's backing."""
 
     @property
     def stop(self) -> int:
@@ -475,6 +479,7 @@ _TENSOR_OR_NONE = frozenset({torch.Tensor, type(None)})
 # Attribute values that are leaves themselves, walked without a tree flatten.
 _SCALAR_LEAVES = frozenset({int, float, bool, str, bytes})
 
+
 def _successor(
     value: object,
     leaves: Sequence[object],
@@ -488,11 +493,13 @@ def _successor(
     # A ring's backing leads with the entries of the chunks it dropped, and an entry keeps
     # its storage alive: copy the kept run once they outnumber the live ones, so the ledger
     # keeps at most one ring's worth of dropped chunks alive (amortised O(1) per commit).
+    grew = -1
     if previous.stop == len(backing) and start <= len(leaves):
+        grew = len(backing)
         backing.extend(added)
     else:
         backing, start = previous.per_leaf(dropped) + added, 0
-    return _Item(value, leaves, backing, start, previous, dropped)
+    return _Item(value, leaves, backing, start, previous, dropped, grew)
 
 
 def _count_leaves(value: object, leaves: Sequence[object]) -> list[list[StorageEntry]]:
@@ -526,7 +533,7 @@ def _moves(previous: Values, values: Values) -> tuple[list[StorageEntry], list[S
         if old is item:
             matched += 1
             continue
-        base, item.base = item.base, None
+        base, item.base, item.grew = item.base, None, -1  # stored: its extension stays
         kept = 0
         if old is not None:
             matched += 1
@@ -666,6 +673,27 @@ class SessionLedger:
         if removed:
             self._ledger.remove(removed)
         return replaced
+
+    @staticmethod
+    def growth(walked: Iterable[Values], /) -> list[tuple[_Item, int]]:
+        """The items of ``walked`` (values not stored yet) whose walk extended a stored item's
+        backing in place, with where: what `undo_growth` cuts off if they are not stored."""
+        out = []
+        for values in walked:
+            items: Iterable[_Item] = values.values()
+            if getattr(values, "parent", None) is not None:  # walked against the stored ones
+                items = [values[key] for key in values.changed]  # type: ignore[attr-defined]
+            out += [(item, item.grew) for item in items if item.grew >= 0]
+        return out
+
+    @staticmethod
+    def undo_growth(grown: Sequence[tuple[_Item, int]], /) -> None:
+        """Cut off the extensions ``grown`` made (values refused after their walk), last first,
+        where nothing extended the backing since: the entries there keep storages alive."""
+        for item, at in reversed(grown):
+            if len(item.backing) == item.stop:
+                del item.backing[at:]
+            item.grew = -1
 
     def total(self, device: str, /) -> int:
         """Resident bytes on ``device``, each storage once across every session."""

@@ -460,6 +460,7 @@ class SessionStateManager(Generic[SessionT]):
             return
         # Every member held and resident before and after (a batched step's records): the
         # ledger moved once for the batch, one room check, then the table.
+        grown = ledger.growth(walked)
         replaced = ledger.set_many(zip(ids, walked, strict=True))
         try:
             policy = self._policy
@@ -471,6 +472,7 @@ class SessionStateManager(Generic[SessionT]):
                 self._make_room(ids[0], {}, ids)
         except BaseException:
             ledger.set_many(zip(ids, replaced, strict=True))
+            ledger.undo_growth(grown)
             raise
         for session_id, state in pairs:
             table[session_id] = state
@@ -482,15 +484,21 @@ class SessionStateManager(Generic[SessionT]):
         self, pairs: Sequence[tuple[Hashable, SessionT]], ids: list[Hashable], walked: list[Values]
     ) -> None:
         # `_store_batch` when a member is new or holds parked objects: put by put.
-        self._refuse_batch_over_budget(ids, walked)
+        done: list[Hashable] = []
+        try:
+            self._refuse_batch_over_budget(ids, walked)
+        except BaseException:
+            self._ledger.undo_growth(self._ledger.growth(walked))
+            raise
         before = {sid: self._table.get(sid) for sid in ids}
         order = list(self._table)
-        done: list[Hashable] = []
         try:
             for (session_id, state), values in zip(pairs, walked, strict=True):
                 self._put_locked(session_id, state, touch=True, keep=ids, values=values)
                 done.append(session_id)
         except BaseException:
+            # (the failed put cut its own walk's extensions off; those never put, here)
+            self._ledger.undo_growth(self._ledger.growth(walked[len(done) + 1 :]))
             for session_id in reversed(done):
                 previous = before[session_id]
                 if previous is None:
@@ -1533,6 +1541,7 @@ class SessionStateManager(Generic[SessionT]):
         # `state`, walked already (a batch's budget check walked them).
         if values is None:
             values = self._ledger.values_for(session_id if like is None else like, state)
+        grown = self._ledger.growth((values,))
         # Stored in the ledger first, so the budget reads what the record holds alone from the
         # per-session totals this put just moved (the cost of what changed, not a walk of the
         # record); a refusal moves the ledger back.
@@ -1553,6 +1562,7 @@ class SessionStateManager(Generic[SessionT]):
             self._make_room(session_id, {}, keep)
         except BaseException:
             self._ledger.set(session_id, previous)
+            self._ledger.undo_growth(grown)
             self._parking.storing = ()
             self._parking.abandon(storing)
             raise
