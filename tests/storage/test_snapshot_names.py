@@ -7,6 +7,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -47,8 +48,10 @@ def _library_classes() -> dict[str, type]:
 
     for name in ss.__all__:
         getattr(ss, name)
-    for model in ("dreamzero", "cosmos3"):
-        importlib.import_module(f"sessionstate.models.{model}")
+    for model in ("dreamzero", "cosmos3"):  # every module: some are imported lazily
+        package = importlib.import_module(f"sessionstate.models.{model}")
+        for info in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
+            importlib.import_module(info.name)
     found = {**_registered_records(), **_LEAF_CLASSES}.values()
     return {
         f"{c.__module__}:{c.__qualname__}": c
