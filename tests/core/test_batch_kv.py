@@ -217,7 +217,7 @@ def test_a_batched_append_to_another_pool_or_of_another_dtype_is_refused() -> No
         kv.append(pool, torch.zeros(1, 2), window=-1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     block_tokens=st.integers(1, 3),
     tokens=st.integers(0, 5),

@@ -290,7 +290,7 @@ def _fuzz(seed: int, *, budget: bool, check_immutable: bool, ops: int = 40) -> N
         _check(m, pool)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(1))  # one seed in the suite: each costs ~10 s of CPU
 def test_interleaved_operations_equal_a_recount_and_free_blocks(seed: int) -> None:
     _fuzz(seed, budget=seed % 2 == 0, check_immutable=seed % 2 == 1)
 
