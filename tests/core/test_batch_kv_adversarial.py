@@ -60,9 +60,9 @@ def _free_is_total_less_live(pool: ss.KVPool, records: list[ss.SessionState]) ->
 
 
 @pytest.mark.parametrize("block_tokens", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [0, 5])
-@pytest.mark.parametrize("window", [None, 0, 2])
+@pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("n_new", [0, 3])
 @pytest.mark.parametrize("fork", [False, True])
 def test_a_batched_step_is_each_session_stepped_on_the_pool(

@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sessionstate import (
@@ -86,6 +86,7 @@ def _run(ops: list[tuple[str, int, int]], manager: SessionStateManager, pool: KV
         assert_stats_equal_a_recount(manager)
 
 
+@settings(max_examples=60)  # the suite's costliest property (~0.2 s an example)
 @given(ops=OPS, budget=st.booleans())
 def test_stats_equal_a_recount_after_kv_cache_and_attribute_puts(
     ops: list[tuple[str, int, int]], budget: bool
