@@ -16,6 +16,11 @@ from collections.abc import Iterator
 # the golden tests hold model files to bits pinned when they were written, not to a rebuild.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+# One torch thread per pytest-xdist worker: two workers, each with a thread per core, make
+# OpenMP's threads wait on each other, and a model test then runs 3-10x slower than alone.
+# A test that needs more threads sets them itself (`tests.support.torch_threads`).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 from hypothesis import HealthCheck, settings
