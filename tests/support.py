@@ -22,6 +22,8 @@ from sessionstate import (
     ENV_CHECK_IMMUTABLE,
     ENV_ENABLE,
     ENV_MAX_SESSIONS,
+    KVCache,
+    KVHandle,
     LatentBuffer,
     SessionState,
     SessionStateManager,
@@ -120,6 +122,20 @@ def parkable_record(n: int = 16, fill: float = 1.0) -> SessionState:
     cache = TensorCache(name="cache").allocate().commit((base, base[2:], None))
     ring = LatentBuffer(name="ring", dim=0).allocate(maxlen=2).commit(torch.arange(4.0) + fill)
     return SessionState(objects={"cache": cache, "ring": ring}, attrs={"step": 1})
+
+
+def kv_of(record: SessionState, name: str = "kv") -> torch.Tensor:
+    """The tokens the record's `KVCache` ``name`` holds (it must hold some)."""
+    kv = record.object(name, KVCache).read()
+    assert kv is not None
+    return kv
+
+
+def handle_of(record: SessionState, name: str = "kv") -> KVHandle:
+    """The `KVHandle` of the record's `KVCache` ``name`` (it must hold one)."""
+    handle = record.object(name, KVCache).view()
+    assert handle is not None
+    return handle
 
 
 def alias_graph(record: Any) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from sessionstate._errors import UnsupportedTensorError as UnsupportedTensorError
     from sessionstate._events import SessionEvent as SessionEvent
     from sessionstate._kv import EncodeOnceKV as EncodeOnceKV
+    from sessionstate._kv import GatheredKV as GatheredKV
     from sessionstate._kv import KVCache as KVCache
     from sessionstate._kv import KVHandle as KVHandle
     from sessionstate._kv import KVPair as KVPair
@@ -139,6 +140,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     # -- K/V -----------------------------------------------------------------------------
     "sessionstate._kv": (
         "EncodeOnceKV",
+        "GatheredKV",
         "KVCache",
         "KVHandle",
         "KVPair",

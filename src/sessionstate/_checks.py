@@ -178,6 +178,31 @@ def check_choice(value: object, name: str, choices: Mapping[str, str], /) -> str
     raise (ValueError if isinstance(value, str) else TypeError)(msg)
 
 
+def check_window(window: object, /) -> None:
+    """Refuse a KV window that is neither None (keep every token) nor an int >= 0.
+
+    >>> check_window(4)
+    >>> check_window(-1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: `window` must be a non-negative int (the newest tokens to keep), got -1; ...
+    """
+    if window is None:
+        return
+    if not is_int(window):
+        msg = (
+            f"`window` must be an int (the newest tokens to keep) or None, got {window!r} "
+            f"({type(window).__name__})."
+        )
+        raise TypeError(msg)
+    if window < 0:
+        msg = (
+            f"`window` must be a non-negative int (the newest tokens to keep), got {window!r}; "
+            "pass None to keep every token."
+        )
+        raise ValueError(msg)
+
+
 def check_session_id(session_id: object) -> Hashable:
     """Return ``session_id`` if it is a valid session id: any hashable value, as a dict key.
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import sessionstate as ss
 from sessionstate._kv._cache import GatheredKV
+from tests.support import handle_of, kv_of
 
 TOKEN = (2,)
 
@@ -47,20 +48,8 @@ def _stepper(pool: ss.KVPool, window: int | None) -> Any:
     return step
 
 
-def _kv(record: ss.SessionState) -> torch.Tensor:
-    kv = record.object("kv", ss.KVCache).read()
-    assert kv is not None
-    return kv
-
-
-def _handle(record: ss.SessionState) -> ss.KVHandle:
-    handle = record.object("kv", ss.KVCache).view()
-    assert handle is not None
-    return handle
-
-
 def _live_blocks(records: list[ss.SessionState]) -> int:
-    return len({b for r in records for b in _handle(r).blocks})
+    return len({b for r in records for b in handle_of(r).blocks})
 
 
 def test_unstack_of_a_stack_gives_back_each_record_its_handle() -> None:
@@ -71,11 +60,11 @@ def test_unstack_of_a_stack_gives_back_each_record_its_handle() -> None:
     (kv,) = [x for x in batch.leaves if isinstance(x, GatheredKV)]
     assert kv.tokens.shape == (3, 3, *TOKEN)
     for i, r in enumerate(records):
-        assert torch.equal(kv.tokens[i], _kv(r))
+        assert torch.equal(kv.tokens[i], kv_of(r))
     for copy in (True, False):
         back = ss.unstack(batch, copy=copy)
         for got, want in zip(back, records, strict=True):
-            assert _handle(got) is _handle(want)
+            assert handle_of(got) is handle_of(want)
             assert ss.tree_equal(got, want)
     assert pool.free_blocks == free
 
@@ -94,8 +83,8 @@ def test_a_vmapped_step_over_kv_is_each_session_stepped_with_the_pool(window: in
         stepped = [step_a(s, x) for s, x in zip(singles, xs, strict=True)]
         singles = [s for s, _ in stepped]
         for got, want, out, (_, expected) in zip(records, singles, outs, stepped, strict=True):
-            assert torch.equal(_kv(got), _kv(want))
-            assert _handle(got).tokens == _handle(want).tokens
+            assert torch.equal(kv_of(got), kv_of(want))
+            assert handle_of(got).tokens == handle_of(want).tokens
             assert torch.equal(out, expected)
             assert torch.equal(got.attrs["x"], want.attrs["x"])
         gc.collect()
@@ -113,15 +102,15 @@ def test_forks_of_one_handle_are_read_once_and_branch_on_commit() -> None:
     assert kv.tokens.shape == (3, *TOKEN)  # one read, unbatched, as a shared tensor stays
     assert batch.shared == 2  # the KV and the attr every fork holds
     # Unstepped forks share their handle again.
-    assert {id(_handle(r)) for r in ss.unstack(batch)} == {id(_handle(source))}
+    assert {id(handle_of(r)) for r in ss.unstack(batch)} == {id(handle_of(source))}
     xs = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
     stepped, _ = ss.vmap(step_b)(batch, xs)
     forks = ss.unstack(stepped)
     del stepped
     wants = [step_a(twin, x)[0] for x in xs]
     for fork, want in zip(forks, wants, strict=True):
-        assert torch.equal(_kv(fork), _kv(want))
-    assert torch.equal(_kv(source), _kv(twin))  # the source still reads its own tokens
+        assert torch.equal(kv_of(fork), kv_of(want))
+    assert torch.equal(kv_of(source), kv_of(twin))  # the source still reads its own tokens
     gc.collect()
     assert batched.free_blocks == alone.free_blocks
     assert batched.free_blocks == batched.num_blocks - _live_blocks([source, *forks])
@@ -136,7 +125,7 @@ def test_a_step_that_leaves_kv_unchanged_keeps_the_handles() -> None:
 
     batch, _ = ss.vmap(bump)(ss.stack(records), torch.ones(3, 2))
     back = ss.unstack(batch)
-    assert all(_handle(b) is _handle(r) for b, r in zip(back, records, strict=True))
+    assert all(handle_of(b) is handle_of(r) for b, r in zip(back, records, strict=True))
 
 
 def test_gathered_kv_counts_as_tensor_bytes_while_batched() -> None:
@@ -166,7 +155,7 @@ def test_handles_of_different_lengths_or_pools_are_refused_naming_the_path() -> 
 def test_a_commit_the_pool_cannot_hold_leaves_pool_and_records_as_before() -> None:
     pool = _pool(blocks=7)
     records = [_record(pool, float(i)) for i in range(3)]  # 6 blocks held, 1 free
-    before = [_kv(r).clone() for r in records]
+    before = [kv_of(r).clone() for r in records]
     filled = list(pool._filled)
     step = _stepper(pool, None)
     # Each session's two new tokens need one block past its partial one: three, one free.
@@ -177,11 +166,11 @@ def test_a_commit_the_pool_cannot_hold_leaves_pool_and_records_as_before() -> No
     assert pool.free_blocks == 1
     assert pool._filled == filled
     for r, kv in zip(records, before, strict=True):
-        assert torch.equal(_kv(r), kv)
+        assert torch.equal(kv_of(r), kv)
     # The records step on as before: one at a time, the pool holds each step.
     del batch
     state, _ = step(records[0], torch.ones(2))
-    assert _handle(state).tokens == 5
+    assert handle_of(state).tokens == 5
 
 
 @pytest.mark.parametrize("change", ["shrink", "rewrite"])
@@ -262,7 +251,7 @@ def test_batched_kv_steps_as_the_pool_does_for_any_layout(
         stepped = [step_for(pools[1], k)(s, x) for s, x in zip(singles, xs, strict=True)]
         singles = [s for s, _ in stepped]
         for got, want, out, (_, expected) in zip(batched, singles, outs, stepped, strict=True):
-            assert torch.equal(_kv(got), _kv(want))
+            assert torch.equal(kv_of(got), kv_of(want))
             assert torch.equal(out, expected)
         gc.collect()
         assert pools[0].free_blocks == pools[1].free_blocks
@@ -288,7 +277,7 @@ def test_a_managers_batched_step_stacks_and_unstacks_kv_all_or_nothing() -> None
         batched(states)
         raise RuntimeError("the step failed after its commit")
 
-    before = [_kv(m.peek(sid)).clone() for sid in ids]
+    before = [kv_of(m.peek(sid)).clone() for sid in ids]
     free = pool.free_blocks
     with pytest.raises(RuntimeError, match="after its commit"):
         m.step_many(ids, failing, new=ss.SessionState)
@@ -297,5 +286,5 @@ def test_a_managers_batched_step_stacks_and_unstacks_kv_all_or_nothing() -> None
     expected = [step(m.peek(sid), x)[0] for sid, x in zip(ids, xs, strict=True)]
     m.step_many(ids, batched, new=ss.SessionState)
     for sid, kv, want in zip(ids, before, expected, strict=True):
-        assert torch.equal(_kv(m.peek(sid))[:3], kv)
-        assert torch.equal(_kv(m.peek(sid)), _kv(want))
+        assert torch.equal(kv_of(m.peek(sid))[:3], kv)
+        assert torch.equal(kv_of(m.peek(sid)), kv_of(want))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import sessionstate as ss
-from tests.support import assert_stats_equal_a_recount
+from tests.support import assert_stats_equal_a_recount, handle_of, kv_of
 
 TOKEN = (2,)
 
@@ -25,18 +25,6 @@ def _record(
     kv = (torch.arange(tokens * 2.0).view(tokens, 2) + fill).to(pool.storage.dtype)
     cache = ss.KVCache(name="kv").allocate().append(pool, kv, window=window)
     return ss.SessionState(objects={"kv": cache})
-
-
-def _handle(record: ss.SessionState) -> ss.KVHandle:
-    handle = record.object("kv", ss.KVCache).view()
-    assert handle is not None
-    return handle
-
-
-def _kv(record: ss.SessionState) -> torch.Tensor:
-    kv = record.object("kv", ss.KVCache).read()
-    assert kv is not None
-    return kv
 
 
 def _stepper(pool: ss.KVPool, window: int | None, n_new: int) -> Any:
@@ -55,7 +43,7 @@ def _stepper(pool: ss.KVPool, window: int | None, n_new: int) -> Any:
 
 def _free_is_total_less_live(pool: ss.KVPool, records: list[ss.SessionState]) -> None:
     gc.collect()
-    live = {b for r in records for b in _handle(r).blocks}
+    live = {b for r in records for b in handle_of(r).blocks}
     assert pool.free_blocks == pool.num_blocks - len(live)
 
 
@@ -80,8 +68,8 @@ def test_a_batched_step_is_each_session_stepped_on_the_pool(
     del batch
     alone = [step(r, x) for r, x in zip(records, xs, strict=True)]
     for got, out, (want, want_out) in zip(stepped, outs, alone, strict=True):
-        assert torch.equal(_kv(got), _kv(want))
-        assert _handle(got).tokens == _handle(want).tokens
+        assert torch.equal(kv_of(got), kv_of(want))
+        assert handle_of(got).tokens == handle_of(want).tokens
         assert torch.equal(out, want_out)
     _free_is_total_less_live(pool, records + stepped + [r for r, _ in alone])
 
@@ -92,8 +80,8 @@ def test_unstacking_twice_gives_two_sets_of_handles_reading_alike() -> None:
     batch, _ = ss.vmap(_stepper(pool, None, 1))(ss.stack(records), torch.ones(2, 2))
     first, second = ss.unstack(batch), ss.unstack(batch)
     for a, b in zip(first, second, strict=True):
-        assert torch.equal(_kv(a), _kv(b))
-        assert _handle(a).blocks != _handle(b).blocks  # each commit is its own
+        assert torch.equal(kv_of(a), kv_of(b))
+        assert handle_of(a).blocks != handle_of(b).blocks  # each commit is its own
     del batch
     _free_is_total_less_live(pool, records + first + second)
 
@@ -130,7 +118,7 @@ def test_empty_handles_stack_step_and_commit() -> None:
     stepped = ss.unstack(batch)
     del batch
     for got, record in zip(stepped, records, strict=True):
-        assert torch.equal(_kv(got), _kv(step(record, torch.ones(2))[0]))
+        assert torch.equal(kv_of(got), kv_of(step(record, torch.ones(2))[0]))
     _free_is_total_less_live(pool, stepped + records)
 
 
@@ -157,15 +145,9 @@ def test_exhausting_the_second_pool_in_a_commit_gives_the_first_its_blocks_back(
     gc.collect()
     assert (big.free_blocks, small.free_blocks) == free
     assert [
-        torch.equal(_kv_of(r, "a"), torch.full((2, 2), f))
+        torch.equal(kv_of(r, "a"), torch.full((2, 2), f))
         for r, f in zip(records, (1.0, 2.0), strict=True)
     ] == [True, True]
-
-
-def _kv_of(record: ss.SessionState, name: str) -> torch.Tensor:
-    kv = record.object(name, ss.KVCache).read()
-    assert kv is not None
-    return kv
 
 
 def test_a_managers_batched_step_under_a_budget_that_parks_keeps_the_pool_and_stats_exact() -> None:
@@ -194,12 +176,12 @@ def test_a_managers_batched_step_under_a_budget_that_parks_keeps_the_pool_and_st
         ["s0", "s3", "s1"],
     )
     for ids in rounds:  # sessions of one length per batch
-        before = {sid: _kv(m.require(sid)) for sid in ids}
+        before = {sid: kv_of(m.require(sid)) for sid in ids}
         m.step_many(ids, batched, new=ss.SessionState)
         for sid in ids:  # the same step, alone, on a twin pool
             cache = ss.KVCache(name="kv").allocate().append(twin, before[sid])
             want = twin_step(ss.SessionState(objects={"kv": cache}), torch.ones(2))[0]
-            assert torch.equal(_kv(m.require(sid)), _kv(want))
+            assert torch.equal(kv_of(m.require(sid)), kv_of(want))
         assert_stats_equal_a_recount(m)
         resident = [
             r

@@ -566,8 +566,9 @@ CORE_MESSAGES = {
     # and NaN ids: pinned in test_session_ids.py), then the validators: `check_bool` (through
     # the manager's `check_immutable`, test_reliability_contracts.py), `a_bool` (through the
     # deploy config, above), `an_int` and `one_of` (the model configs'; `positive_int` raises
-    # `check_count`'s), and `check_choice` (`on_full` and `host_pool_full`, pinned above).
-    "_checks.py": 1 + 1 + 2 + 4 + 1,
+    # `check_count`'s), `check_choice` (`on_full` and `host_pool_full`, pinned above), and
+    # `check_window`, the KV window of `KVPool.append` and `KVCache.append` (test_kvpool.py).
+    "_checks.py": 1 + 1 + 2 + 4 + 1 + 2,
     "_objects.py": 4 + 3 + 3 + 5,  # with the chunk checks
     "_random.py": 3,  # the key's tensor, its seed, and use before `allocate`: pinned below
     # A parked object's refusal, pinned in test_park_reliability.py; then the two of one value
@@ -581,7 +582,7 @@ CORE_MESSAGES = {
     # of two token counts, moved by the step, and rewritten by it (test_batch_kv_messages).
     "_batch.py": 4 + 4,
     # The KV pool's own (test_kvpool.py, test_kv_park.py), then `read_many`'s two (below).
-    "_kv/_pool.py": 12 + 2,
+    "_kv/_pool.py": 10 + 2,
     # A commit of something not a handle (test_park.py); a batched append to another pool or
     # of another token shape or dtype (test_batch_kv_messages).
     "_kv/_cache.py": 1 + 2 + 1,

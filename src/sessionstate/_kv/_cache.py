@@ -20,7 +20,8 @@ import attrs
 import torch
 
 from sessionstate._accounting import StorageEntry, leaf_entries, note_derived, noted_derivation
-from sessionstate._kv._pool import KVHandle, KVPool, _check_window
+from sessionstate._checks import check_window
+from sessionstate._kv._pool import KVHandle, KVPool
 from sessionstate._protocols import Derivation
 from sessionstate._stateobject import SingleValueObject
 from sessionstate._tree import field, register_record, static_field
@@ -75,7 +76,7 @@ class GatheredKV:
                 of another token shape or dtype than the pool's, or a negative ``window``.
             TypeError: for a ``window`` that is not an int.
         """
-        _check_window(window)  # the pool's own rule and message for a window
+        check_window(window)  # the pool's own rule and message for a window
         if pool is not self.pool:
             msg = (
                 f"Cannot append to KV gathered from pool {self.pool.name!r} with pool "

@@ -50,7 +50,7 @@ import attrs
 import torch
 
 from sessionstate._accounting import EngineBlock, StorageEntry, virtual_address
-from sessionstate._checks import check_count, is_int
+from sessionstate._checks import check_count, check_window
 from sessionstate._errors import KVPoolExhaustedError, StaleKVHandleError
 from sessionstate._protocols import DeferredRead
 from sessionstate._storage import record_device, recording, register_snapshot_leaf
@@ -277,23 +277,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_window(window: object) -> None:
-    if window is None:
-        return
-    if not is_int(window):
-        msg = (
-            f"`window` must be an int (the newest tokens to keep) or None, got {window!r} "
-            f"({type(window).__name__})."
-        )
-        raise TypeError(msg)
-    if window < 0:
-        msg = (
-            f"`window` must be a non-negative int (the newest tokens to keep), got {window!r}; "
-            "pass None to keep every token."
-        )
-        raise ValueError(msg)
-
-
 class KVPool:
     """A preallocated tensor of ``num_blocks`` KV blocks on one device, with a free list.
 
@@ -496,7 +479,7 @@ class KVPool:
             )
             raise TypeError(msg)
         if window is not None and (type(window) is not int or window < 0):
-            _check_window(window)
+            check_window(window)
         n, bt = int(kv.shape[0]), self.block_tokens
         filled = self._filled
         log = getattr(self._local, "log", None)
