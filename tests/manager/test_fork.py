@@ -7,6 +7,7 @@ unparks or goes; the cap is checked for the whole fork before anything changes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,12 @@ def test_fork_refuses_bad_ids_and_changes_nothing() -> None:
         m.fork("a", "a")
     with pytest.raises(ValueError, match=r"into 'b': that id is named twice"):
         m.fork("a", "b", "b")
+    msg = (
+        "`fork` takes each branch id as its own argument, got the collection ['b', 'c']; "
+        "unpack it: `fork('a', *ids)`."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        m.fork("a", ["b", "c"])  # type: ignore[arg-type]
     assert m.session_ids() == ["a", "z"]
 
 

@@ -703,6 +703,12 @@ class SessionStateManager(Generic[SessionT]):
         """
         check_session_id(source_id)
         for branch_id in branch_ids:
+            if isinstance(branch_id, list | set):  # the ids as one collection, not unpacked
+                msg = (
+                    f"`fork` takes each branch id as its own argument, got the collection "
+                    f"{branch_id!r}; unpack it: `fork({source_id!r}, *ids)`."
+                )
+                raise TypeError(msg)
             check_session_id(branch_id)
         share_random = check_bool(share_random, "share_random")
         if not branch_ids:
