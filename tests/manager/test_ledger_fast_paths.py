@@ -86,7 +86,7 @@ def _run(ops: list[tuple[str, int, int]], manager: SessionStateManager, pool: KV
         assert_stats_equal_a_recount(manager)
 
 
-@settings(max_examples=60)  # the suite's costliest property (~0.2 s an example)
+@settings(max_examples=40)  # the suite's costliest property (~0.2 s an example)
 @given(ops=OPS, budget=st.booleans())
 def test_stats_equal_a_recount_after_kv_cache_and_attribute_puts(
     ops: list[tuple[str, int, int]], budget: bool
