@@ -195,10 +195,7 @@ def collect_storages(
     for key, t in tensors:
         _check_tensor(t, key)
         storage = t.untyped_storage()
-        pointer = storage.data_ptr()
-        identity: tuple[Any, ...] = (
-            (str(t.device), pointer, storage.nbytes()) if pointer else ("object", storage._cdata)
-        )
+        identity = storage_identity(t, storage)
         i = index.get(identity)
         if i is None:
             i = index[identity] = len(storages)
@@ -215,6 +212,21 @@ def collect_storages(
             )
         )
     return storages, views
+
+
+def storage_identity(t: torch.Tensor, storage: torch.UntypedStorage, /) -> tuple[Any, ...]:
+    """What identifies ``t``'s storage (``storage``) among a walk's: its device and address
+    range (two storage objects over the same memory are one storage), or, without memory,
+    the storage object.
+
+    >>> x = torch.arange(4.0)
+    >>> storage_identity(x, x.untyped_storage()) == storage_identity(x[1:], x[1:].untyped_storage())
+    True
+    """
+    pointer = storage.data_ptr()
+    if pointer:
+        return (t.device, pointer, storage.nbytes())
+    return ("object", storage._cdata)
 
 
 def storage_bytes(storage: torch.UntypedStorage, /) -> torch.Tensor:

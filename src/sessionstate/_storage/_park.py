@@ -79,6 +79,7 @@ from sessionstate._storage._format import (
     collect_storages,
     rebuild_views,
     storage_bytes,
+    storage_identity,
 )
 from sessionstate._storage._hostpool import HostBufferPool
 from sessionstate._tree import (
@@ -616,23 +617,21 @@ def _whole_places(tensors: Sequence[torch.Tensor]) -> list[int]:
     # lazy negation or conjugation), so that restored as a fresh tensor of the same shape
     # each holds the same bytes in a storage of the same size. Every tensor is checked as
     # `collect_storages` checks it.
-    seen: dict[Any, int] = {}  # storage identity -> the first tensor's place
+    seen: dict[Any, int] = {}  # storage identity (as `collect_storages` has it) -> place
     shared: set[int] = set()
     whole: list[int] = []
     for i, t in enumerate(tensors):
         _check_tensor(t, "")
         storage = t.untyped_storage()
-        pointer = storage.data_ptr()
-        nbytes = storage.nbytes()
-        identity = (t.device, pointer, nbytes) if pointer else storage._cdata
+        identity = storage_identity(t, storage)
         first = seen.get(identity)
         if first is not None:
             shared.add(first)
             continue
         seen[identity] = i
         if (
-            pointer
-            and t.nbytes == nbytes
+            identity[0] != "object"  # a storage with memory: identified by its addresses
+            and t.nbytes == storage.nbytes()
             and t.storage_offset() == 0
             and t.is_contiguous()
             and not t.is_neg()
