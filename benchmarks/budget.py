@@ -21,7 +21,9 @@ with the time spent waiting for a core, the CPU-time one much less.
    as glibc maps a large allocation afresh and it page-faults) and ``copy_floor`` (two
    ``copy_`` into preallocated memory). The host tier without and with a host pool, and the
    disk tier beside ``torch.save`` + ``torch.load``. Target: the host tier with a pool within
-   1.2x of the fresh floor at 16 and 64 MiB.
+   1.2x of the fresh floor at 16 and 64 MiB. These managers copy every park
+   (``keep_parked_copies=False``): the records never change, so with copies kept every park
+   after the first takes its copy back, which ``host_pool_kept`` measures beside them.
 2. ``kv_park``: a session whose `KVCache` holds N MiB of a `KVPool`'s blocks, parked with
    `park_until` (its blocks go back to the pool) and read back with `get` (reloaded into
    fresh blocks), beside copying the same bytes out and back (two ``copy_``), with a host
@@ -29,15 +31,18 @@ with the time spent waiting for a core, the CPU-time one much less.
    memory, which page-faults). Target: with a host pool, 1.5x two ``copy_``.
 3. ``tiny_session``: one DreamZero tiny session (its storages and its KV) parked with
    `park_until` and read back with `get`, beside one consolidated copy of its bytes (one
-   tensor out and back). Target: 10x. Beside them the host tier alone (``park_tree`` of the
-   same objects and ``restore``): what the manager's bookkeeping adds is the difference.
+   tensor out and back). Target: 10x, every park copying (the session does not change
+   between trips; ``session_kept`` is the same trip with copies kept: the parks take them
+   back, K/V aside). Beside them the host tier alone (``park_tree`` of the same objects and
+   ``restore``): what the manager's bookkeeping adds is the difference.
 4. ``put_check``: `SessionStateManager.put` of a DreamZero-shaped record (one value changed
    per put, as a model step does) with a byte budget that never parks, vs the same put without
    a budget, vs a plain walk of the record's leaves (`tree_leaves`). Target: within 2x.
 5. ``round_robin``: six DreamZero tiny sessions stepped in turn through the managed
-   pipeline's ``forward``, three pipelines stepped in turns: unbudgeted, under a budget that
+   pipeline's ``forward``, four pipelines stepped in turns: unbudgeted, under a budget that
    holds two sessions at their largest (the others parked, KV included, and unparked on their
-   turn), and the same with ``prefetch(next, make_room=True)`` before each step. The budget
+   turn), the same copying every park (``keep_parked_copies=False``), and the same with
+   ``prefetch(next, make_room=True)`` before each step. The budget
    never evicts: the run fails if it does (evicted sessions would start over and the paths
    would stop doing the same work). Target: budgeted within 1.15x of unbudgeted.
 """
@@ -64,6 +69,7 @@ from sessionstate import (
     KVCache,
     KVPool,
     LatentBuffer,
+    OmniDiffusionConfig,
     SessionState,
     SessionStateManager,
     TensorCache,
@@ -126,10 +132,16 @@ def round_trip(mib: int, repeats: int) -> dict[str, Any]:
     spool = tempfile.mkdtemp(prefix="sessionstate-bench-")
     one = n * 4
     budget = {"cpu": one + one // 2}  # one session resident, never two
+    pool_bytes = 2 * one + 4096
+    # Every park copies (`keep_parked_copies=False`): the records never change, so kept copies
+    # would make every park after the first free. ``host_pool_kept`` shows that: the same
+    # alternation with the copies kept, each park taking its copy back.
+    copy = {"max_bytes": budget, "keep_parked_copies": False}
     managers = {
-        "host": _budgeted(max_bytes=budget, park_tier="host"),
-        "host_pool": _budgeted(max_bytes=budget, park_tier="host", host_pool_bytes=2 * one + 4096),
-        "disk": _budgeted(max_bytes=budget, park_tier="disk", spool_dir=spool),
+        "host": _budgeted(**copy, park_tier="host"),
+        "host_pool": _budgeted(**copy, park_tier="host", host_pool_bytes=pool_bytes),
+        "disk": _budgeted(**copy, park_tier="disk", spool_dir=spool),
+        "host_pool_kept": _budgeted(max_bytes=budget, park_tier="host", host_pool_bytes=pool_bytes),
     }
     for m in managers.values():
         for sid in "ab":
@@ -176,12 +188,17 @@ def round_trip(mib: int, repeats: int) -> dict[str, Any]:
         if s["evictions"] or s["parks"] < repeats:
             msg = f"the {name} round trip did not park every turn: {s}"
             raise RuntimeError(msg)
+    kept = stats["host_pool_kept"]
+    if kept["reparks"] < repeats or stats["host_pool"]["reparks"]:
+        msg = f"the kept round trip did not take its copies back every turn: {kept}"
+        raise RuntimeError(msg)
     out: dict[str, Any] = {"mib": mib}
     out.update({f"{k}_ms": v * 1e3 for k, v in medians.items()})
-    for name in ("host", "host_pool"):
+    for name in ("host", "host_pool", "host_pool_kept"):
         out[f"{name}_over_fresh_floor"] = medians[name] / medians["fresh_floor"]
         out[f"{name}_over_copy_floor"] = medians[name] / medians["copy_floor"]
         out[f"{name}_over_fresh_floor_cpu"] = cpu[name] / cpu["fresh_floor"]
+    out["host_pool_kept_over_host_pool"] = medians["host_pool_kept"] / medians["host_pool"]
     out["disk_over_torch_save_load"] = medians["disk"] / medians["torch_save_load"]
     out["host_pool_spills"] = stats["host_pool"]["host_pool_spills"]
     return out
@@ -259,11 +276,23 @@ def tiny_session(repeats: int) -> dict[str, Any]:
     from sessionstate.models.dreamzero.episode import scripted_episode
 
     cfg = DreamZeroConfig.preset("tiny")
-    pipe = DreamZeroPipeline(cfg, environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"})
-    sid: Hashable = None
-    for sid, obs in scripted_episode(cfg, steps=3, sessions=1, seed=0):
-        pipe.forward(obs, sid)
-    m = pipe._managed.manager  # type: ignore[union-attr]
+
+    def manager(keep: bool) -> SessionStateManager[Any]:
+        # One session three steps in; ``keep``: whether unparks keep their copies.
+        config = OmniDiffusionConfig(
+            enable_session_state_manager=True,
+            model={"preset": "tiny"},
+            session_state_keep_parked_copies=keep,
+        )
+        pipe = DreamZeroPipeline(config, environ={})
+        for sid, obs in scripted_episode(cfg, steps=3, sessions=1, seed=0):
+            pipe.forward(obs, sid)
+        return pipe._managed.manager  # type: ignore[union-attr]
+
+    # The session is never changed between trips: with its copies kept, every park but the
+    # first takes them back (K/V aside), so the target's figure is taken with none kept.
+    m, kept = manager(False), manager(True)
+    sid: Hashable = m.session_ids()[0]
     state = m.peek(sid)
     assert state is not None
     storages = {
@@ -280,7 +309,7 @@ def tiny_session(repeats: int) -> dict[str, Any]:
     ).restore()
     del state
 
-    def trip() -> None:
+    def trip(m: SessionStateManager[Any] = m) -> None:
         m.park_until(lambda: False, frees=lambda entry: True)
         if m.get(sid) is None:
             msg = "the tiny session was lost"
@@ -297,7 +326,16 @@ def tiny_session(repeats: int) -> dict[str, Any]:
         back.copy_(dst)
 
     cpu: dict[str, float] = {}
-    medians = _in_turns({"session": trip, "tier": tier, "one_copy": floor}, repeats * 10, cpu=cpu)
+    medians = _in_turns(
+        {
+            "session": trip,
+            "session_kept": lambda: trip(kept),
+            "tier": tier,
+            "one_copy": floor,
+        },
+        repeats * 10,
+        cpu=cpu,
+    )
     return {
         "storages": len(storages),
         "parked_storages": len(
@@ -311,6 +349,10 @@ def tiny_session(repeats: int) -> dict[str, Any]:
         "tier_over_one_copy": medians["tier"] / medians["one_copy"],
         "over_one_copy_cpu": cpu["session"] / cpu["one_copy"],
         "parks": m.stats()["parks"],
+        "kept_park_unpark_us": medians["session_kept"] * 1e6,
+        "kept_over_one_copy": medians["session_kept"] / medians["one_copy"],
+        "kept_over_copied": medians["session_kept"] / medians["session"],
+        "kept_reparks": kept.stats()["reparks"],
     }
 
 
@@ -378,14 +420,17 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
     cfg = DreamZeroConfig.preset("tiny")
     episode = list(scripted_episode(cfg, steps=rounds + 1, sessions=sessions, seed=0))
 
-    def pipeline(max_bytes: int | None) -> DreamZeroPipeline:
-        env = {"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"}
-        if max_bytes is not None:
-            env["OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES"] = str(max_bytes)
-            env["OMNI_DIFFUSION_SESSION_STATE_MANAGER_PARK_TIER"] = "host"
+    def pipeline(max_bytes: int | None, *, keep: bool = True) -> DreamZeroPipeline:
+        config = OmniDiffusionConfig(
+            enable_session_state_manager=True,
+            model={"preset": "tiny"},
+            session_state_max_bytes=max_bytes,
+            session_state_park_tier="host",
+            session_state_keep_parked_copies=keep,
+        )
         with warnings.catch_warnings():  # a host tier under a cpu budget warns
             warnings.simplefilter("ignore")
-            return DreamZeroPipeline(cfg, environ=env)
+            return DreamZeroPipeline(config, environ={})
 
     # The budget: two sessions at their largest (the end of an unbudgeted run), a quarter
     # of one to spare, so the round robin parks and never has to evict.
@@ -401,6 +446,7 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
     pipes = {
         "unbudgeted": pipeline(None),
         "budgeted": pipeline(budget),
+        "budgeted_copying": pipeline(budget, keep=False),
         "budgeted_prefetch": pipeline(budget),
     }
     names = list(pipes)
@@ -439,7 +485,11 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         "budgeted_over_unbudgeted": medians["budgeted"] / medians["unbudgeted"],
         "prefetch_over_unbudgeted": medians["budgeted_prefetch"] / medians["unbudgeted"],
         "budgeted_over_unbudgeted_cpu": cpu["budgeted"] / cpu["unbudgeted"],
+        "budgeted_copying_step_ms": medians["budgeted_copying"] * 1e3,
+        "copying_over_unbudgeted": medians["budgeted_copying"] / medians["unbudgeted"],
         "parks": stats["budgeted"].get("parks", 0),
+        "reparks": stats["budgeted"].get("reparks", 0),
+        "nbytes_reparked": stats["budgeted"].get("nbytes_reparked", 0),
         "kv_parks": stats["budgeted"].get("kv_parks", 0),
         "evictions": evictions,
         "prefetches": fetched.get("prefetches", 0),

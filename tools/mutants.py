@@ -1034,9 +1034,9 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "        return any(obj.handle is handle for obj in self.storing) or any(",
-                "        return False and any(obj.handle is handle for obj in self.storing) "
-                "or False and any(",
+                "        return (\n            any(obj.handle is handle for obj in self.storing)",
+                "        return False and (\n"
+                "            any(obj.handle is handle for obj in self.storing)",
             ),
         ),
         ("tests/manager/test_fork.py", "tests/manager/test_fork_stateful.py"),
@@ -1047,8 +1047,8 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "            if known is not None and known[0]() is obj and",
-                "            if False and known is not None and known[0]() is obj and",
+                "            if known is None or known[0]() is not obj or",
+                "            if True or known is None or known[0]() is not obj or",
             ),
         ),
         ("tests/manager/test_fork.py",),
@@ -1121,6 +1121,63 @@ MUTANTS = (
             ),
         ),
         ("tests/models/test_random_models.py",),
+    ),
+    Mutant(
+        "kept-copy-ignores-versions",
+        "a park takes a kept copy back for the very object unparked, even after an in-place "
+        "write into it",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "if restored.ref() is obj and _versions(obj) == restored.versions:",
+                "if restored.ref() is obj:",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "kept-copy-splits-a-shared-storage",
+        "objects unchanged since their unpark are parked apart from the changed ones even "
+        "when a storage reaches both",
+        "sessionstate/_manager/_parking.py",
+        (("        if not seen.isdisjoint(mine):\n", "        if False:\n"),),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "kept-copy-outlives-its-objects",
+        "a kept copy whose objects were freed stays until the session parks again",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            for name in [n for n, r in clean.items() if r.ref() is None]:",
+                "            for name in []:",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "full-host-pool-keeps-kept-copies",
+        "a park the host pool cannot hold spills to disk while kept copies fill the pool",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "        dropped = False\n        for session_id in list(self._kept):",
+                "        return False\n        for session_id in list(self._kept):",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "sibling-share-ignores-versions",
+        "a park takes a sibling's parked bytes for an object written in place since",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "if then is not None and then[0]() is obj and _versions(obj) == then[1]:",
+                "if True:",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
     ),
 )
 

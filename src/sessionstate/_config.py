@@ -234,6 +234,10 @@ class OmniDiffusionConfig:
         session_state_host_pool_full: What a park the host pool cannot hold does: ``"disk"``
             (default) spills it to the disk tier, ``"refuse"`` refuses it (the session stays
             resident, and the budget evicts or refuses as ``session_state_on_full`` says).
+        session_state_keep_parked_copies: Whether an unpark keeps the tier's copy of the
+            objects it restored while the session holds them unchanged, so that parking it
+            again copies only what changed (default True; see the manager's
+            ``keep_parked_copies``).
 
     >>> OmniDiffusionConfig(enable_session_state_manager=True).enable_session_state_manager
     True
@@ -257,6 +261,9 @@ class OmniDiffusionConfig:
     )
     session_state_host_pool_full: HostPoolFull = attrs.field(
         default="disk", validator=_check_host_pool_full, kw_only=True
+    )
+    session_state_keep_parked_copies: bool = attrs.field(
+        default=True, validator=a_bool, kw_only=True
     )
     source: str | None = attrs.field(default=None, kw_only=True, repr=False, eq=False)
     """The file this config was loaded from (set by `from_yaml`), named in its errors."""
@@ -302,7 +309,7 @@ class OmniDiffusionConfig:
             session_state_on_full='evict', session_state_max_bytes=None,
             session_state_park_tier='host', session_state_spool_dir=None,
             session_state_kv_pool_bytes=None, session_state_host_pool_bytes=None,
-            session_state_host_pool_full='disk')
+            session_state_host_pool_full='disk', session_state_keep_parked_copies=True)
         """
         if not isinstance(data, Mapping):
             msg = f"A deploy config must be a mapping of keys to values, got {type(data).__name__}."
@@ -381,6 +388,7 @@ class SessionStateSettings:
     kv_pool_bytes: int | None = None
     host_pool_bytes: int | None = None
     host_pool_full: HostPoolFull = "disk"
+    keep_parked_copies: bool = True
 
 
 def parse_env_flag(value: str | None, /) -> bool | None:
@@ -445,7 +453,8 @@ def resolve_session_state_config(
     ... # doctest: +NORMALIZE_WHITESPACE
     SessionStateSettings(enabled=False, max_sessions=64, check_immutable=False,
         on_full='evict', max_bytes=None, park_tier='host', spool_dir=None,
-        kv_pool_bytes=None, host_pool_bytes=None, host_pool_full='disk')
+        kv_pool_bytes=None, host_pool_bytes=None, host_pool_full='disk',
+        keep_parked_copies=True)
     """
     env = os.environ if environ is None else environ
     enabled = config.enable_session_state_manager if config is not None else False
@@ -520,6 +529,9 @@ def resolve_session_state_config(
         kv_pool_bytes=_resolve_pool_bytes(config, env, "session_state_kv_pool_bytes"),
         host_pool_bytes=_resolve_pool_bytes(config, env, "session_state_host_pool_bytes"),
         host_pool_full=config.session_state_host_pool_full if config is not None else "disk",
+        keep_parked_copies=(
+            config.session_state_keep_parked_copies if config is not None else True
+        ),
     )
 
 

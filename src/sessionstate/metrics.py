@@ -166,6 +166,7 @@ class SessionStateCollector:
             ("evictions", stats["evictions"], "Sessions evicted."),
             ("refusals", snap["events"].get("refuse", 0), "Puts and reads refused."),
             ("kv_parks", stats.get("kv_parks", 0), "Parks that moved KV blocks."),
+            ("reparks", stats.get("reparks", 0), "Parks that took a kept copy back."),
             ("forks", stats.get("forks", 0), "Branches made by `fork`."),
         ]
         for name, value, doc in plain:
@@ -230,6 +231,12 @@ _BY_KEY = [
     ("nbytes", "resident_bytes", "Resident bytes, each storage once.", "device"),
     ("engine_nbytes", "engine_bytes", "Resident engine-block bytes.", "device"),
     ("nbytes_parked", "parked_bytes", "Bytes the park tiers hold.", "tier"),
+    (
+        "nbytes_kept",
+        "kept_bytes",
+        "Bytes the park tiers keep for resident sessions (copies of unchanged objects).",
+        "tier",
+    ),
     ("max_bytes", "budget_bytes", "The byte budget per device.", "device"),
 ]
 """The `stats()` keys read per device or tier: key, metric name, help, label."""

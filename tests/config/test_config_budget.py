@@ -6,9 +6,16 @@ import logging
 import re
 
 import pytest
+import torch
 
-from sessionstate import ENV_MAX_BYTES, OmniDiffusionConfig, resolve_session_state_config
+from sessionstate import (
+    ENV_MAX_BYTES,
+    OmniDiffusionConfig,
+    SessionState,
+    resolve_session_state_config,
+)
 from sessionstate._env import ENV_HOST_POOL_BYTES, ENV_KV_POOL_BYTES
+from sessionstate.models._kit import build_manager
 
 GIB = 2**30
 
@@ -256,3 +263,14 @@ def test_host_pool_bytes_field_env_override_and_messages(
     )
     with pytest.raises(ValueError, match=re.escape(msg)):
         OmniDiffusionConfig(session_state_host_pool_full="ram")  # type: ignore[arg-type]
+
+
+def test_keep_parked_copies_reaches_the_manager() -> None:
+    assert resolve_session_state_config(None, {}).keep_parked_copies is True
+    off = OmniDiffusionConfig(session_state_keep_parked_copies=False)
+    settings = resolve_session_state_config(off, {})
+    assert settings.keep_parked_copies is False
+    manager = build_manager(SessionState, settings, torch.device("cpu"))
+    assert manager.keep_parked_copies is False
+    with pytest.raises(TypeError, match="session_state_keep_parked_copies"):
+        OmniDiffusionConfig(session_state_keep_parked_copies="no")  # type: ignore[arg-type]

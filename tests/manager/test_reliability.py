@@ -641,7 +641,8 @@ def test_yaml_unknown_key(tmp_path: Path) -> None:
         f"Deploy config {str(path)!r}: Unknown deploy config key 'enable_session_state_manger' "
         "(value True); known keys: ['enable_session_state_manager', 'model', "
         "'session_state_host_pool_bytes', 'session_state_host_pool_full', "
-        "'session_state_kv_pool_bytes', 'session_state_max_bytes', 'session_state_on_full', "
+        "'session_state_keep_parked_copies', 'session_state_kv_pool_bytes', "
+        "'session_state_max_bytes', 'session_state_on_full', "
         "'session_state_park_tier', 'session_state_spool_dir']."
     )
     with pytest.raises(MissingKeyError, match=_exact(msg)) as info:

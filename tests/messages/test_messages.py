@@ -393,8 +393,9 @@ def test_unknown_config_key() -> None:
     msg = (
         "Unknown deploy config key 'max_sessions' (value 8); "
         "known keys: ['enable_session_state_manager', 'model', 'session_state_host_pool_bytes', "
-        "'session_state_host_pool_full', 'session_state_kv_pool_bytes', "
-        "'session_state_max_bytes', 'session_state_on_full', 'session_state_park_tier', "
+        "'session_state_host_pool_full', 'session_state_keep_parked_copies', "
+        "'session_state_kv_pool_bytes', 'session_state_max_bytes', 'session_state_on_full', "
+        "'session_state_park_tier', "
         "'session_state_spool_dir']."
     )
     with pytest.raises(KeyError, match=_exact(msg)) as info:

@@ -45,10 +45,16 @@ def test_parks_land_in_the_pool_and_come_back_on_unpark_drop_and_evict() -> None
     assert s["host_pool_nbytes"] == total
     assert s["host_pool_free_nbytes"] == total - 4 * _N
     assert s["host_pool_spills"] == 0
-    a = m.get("a")  # unparked: its range goes back ("b" is parked into the pool instead)
+    a = m.get("a")  # unparked ("b" is parked into the pool instead); "a"'s copy is kept
     assert a is not None
     assert torch.equal(a.object("c", TensorCache).view()[0], torch.ones(_N))
+    s = m.stats()
+    assert s["host_pool_free_nbytes"] == total - 8 * _N
+    assert s["nbytes_kept:host"] == 4 * _N
+    m.put("a", _record(5))  # "a" holds another object: its kept copy goes once it is freed
+    del a
     assert m.stats()["host_pool_free_nbytes"] == total - 4 * _N
+    assert m.stats()["nbytes_kept:host"] == 0
     assert m.drop("b")  # "b"'s range goes back
     assert m.stats()["host_pool_free_nbytes"] == total
     for sid in ("c", "d", "e"):  # the cap evicts parked sessions: their ranges come back

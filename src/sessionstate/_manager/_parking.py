@@ -5,6 +5,18 @@ tier, checks a parked session's bytes before the manager makes room for them, un
 releases the tier's handles it created once nothing stored needs them. The tiers themselves
 (how bytes move) are the park tiers' in `sessionstate._storage`.
 
+A parked object comes back as a fresh copy, and the tier's copy of it is still good for as
+long as the session holds that object unchanged: the copy is *kept* (never one holding K/V)
+instead of released, so parking the session again costs no copy of what did not change. An
+object counts as unchanged while the session holds the very object restored, with every
+tensor's version counter as it was (an in-place write through any view bumps it; writes that
+bypass the counter, as the immutability guard also says, are not seen: records are
+immutable). Objects unchanged since the unpark whose copy cannot be taken back whole (another
+object parked with them changed) are parked apart from the changed ones, unless a storage
+reaches both, so the next round can keep theirs. A kept copy goes as soon as one of its
+objects is gone, when the session is parked again without it, dropped or evicted, and first
+when the host pool is full.
+
 It also owns the host tier's `HostBufferPool` (when the manager is given its bytes) and the
 prefetches: a parked session whose handles are being restored in the background, with the
 bytes that restore makes resident reserved (charged to the budget) until the session is
@@ -16,13 +28,15 @@ from __future__ import annotations
 import tempfile
 import time
 import weakref
-from collections.abc import Collection, Hashable, Iterable
-from typing import Literal, TypeVar, cast
+from collections.abc import Collection, Hashable, Iterable, Mapping
+from typing import Any, Literal, TypeVar, cast
+
+import torch
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError, reason
 from sessionstate._events import Reporter, SessionEvent, span
 from sessionstate._kv import EncodeOnceKV, KVCache
-from sessionstate._session import SessionState
+from sessionstate._session import SessionState, ValueKey
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import (
     HostBufferPool,
@@ -30,8 +44,10 @@ from sessionstate._storage import (
     ParkedBytes,
     SpoolDir,
     Tier,
+    is_engine_leaf,
     reclaim_spool,
 )
+from sessionstate._tree import tree_leaves
 
 __all__ = ["HostPoolFull", "Parking"]
 
@@ -58,6 +74,8 @@ class Parking:
             tier instead (in the spool directory; counted as a spill), ``"refuse"`` raises
             `ParkingError` (caused by `HostPoolFullError`), which the budget treats as a
             session with nothing parkable.
+        keep_copies: Whether an unpark keeps the copies of the objects it restored while
+            they are unchanged (see above); False: it releases them.
 
     >>> import torch
     >>> from sessionstate import SessionState, TensorCache
@@ -76,6 +94,7 @@ class Parking:
         *,
         host_pool: HostBufferPool | None = None,
         host_pool_full: HostPoolFull = "disk",
+        keep_copies: bool = True,
         reporter: Reporter | None = None,
     ) -> None:
         self.tier: Tier = tier
@@ -108,6 +127,22 @@ class Parking:
         self._kv_unparks = 0
         self._kv_parked: set[Hashable] = set()  # sessions whose parked objects hold K/V
         self._spills = 0  # parks the host pool could not hold, spooled to disk instead
+        # Per resident session, the objects its last unpark restored (still unchanged, as far
+        # as the last look saw), and the handles kept for it: still holding those objects'
+        # bytes, taken back by its next park when all of their objects are unchanged. A
+        # kept handle is in `_handles`, in no session's `_parked`.
+        self.keep_copies = keep_copies
+        self._clean: dict[Hashable, dict[str, _Restored]] = {}
+        self._kept: dict[Hashable, dict[int, tuple[ParkedBytes, tuple[str, ...]]]] = {}
+        self._gone: set[Hashable] = set()  # sessions one of whose restored objects was freed
+        # Per (handle id, key) of a kept-eligible park: the object whose bytes it holds, with
+        # its version counters then (an unpark handed that very object back, unchanged, may
+        # keep the copy too).
+        self._bytes_of: dict[
+            tuple[int, str | None], tuple[weakref.ref[StateObject], tuple[int, ...]]
+        ] = {}
+        self._reparks = 0  # parks that took a kept handle back
+        self._reparked_nbytes = 0  # the bytes those parks did not copy
         # Prefetched sessions: the bytes their background restores make resident, per device
         # (charged to the budget until the session is unparked or the prefetch dropped).
         self._reserved: dict[Hashable, dict[str, int]] = {}
@@ -132,6 +167,8 @@ class Parking:
 
         ``parked``: ``state``'s parked objects by name, when the caller has them already.
         """
+        if self._gone:  # restored objects were freed: their kept copies go
+            self._sweep()
         if parked is None:
             parked = parked_objects(state)
         if not parked and session_id not in self._parked and session_id not in self._reserved:
@@ -171,14 +208,27 @@ class Parking:
                 _drop_prefetch(handle)  # its background restore went with its reservation
             if not held:
                 self._release(handle)
+        self._let_go(session_id)
         self._kv_parked.discard(session_id)
 
-    def park(self, session_id: Hashable, state: _S, names: list[str], /) -> _S:
+    def park(
+        self,
+        session_id: Hashable,
+        state: _S,
+        names: list[str],
+        /,
+        held: Mapping[ValueKey, Any] | None = None,
+    ) -> _S:
         """``state`` with ``names`` parked on the tier, tracked as stored for ``session_id``.
 
         The objects are parked (a pure transition) before anything is tracked, so a failure
         leaves the session resident and intact. On the host tier with a host pool that cannot
-        hold them, they go to the disk tier (``host_pool_full="disk"``) or the park is refused.
+        hold them, kept copies are let go first; then they go to the disk tier
+        (``host_pool_full="disk"``) or the park is refused.
+
+        ``held``: the ledger's values of ``state`` (by `ValueKey`: each value's storage
+        entries), which say whether objects unchanged since the session's last unpark share
+        a storage with the others; without them every object is copied, parked together.
 
         Raises:
             ParkingError: if the tier cannot take the objects (caused by `HostPoolFullError`
@@ -187,21 +237,107 @@ class Parking:
         # Parks are rare (under pressure only): a walk of the parked objects is affordable.
         # An object another session parked already (a fork's shared object) is not copied
         # again: this session holds the same parked bytes.
-        shared = self._parked_already(state, names)
+        # This session's kept copies first, then what a sibling parked.
+        clean = self._clean.pop(session_id, {})
+        kept = self._kept.pop(session_id, {})
+        reused, apart, taken = _unchanged(state, names, clean, kept, held)
+        shared = self._parked_already(state, [name for name in names if name not in reused])
         names = [name for name in names if name not in shared]
+        apart = [name for name in apart if name not in shared]
+        in_use = {id(parked.handle) for parked in shared.values()}
+        for handle_id, (handle, _) in kept.items():
+            # A copy no longer whole (its objects changed) goes, unless a sibling holds it.
+            if (
+                handle_id not in taken
+                and handle_id not in in_use
+                and not self._held_elsewhere(handle)
+            ):
+                self._release(handle)
+        copied = [name for name in names if name not in reused and name not in apart]
+        new: _S = state
+        made: list[tuple[list[str], list[ParkedBytes]]] = []  # per park, its names and handles
         spilled = False
         start = time.perf_counter()
         try:
+            for group in (copied, apart):
+                if group:
+                    new, spill = self._park_on_tier(session_id, new, group, names)
+                    spilled = spilled or spill
+                    parked = [cast(ParkedObject, new.objects[n]) for n in group]
+                    made.append((group, _handles_of(parked)))
+        except BaseException:
+            for _, handles in made:  # the first group parked, the second failed
+                for handle in handles:
+                    handle.release()
+            if clean:
+                self._clean[session_id] = clean
+            if taken:
+                self._kept[session_id] = {i: kept[i] for i in taken}
+            raise
+        seconds = time.perf_counter() - start
+        if shared or reused:
+            new = new._replace({**new.objects, **shared, **reused}, dict(new._attrs))
+        moved = 0
+        moves_kv = False
+        for group, handles in made:
+            # K/V moved: the library's K/V objects, or engine leaves the handles offloaded
+            # (read from the handles: no walk of the objects).
+            kv = any(isinstance(state.objects[n], _KV_OBJECTS) for n in group) or any(
+                handle.offloads for handle in handles
+            )
+            moves_kv = moves_kv or kv
+            for handle in handles:
+                moved += handle.nbytes
+                self._handles[id(handle)] = handle
+                if kv:
+                    self._kv_handles.add(id(handle))
+                else:
+                    self._groups[id(handle)] = frozenset(
+                        id(state.objects[n])
+                        for n in group
+                        if getattr(new.objects[n], "handle", None) is handle
+                    )
+            if not kv:
+                for name in group:
+                    self._remember_parked(state.objects[name], new.objects[name])
+                    self._note_bytes(state.objects[name], new.objects[name], None)
+        for name, again in reused.items():
+            self._note_bytes(state.objects[name], again, clean[name].versions)
+            self._remember_parked(state.objects[name], again)  # a fork's sibling may share it
+        for handle_id in taken:  # the objects the handle holds the bytes of, now
+            self._groups[handle_id] = frozenset(id(state.objects[m]) for m in kept[handle_id][1])
+        if taken:
+            self._reparks += 1
+            self._reparked_nbytes += sum(kept[i][0].nbytes for i in taken)
+        self._parked[session_id] = parked_objects(new)
+        self._parks += 1
+        tier = "disk" if spilled else self.tier
+        self.reporter.emit(SessionEvent("park", session_id, moved, seconds, tier))
+        self._spills += spilled
+        if moves_kv:
+            self._kv_parks += 1
+            self._kv_parked.add(session_id)
+        return new
+
+    def _park_on_tier(
+        self, session_id: Hashable, state: _S, group: list[str], names: list[str]
+    ) -> tuple[_S, bool]:
+        # ``group`` parked into one handle of the tier: the state, and whether it spilled to
+        # disk. A host pool that cannot hold it lets go of the kept copies first.
+        try:
             try:
                 with span("sessionstate::park"):
-                    new = state.park(
-                        self.tier, names=names, spool_dir=self._spool(), pool=self.host_pool
-                    )
+                    try:
+                        return self._park_group(state, group), False
+                    except HostPoolFullError:
+                        if not self._drop_kept_copies():
+                            raise
+                    return self._park_group(state, group), False
             except HostPoolFullError:
                 if self._host_pool_full != "disk":
                     raise
-                new = state.park("disk", names=names, spool_dir=self._spool(spill=True))
-                spilled = True
+                new = state.park("disk", names=group, spool_dir=self._spool(spill=True))
+                return new, True
         except Exception as exc:
             fix = (
                 "make `host_pool_bytes` larger, pass `host_pool_full='disk'` to spill to "
@@ -214,42 +350,9 @@ class Parking:
                 f"{self.tier} tier: {reason(exc)}. The session is left resident and intact; {fix}."
             )
             raise ParkingError(msg) from exc
-        seconds = time.perf_counter() - start
-        if shared:
-            new = new._replace({**new.objects, **shared}, dict(new._attrs))
-        made = _handles_of(
-            [o for n in names if isinstance(o := new.objects[n], ParkedObject)]
-        )  # the handles this park created: the manager's to release (not a caller's own)
-        # K/V moved: the library's K/V objects, or engine leaves the handles offloaded (read
-        # from the handles: no walk of the objects).
-        moves_kv = any(isinstance(state.objects[name], _KV_OBJECTS) for name in names) or any(
-            handle.offloads for handle in made
-        )
-        if moves_kv:
-            self._kv_handles.update(id(handle) for handle in made)
-        else:
-            for handle in made:
-                self._groups[id(handle)] = frozenset(
-                    id(state.objects[n])
-                    for n in names
-                    if getattr(new.objects[n], "handle", None) is handle
-                )
-            for name in names:
-                self._remember_parked(state.objects[name], new.objects[name])
-        parked = parked_objects(new)
-        moved = 0
-        for handle in made:
-            moved += handle.nbytes
-            self._handles[id(handle)] = handle
-        self._parked[session_id] = parked
-        self._parks += 1
-        tier = "disk" if spilled else self.tier
-        self.reporter.emit(SessionEvent("park", session_id, moved, seconds, tier))
-        self._spills += spilled
-        if moves_kv:
-            self._kv_parks += 1
-            self._kv_parked.add(session_id)
-        return new
+
+    def _park_group(self, state: _S, group: list[str]) -> _S:
+        return state.park(self.tier, names=group, spool_dir=self._spool(), pool=self.host_pool)
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -404,14 +507,139 @@ class Parking:
         for tier in sorted({handle.tier for handle in handles}):
             nbytes = sum(h.nbytes for h in handles if h.tier == tier)
             self.reporter.emit(SessionEvent("unpark", session_id, nbytes, seconds, tier))
-        for handle in _handles_of(parked.values()):
-            if not self._held_elsewhere(handle):
+        self._let_go(session_id)  # (a record put over a resident one keeps none normally)
+        kept = self._note_restored(session_id, parked, new, again)
+        for handle in handles:
+            if id(handle) not in kept and not self._held_elsewhere(handle):
                 self._release(handle)
         self._unparks += 1
         if session_id in self._kv_parked:
             self._kv_parked.discard(session_id)
             self._kv_unparks += 1
         return new
+
+    def _note_restored(
+        self,
+        session_id: Hashable,
+        parked: dict[str, ParkedObject],
+        new: SessionState,
+        again: Mapping[str, StateObject],
+    ) -> dict[int, tuple[ParkedBytes, tuple[str, ...]]]:
+        # Note the objects this unpark restored (their version counters now), and keep the
+        # handles whose objects all can be told unchanged later: this manager's, holding no
+        # K/V. An object handed back as it was (``again``: not restored) is noted only if it
+        # is the object parked, unchanged since.
+        if not self.keep_copies:
+            return {}
+        clean: dict[str, _Restored] = {}
+        members: dict[int, list[str]] = {}
+        gone = self._gone
+
+        def freed(_: object, session_id: Hashable = session_id) -> None:
+            gone.add(session_id)
+
+        for name, obj in parked.items():
+            members.setdefault(id(obj.handle), []).append(name)
+            restored = new.objects[name]
+            if isinstance(restored, _KV_OBJECTS):
+                continue
+            versions = _versions(restored)
+            if versions is None:
+                continue
+            if name in again:  # the very object parked, and unchanged since: its bytes
+                known = self._bytes_of.get((id(obj.handle), obj.key))
+                if known is None or known[0]() is not restored or known[1] != versions:
+                    continue
+            clean[name] = _Restored(weakref.ref(restored, freed), versions, obj)
+        kept: dict[int, tuple[ParkedBytes, tuple[str, ...]]] = {}
+        for obj in parked.values():
+            handle = obj.handle
+            handle_id = id(handle)
+            if (
+                handle_id not in kept
+                and self._handles.get(handle_id) is handle
+                and handle_id not in self._kv_handles
+                and not handle.offloads
+                and all(n in clean for n in members[handle_id])
+            ):
+                handle.discard_prefetch()  # the disk tier's host copy: not kept with it
+                kept[handle_id] = (handle, tuple(members[handle_id]))
+        if clean:
+            self._clean[session_id] = clean
+        if kept:
+            self._kept[session_id] = kept
+        return kept
+
+    def _note_bytes(
+        self, obj: StateObject, parked: StateObject, versions: tuple[int, ...] | None
+    ) -> None:
+        # ``parked``'s key of its handle holds ``obj``'s bytes as of ``versions`` (now: None).
+        if not isinstance(parked, ParkedObject):
+            return
+        if versions is None:
+            versions = _versions(obj)
+            if versions is None:
+                return
+        self._bytes_of[id(parked.handle), parked.key] = (weakref.ref(obj), versions)
+
+    def _let_go(self, session_id: Hashable) -> None:
+        # ``session_id``'s restored objects are no longer followed; its kept copies go.
+        self._clean.pop(session_id, None)
+        for handle, _ in self._kept.pop(session_id, {}).values():
+            if not self._held_elsewhere(handle):
+                self._release(handle)
+
+    def _sweep(self) -> None:
+        # Restored objects were freed: their sessions' kept copies missing one go.
+        while self._gone:
+            session_id = self._gone.pop()
+            clean = self._clean.get(session_id)
+            if clean is None:
+                continue
+            for name in [n for n, r in clean.items() if r.ref() is None]:
+                del clean[name]
+            kept = self._kept.get(session_id, {})
+            for handle_id, (handle, members) in list(kept.items()):
+                if not all(m in clean for m in members):
+                    del kept[handle_id]
+                    if not self._held_elsewhere(handle):
+                        self._release(handle)
+            if not kept:
+                self._kept.pop(session_id, None)
+            if not clean:
+                del self._clean[session_id]
+
+    def _drop_kept_copies(self) -> bool:
+        # The host pool is full: every kept copy in it goes; whether any went.
+        dropped = False
+        for session_id in list(self._kept):
+            kept = self._kept[session_id]
+            for handle_id, (handle, _) in list(kept.items()):
+                if handle.tier == "host":
+                    del kept[handle_id]
+                    if not self._held_elsewhere(handle):
+                        self._release(handle)
+                        dropped = True
+            if not kept:
+                del self._kept[session_id]
+        return dropped
+
+    def _kept_nbytes(self, parked: set[int]) -> dict[str, int]:
+        # The bytes the tiers hold for resident sessions (kept copies), by tier; each handle
+        # once, and none a session holds parked (``parked``: their ids), counted as parked.
+        out = {"host": 0, "disk": 0}
+        seen = set(parked)
+        for kept in self._kept.values():
+            for handle_id, (handle, _) in kept.items():
+                if handle_id not in seen:
+                    seen.add(handle_id)
+                    out[handle.tier] += handle.nbytes
+        return out
+
+    def _parked_anywhere(self, handle: ParkedBytes) -> bool:
+        return any(
+            obj.handle is handle for objects in self._parked.values() for obj in objects.values()
+        )
 
     @property
     def used(self) -> bool:
@@ -436,6 +664,8 @@ class Parking:
     def summary(self) -> tuple[dict[str, int], dict[str, int]]:
         """`stats`, and the parked sessions per tier (one with objects on both tiers counts as
         disk), from one walk of the parked sessions."""
+        if self._gone:
+            self._sweep()
         parked = {"host": 0, "disk": 0}
         by_tier: dict[str, int] = {}
         seen: set[int] = set()  # each handle once: forks hold parked bytes together
@@ -448,6 +678,7 @@ class Parking:
                 if handle.tier == "disk":
                     tier = "disk"
             by_tier[tier] = by_tier.get(tier, 0) + 1
+        kept = self._kept_nbytes(seen)
         stats = {
             "parked_sessions": len(self._parked),
             "parks": self._parks,
@@ -456,6 +687,10 @@ class Parking:
             "kv_unparks": self._kv_unparks,
             "nbytes_parked:host": parked["host"],
             "nbytes_parked:disk": parked["disk"],
+            "nbytes_kept:host": kept["host"],
+            "nbytes_kept:disk": kept["disk"],
+            "reparks": self._reparks,
+            "nbytes_reparked": self._reparked_nbytes,
             "prefetches": self._prefetches,
             "prefetch_hits": self._prefetch_hits,
             "prefetches_dropped": self._prefetches_dropped,
@@ -514,8 +749,11 @@ class Parking:
         # Whether a stored record still holds ``handle`` (forks share their parked bytes);
         # the caller already took the session that let it go out of `_parked`. A walk of the
         # parked objects: releases are as rare as parks.
-        return any(obj.handle is handle for obj in self.storing) or any(
-            obj.handle is handle for objects in self._parked.values() for obj in objects.values()
+        handle_id = id(handle)
+        return (
+            any(obj.handle is handle for obj in self.storing)
+            or any(handle_id in kept for kept in self._kept.values())
+            or self._parked_anywhere(handle)
         )
 
     def _release(self, handle: ParkedBytes) -> None:
@@ -525,20 +763,25 @@ class Parking:
             handle.release()
             self._forget_handle(handle)
 
-    def _parked_already(self, state: SessionState, names: list[str]) -> dict[str, StateObject]:
-        # The objects among `names` another session parked (the same objects, still alive),
-        # as the parked objects that session holds: a handle only when this session holds
-        # every object parked into it, so it holds and brings back exactly its own bytes.
+    def _parked_already(self, state: SessionState, names: list[str]) -> dict[str, ParkedObject]:
+        # The objects among `names` another session parked (the same objects, still alive,
+        # unchanged since: their version counters as then), as the parked objects that
+        # session holds: a handle only when this session holds every object parked into it,
+        # so it holds and brings back exactly its own bytes.
         found: dict[str, ParkedObject] = {}
         for name in names:
             obj = state.objects[name]
             known = self._parked_as.get(id(obj))
-            if known is not None and known[0]() is obj and id(known[1].handle) in self._handles:
-                found[name] = known[1]
+            if known is None or known[0]() is not obj or id(known[1].handle) not in self._handles:
+                continue
+            parked = known[1]
+            then = self._bytes_of.get((id(parked.handle), parked.key))
+            if then is not None and then[0]() is obj and _versions(obj) == then[1]:
+                found[name] = parked
         if not found:
             return {}
         mine = {id(state.objects[name]) for name in names}
-        out: dict[str, StateObject] = {}
+        out: dict[str, ParkedObject] = {}
         for name, parked in found.items():
             group = self._groups.get(id(parked.handle))
             if group is not None and group <= mine:
@@ -579,6 +822,8 @@ class Parking:
         # A released handle's id may be reused: nothing may point at it any more.
         for restored in [k for k in self._restored if k[0] == id(handle)]:
             del self._restored[restored]
+        for key in [k for k in self._bytes_of if k[0] == id(handle)]:
+            del self._bytes_of[key]
         for obj_id in [k for k, (_, p) in self._parked_as.items() if p.handle is handle]:
             del self._parked_as[obj_id]
         self._kv_handles.discard(id(handle))
@@ -615,3 +860,85 @@ def parked_objects(state: SessionState, /) -> dict[str, ParkedObject]:
 
 # Per state-object class, whether it is a `ParkedObject` (an ABC's isinstance costs more).
 _PARKED_TYPES: dict[type, bool] = {}
+
+
+class _Restored:
+    """An object an unpark restored: a weak reference to it, its tensors' version counters
+    then, and the parked object it came from."""
+
+    __slots__ = ("parked", "ref", "versions")
+
+    def __init__(
+        self, ref: weakref.ref[StateObject], versions: tuple[int, ...], parked: ParkedObject
+    ) -> None:
+        self.ref = ref
+        self.versions = versions
+        self.parked = parked
+
+
+def _versions(obj: StateObject) -> tuple[int, ...] | None:
+    # Every tensor's version counter, in leaf order; None when a leaf cannot be told
+    # unchanged (an inference-mode tensor keeps no counter; an engine leaf's memory is its
+    # engine's).
+    out: list[int] = []
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_inference():
+                return None
+            out.append(leaf._version)
+        elif is_engine_leaf(leaf):
+            return None
+    return tuple(out)
+
+
+def _unchanged(
+    state: SessionState,
+    names: list[str],
+    clean: Mapping[str, _Restored],
+    kept: Mapping[int, tuple[ParkedBytes, tuple[str, ...]]],
+    held: Mapping[ValueKey, Any] | None,
+) -> tuple[dict[str, StateObject], list[str], list[int]]:
+    """Which of ``names`` a park need not copy, and which it parks apart.
+
+    Returns the parked objects of the kept handles all of whose objects ``state`` still holds
+    unchanged (by name), the other unchanged names (parked apart from the changed ones, so
+    the next round can keep their copy), and the ids of the kept handles taken back. Nothing
+    is taken back or set apart when a storage (or an engine block) reaches two of those
+    groups (parked apart, it would be copied twice and come back as two), or the storages
+    are not known (``held`` missing or out of date).
+    """
+    if not clean or held is None:
+        return {}, [], []
+    objects = state.objects
+    unchanged: set[str] = set()
+    for name in names:
+        restored = clean.get(name)
+        if restored is not None:
+            obj = objects[name]
+            if restored.ref() is obj and _versions(obj) == restored.versions:
+                unchanged.add(name)
+    if not unchanged:
+        return {}, [], []
+    reused: dict[str, StateObject] = {}
+    taken: list[int] = []
+    groups: list[list[str]] = []
+    for handle_id, (_, members) in kept.items():
+        if all(m in unchanged for m in members):
+            reused.update((m, clean[m].parked) for m in members)
+            taken.append(handle_id)
+            groups.append(list(members))
+    apart = [name for name in names if name in unchanged and name not in reused]
+    groups.append(apart)
+    groups.append([name for name in names if name not in unchanged])
+    seen: set[Any] = set()
+    for group in groups:
+        mine: set[Any] = set()
+        for name in group:
+            item = held.get(("o", name))
+            if item is None or item.value is not objects[name]:
+                return {}, [], []
+            mine.update(entry[1] for entry in item.entries)
+        if not seen.isdisjoint(mine):
+            return {}, [], []
+        seen |= mine
+    return reused, apart, taken

@@ -134,6 +134,17 @@ class SessionStateManager(Generic[SessionT]):
             spills it to the disk tier (into the spool directory; ``host_pool_spills`` counts
             them), ``"refuse"`` leaves that session resident, as one with nothing parkable
             (the budget parks others, then applies ``on_full``).
+        keep_parked_copies: Whether an unpark keeps the tier's copy of the objects it brings
+            back, for as long as the session holds them unchanged (default True): parking
+            the session again then copies only what changed (``reparks`` and
+            ``nbytes_reparked`` count what it did not copy). Objects holding K/V are always
+            copied. Unchanged means the very objects unparked, every tensor's version counter
+            as it was: in-place writes through any view are seen; writes that bypass the
+            counter (as for ``check_immutable``) are not, and records are immutable. A kept
+            copy costs its tier's memory while it lasts (``nbytes_kept:host`` and
+            ``nbytes_kept:disk``): at most the resident sessions' parked-before bytes; in a
+            host pool, kept copies are the first to go when a park does not fit. False: an
+            unpark releases the copy, and every park copies.
         on_event: Called with each `SessionEvent` (park, unpark, prefetch, fork, evict, refuse),
             under the manager's lock: it must not call the manager, and what it raises is
             logged, never raised. Every event is also logged on the ``sessionstate`` logger at
@@ -165,10 +176,12 @@ class SessionStateManager(Generic[SessionT]):
         spool_dir: str | os.PathLike[str] | None = None,
         host_pool_bytes: int | str | None = None,
         host_pool_full: HostPoolFull = "disk",
+        keep_parked_copies: bool = True,
         pools: Sequence[EnginePool] = (),
         on_event: EventHook | None = None,
     ) -> None:
         check_bool(check_immutable, "check_immutable")
+        check_bool(keep_parked_copies, "keep_parked_copies")
         self._reporter = Reporter(on_event)
         self._pools: tuple[EnginePool, ...] = _check_pools(pools)
         check_count(max_sessions, "max_sessions", fix=f"; the default is {DEFAULT_MAX_SESSIONS}")
@@ -195,6 +208,7 @@ class SessionStateManager(Generic[SessionT]):
             None if spool_dir is None else os.fspath(spool_dir),
             host_pool=_host_pool(host_pool_bytes, host_pool_full, tier, budget),
             host_pool_full=host_pool_full,
+            keep_copies=keep_parked_copies,
             reporter=self._reporter,
         )
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
@@ -277,6 +291,15 @@ class SessionStateManager(Generic[SessionT]):
         4096
         """
         return self._parking.host_pool
+
+    @property
+    def keep_parked_copies(self) -> bool:
+        """Whether an unpark keeps the tier's copy of what it restored (see the argument).
+
+        >>> SessionStateManager(keep_parked_copies=False).keep_parked_copies
+        False
+        """
+        return self._parking.keep_copies
 
     @property
     def park_tier(self) -> Tier:
@@ -813,8 +836,11 @@ class SessionStateManager(Generic[SessionT]):
         and with a budget or once `park_until` parked anything: ``parked_sessions`` (sessions
         with a parked object), ``parks`` and ``unparks`` (times a session's objects were
         parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
-        a `KVHandle`'s blocks too), and ``nbytes_parked:host`` and ``nbytes_parked:disk``
-        (bytes the tiers hold). Once `fork` made a branch: ``forks`` (branches made) and
+        a `KVHandle`'s blocks too), ``nbytes_parked:host`` and ``nbytes_parked:disk``
+        (bytes the tiers hold), ``reparks`` (parks that took a kept copy back, see
+        ``keep_parked_copies``), ``nbytes_reparked`` (the bytes they did not copy), and
+        ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
+        objects). Once `fork` made a branch: ``forks`` (branches made) and
         ``shared_sessions`` (sessions holding a resident storage another session holds too:
         a family's members until they let its history go).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
@@ -1695,7 +1721,9 @@ class SessionStateManager(Generic[SessionT]):
         # `host_pool_full="refuse"`) leaves the session resident, as one with nothing
         # parkable; any other failure raises.
         try:
-            new = self._parking.park(session_id, self._table[session_id], names)
+            new = self._parking.park(
+                session_id, self._table[session_id], names, self._ledger.held(session_id)
+            )
         except ParkingError as exc:
             if isinstance(exc.__cause__, HostPoolFullError):
                 return False

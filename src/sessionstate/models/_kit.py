@@ -638,7 +638,8 @@ def build_manager(
 
     The cap, ``on_full``, the immutability guard, the byte budget (a single count is a budget
     for the model's ``device``), the park tier, the spool directory and the host tier's
-    buffer pool (``host_pool_bytes``, ``host_pool_full``).
+    buffer pool (``host_pool_bytes``, ``host_pool_full``), and whether unparks keep their
+    copies (``keep_parked_copies``).
 
     Args:
         record: The model's session record class (it types the manager).
@@ -660,6 +661,7 @@ def build_manager(
         spool_dir=settings.spool_dir,
         host_pool_bytes=settings.host_pool_bytes,
         host_pool_full=settings.host_pool_full,
+        keep_parked_copies=settings.keep_parked_copies,
         pools=pools,
     )
 
