@@ -1129,8 +1129,8 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "if restored.ref() is obj and _versions(obj) == restored.versions:",
-                "if restored.ref() is obj:",
+                'if restored.ref() is obj and _versions(obj, held.get(("o", name))) == ',
+                'if restored.ref() is obj or _versions(obj, held.get(("o", name))) == ',
             ),
         ),
         ("tests/manager/test_kept_copies.py",),
@@ -1173,7 +1173,7 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "if then is not None and then[0]() is obj and _versions(obj) == then[1]:",
+                "if then is not None and then[0]() is obj and _versions(obj, item) == then[1]:",
                 "if True:",
             ),
         ),

@@ -139,7 +139,7 @@ class Parking:
         # its version counters then (an unpark handed that very object back, unchanged, may
         # keep the copy too).
         self._bytes_of: dict[
-            tuple[int, str | None], tuple[weakref.ref[StateObject], tuple[int, ...]]
+            int, dict[str | None, tuple[weakref.ref[StateObject], tuple[int, ...]]]
         ] = {}
         self._reparks = 0  # parks that took a kept handle back
         self._reparked_nbytes = 0  # the bytes those parks did not copy
@@ -241,7 +241,7 @@ class Parking:
         clean = self._clean.pop(session_id, {})
         kept = self._kept.pop(session_id, {})
         reused, apart, taken = _unchanged(state, names, clean, kept, held)
-        shared = self._parked_already(state, [name for name in names if name not in reused])
+        shared = self._parked_already(state, [name for name in names if name not in reused], held)
         names = [name for name in names if name not in shared]
         apart = [name for name in apart if name not in shared]
         in_use = {id(parked.handle) for parked in shared.values()}
@@ -300,7 +300,8 @@ class Parking:
             if not kv:
                 for name in group:
                     self._remember_parked(state.objects[name], new.objects[name])
-                    self._note_bytes(state.objects[name], new.objects[name], None)
+                    item = None if held is None else held.get(("o", name))
+                    self._note_bytes(state.objects[name], new.objects[name], None, item)
         for name, again in reused.items():
             self._note_bytes(state.objects[name], again, clean[name].versions)
             self._remember_parked(state.objects[name], again)  # a fork's sibling may share it
@@ -525,10 +526,11 @@ class Parking:
         new: SessionState,
         again: Mapping[str, StateObject],
     ) -> dict[int, tuple[ParkedBytes, tuple[str, ...]]]:
-        # Note the objects this unpark restored (their version counters now), and keep the
-        # handles whose objects all can be told unchanged later: this manager's, holding no
-        # K/V. An object handed back as it was (``again``: not restored) is noted only if it
-        # is the object parked, unchanged since.
+        # Note the objects this unpark restored, and keep the handles whose objects all may
+        # be told unchanged later: this manager's, holding no K/V. Their version counters are
+        # read by `restored`, from the ledger's walk of them; until then none counts as
+        # unchanged. An object handed back as it was (``again``: not restored) is noted only
+        # if it is the object parked (and `restored` finds it unchanged since).
         if not self.keep_copies:
             return {}
         clean: dict[str, _Restored] = {}
@@ -543,14 +545,13 @@ class Parking:
             restored = new.objects[name]
             if isinstance(restored, _KV_OBJECTS):
                 continue
-            versions = _versions(restored)
-            if versions is None:
-                continue
+            expect = None
             if name in again:  # the very object parked, and unchanged since: its bytes
-                known = self._bytes_of.get((id(obj.handle), obj.key))
-                if known is None or known[0]() is not restored or known[1] != versions:
+                known = self._bytes_of.get(id(obj.handle), {}).get(obj.key)
+                if known is None or known[0]() is not restored:
                     continue
-            clean[name] = _Restored(weakref.ref(restored, freed), versions, obj)
+                expect = known[1]
+            clean[name] = _Restored(weakref.ref(restored, freed), obj, expect)
         kept: dict[int, tuple[ParkedBytes, tuple[str, ...]]] = {}
         for obj in parked.values():
             handle = obj.handle
@@ -570,17 +571,53 @@ class Parking:
             self._kept[session_id] = kept
         return kept
 
+    def restored(self, session_id: Hashable, held: Mapping[ValueKey, Any], /) -> None:
+        """``session_id`` was unparked and is stored; ``held``: the ledger's values of its
+        record. Reads the version counters of the objects the unpark restored (their leaves
+        from the ledger's items: no walk), and lets go of the kept copies of those that
+        cannot be told unchanged."""
+        clean = self._clean.get(session_id)
+        if not clean:
+            return
+        for name, restored in list(clean.items()):
+            obj = restored.ref()
+            versions = None if obj is None else _versions(obj, held.get(("o", name)))
+            if versions is None or (restored.expect is not None and versions != restored.expect):
+                del clean[name]
+            else:
+                restored.versions = versions
+        self._drop_broken(session_id, clean)
+
+    def _drop_broken(self, session_id: Hashable, clean: dict[str, _Restored]) -> None:
+        # ``session_id``'s kept copies with an object no longer in ``clean`` go.
+        kept = self._kept.get(session_id, {})
+        for handle_id, (handle, members) in list(kept.items()):
+            if not all(m in clean for m in members):
+                del kept[handle_id]
+                if not self._held_elsewhere(handle):
+                    self._release(handle)
+        if not kept:
+            self._kept.pop(session_id, None)
+        if not clean:
+            self._clean.pop(session_id, None)
+
     def _note_bytes(
-        self, obj: StateObject, parked: StateObject, versions: tuple[int, ...] | None
+        self,
+        obj: StateObject,
+        parked: StateObject,
+        versions: tuple[int, ...] | None,
+        item: Any = None,
     ) -> None:
-        # ``parked``'s key of its handle holds ``obj``'s bytes as of ``versions`` (now: None).
+        # ``parked``'s key of its handle holds ``obj``'s bytes as of ``versions`` (None: now,
+        # read from ``item``, the ledger's item of ``obj``, when it has one).
         if not isinstance(parked, ParkedObject):
             return
         if versions is None:
-            versions = _versions(obj)
+            versions = _versions(obj, item)
             if versions is None:
                 return
-        self._bytes_of[id(parked.handle), parked.key] = (weakref.ref(obj), versions)
+        by_key = self._bytes_of.setdefault(id(parked.handle), {})
+        by_key[parked.key] = (weakref.ref(obj), versions)
 
     def _let_go(self, session_id: Hashable) -> None:
         # ``session_id``'s restored objects are no longer followed; its kept copies go.
@@ -598,16 +635,7 @@ class Parking:
                 continue
             for name in [n for n, r in clean.items() if r.ref() is None]:
                 del clean[name]
-            kept = self._kept.get(session_id, {})
-            for handle_id, (handle, members) in list(kept.items()):
-                if not all(m in clean for m in members):
-                    del kept[handle_id]
-                    if not self._held_elsewhere(handle):
-                        self._release(handle)
-            if not kept:
-                self._kept.pop(session_id, None)
-            if not clean:
-                del self._clean[session_id]
+            self._drop_broken(session_id, clean)
 
     def _drop_kept_copies(self) -> bool:
         # The host pool is full: every kept copy in it goes; whether any went.
@@ -763,7 +791,9 @@ class Parking:
             handle.release()
             self._forget_handle(handle)
 
-    def _parked_already(self, state: SessionState, names: list[str]) -> dict[str, ParkedObject]:
+    def _parked_already(
+        self, state: SessionState, names: list[str], held: Mapping[ValueKey, Any] | None = None
+    ) -> dict[str, ParkedObject]:
         # The objects among `names` another session parked (the same objects, still alive,
         # unchanged since: their version counters as then), as the parked objects that
         # session holds: a handle only when this session holds every object parked into it,
@@ -775,8 +805,9 @@ class Parking:
             if known is None or known[0]() is not obj or id(known[1].handle) not in self._handles:
                 continue
             parked = known[1]
-            then = self._bytes_of.get((id(parked.handle), parked.key))
-            if then is not None and then[0]() is obj and _versions(obj) == then[1]:
+            then = self._bytes_of.get(id(parked.handle), {}).get(parked.key)
+            item = None if held is None else held.get(("o", name))
+            if then is not None and then[0]() is obj and _versions(obj, item) == then[1]:
                 found[name] = parked
         if not found:
             return {}
@@ -822,8 +853,7 @@ class Parking:
         # A released handle's id may be reused: nothing may point at it any more.
         for restored in [k for k in self._restored if k[0] == id(handle)]:
             del self._restored[restored]
-        for key in [k for k in self._bytes_of if k[0] == id(handle)]:
-            del self._bytes_of[key]
+        self._bytes_of.pop(id(handle), None)
         for obj_id in [k for k, (_, p) in self._parked_as.items() if p.handle is handle]:
             del self._parked_as[obj_id]
         self._kv_handles.discard(id(handle))
@@ -863,25 +893,32 @@ _PARKED_TYPES: dict[type, bool] = {}
 
 
 class _Restored:
-    """An object an unpark restored: a weak reference to it, its tensors' version counters
-    then, and the parked object it came from."""
+    """An object an unpark restored: a weak reference to it, the parked object it came from,
+    its tensors' version counters once read (None until then), and, for an object handed
+    back rather than restored, the counters its parked bytes were taken at."""
 
-    __slots__ = ("parked", "ref", "versions")
+    __slots__ = ("expect", "parked", "ref", "versions")
 
     def __init__(
-        self, ref: weakref.ref[StateObject], versions: tuple[int, ...], parked: ParkedObject
+        self,
+        ref: weakref.ref[StateObject],
+        parked: ParkedObject,
+        expect: tuple[int, ...] | None = None,
     ) -> None:
         self.ref = ref
-        self.versions = versions
         self.parked = parked
+        self.expect = expect
+        self.versions: tuple[int, ...] | None = None
 
 
-def _versions(obj: StateObject) -> tuple[int, ...] | None:
+def _versions(obj: StateObject, item: Any = None) -> tuple[int, ...] | None:
     # Every tensor's version counter, in leaf order; None when a leaf cannot be told
     # unchanged (an inference-mode tensor keeps no counter; an engine leaf's memory is its
-    # engine's).
+    # engine's). ``item``: the ledger's item of ``obj``, whose leaves are read when it is
+    # that object's (no walk).
+    leaves = item.leaves if item is not None and item.value is obj else tree_leaves(obj)
     out: list[int] = []
-    for leaf in tree_leaves(obj):
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.is_inference():
                 return None
@@ -913,9 +950,9 @@ def _unchanged(
     unchanged: set[str] = set()
     for name in names:
         restored = clean.get(name)
-        if restored is not None:
+        if restored is not None and restored.versions is not None:
             obj = objects[name]
-            if restored.ref() is obj and _versions(obj) == restored.versions:
+            if restored.ref() is obj and _versions(obj, held.get(("o", name))) == restored.versions:
                 unchanged.add(name)
     if not unchanged:
         return {}, [], []

@@ -415,9 +415,7 @@ class SessionStateManager(Generic[SessionT]):
                     except BaseException:
                         parking.discard(session_id)
                         raise
-                    self._table[session_id] = state
-                    self._ledger.set(session_id, self._ledger.values_for(session_id, state))
-                    self._record_versions(session_id, state)
+                    self._store_unparked(session_id, state)
                 else:
                     self._verify(session_id, state)
                 out.append(state)
@@ -1762,10 +1760,16 @@ class SessionStateManager(Generic[SessionT]):
         except BaseException:
             parking.discard(session_id)
             raise
-        self._table[session_id] = new
-        self._ledger.set(session_id, self._ledger.values_for(session_id, new))
-        self._record_versions(session_id, new)
+        self._store_unparked(session_id, new)
         return new
+
+    def _store_unparked(self, session_id: Hashable, state: SessionT) -> None:
+        # ``state``, just unparked, stored for ``session_id``: the table, the ledger (its
+        # walk of the restored objects is what parking reads their version counters from).
+        self._table[session_id] = state
+        self._ledger.set(session_id, self._ledger.values_for(session_id, state))
+        self._parking.restored(session_id, self._ledger.held(session_id))
+        self._record_versions(session_id, state)
 
     def _prefetch_blocks(self, session_id: Hashable, make_room: bool) -> bool:
         # Whether every pool has room for the restored session beside a step's (a background
