@@ -183,6 +183,7 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
         "host_pool_over_copy_floor",
         "disk_over_torch_save_load",
         "copy_floor_ms",
+        "host_pool_kept_over_host_pool",
     ):
         assert trip[key] > 0
     (kv,) = results["kv_park"]
@@ -192,6 +193,7 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
     tiny = results["tiny_session"]
     assert tiny["storages"] > 1
     assert tiny["over_one_copy"] > 0
+    assert tiny["kept_reparks"] > 0  # the kept trip's parks took their copies back
     (check,) = results["put_check"]
     assert check["leaves"] > 0
     assert check["check_over_walk"] >= 0
@@ -200,6 +202,7 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
     assert robin["evictions"] == 0  # the benchmark fails rather than evict
     assert robin["prefetches"] > 0
     assert robin["prefetch_over_unbudgeted"] > 0
+    assert robin["copying_over_unbudgeted"] > 0
 
 
 SNAPSHOT_METHODS = (
