@@ -69,7 +69,8 @@ class Parking:
             reclaims, when it is built, what processes that ended without cleaning up left
             in the root.
         host_pool: The host tier copies into ranges of this pool (given back when the
-            session is unparked, dropped or evicted); None: a new host tensor per storage.
+            session is unparked, or its kept copy goes, dropped or evicted); None: a new host
+            tensor per storage.
         host_pool_full: A park the host pool cannot hold: ``"disk"`` parks it to the disk
             tier instead (in the spool directory; counted as a spill), ``"refuse"`` raises
             `ParkingError` (caused by `HostPoolFullError`), which the budget treats as a
@@ -104,13 +105,15 @@ class Parking:
         self.host_pool = host_pool if tier == "host" else None
         self._host_pool_full: HostPoolFull = host_pool_full
         self._parked: dict[Hashable, dict[str, ParkedObject]] = {}
+        self._parked_by: dict[int, int] = {}  # per handle id, the sessions holding it parked
         self._handles: dict[int, ParkedBytes] = {}  # the tier handles this manager created
         # Sharing across sessions (forks): a resident object parked by one session, by the
         # object's id while it lives (the weak reference says it is the same object), and an
         # object unparked from a handle's key, while a session holds it. A handle holding K/V
         # is never shared so: restoring it for one key would take pool blocks for all.
         self._parked_as: dict[int, tuple[weakref.ref[StateObject], ParkedObject]] = {}
-        self._restored: dict[tuple[int, str | None], weakref.ref[StateObject]] = {}
+        self._parked_as_of: dict[int, list[int]] = {}  # per handle id, its `_parked_as` keys
+        self._restored: dict[int, dict[str | None, weakref.ref[StateObject]]] = {}
         self._kv_handles: set[int] = set()  # handles holding K/V (never shared so)
         # Per handle parked here, the ids of the objects parked into it together: a sibling
         # takes the handle only if it holds every one of them (else it would hold, and bring
@@ -180,7 +183,7 @@ class Parking:
             self._kv_parked.discard(session_id)
             return
         kept = {id(handle) for handle in _handles_of(parked.values())}
-        for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+        for handle in _handles_of(self._set_parked(session_id, {}).values()):
             if id(handle) in kept:
                 continue
             if prefetched or not self._held_elsewhere(handle):
@@ -188,7 +191,7 @@ class Parking:
             if not self._held_elsewhere(handle):
                 self._release(handle)
         if parked:
-            self._parked[session_id] = parked
+            self._set_parked(session_id, parked)
         else:
             self._kv_parked.discard(session_id)
 
@@ -202,7 +205,7 @@ class Parking:
         """``session_id`` is gone from the table: release the handles it held."""
         prefetched = session_id in self._reserved
         self._unreserve(session_id, dropped=True)
-        for handle in _handles_of(self._parked.pop(session_id, {}).values()):
+        for handle in _handles_of(self._set_parked(session_id, {}).values()):
             held = self._held_elsewhere(handle)  # a fork's sibling still needs it
             if prefetched or not held:
                 _drop_prefetch(handle)  # its background restore went with its reservation
@@ -310,7 +313,7 @@ class Parking:
         if taken:
             self._reparks += 1
             self._reparked_nbytes += sum(kept[i][0].nbytes for i in taken)
-        self._parked[session_id] = parked_objects(new)
+        self._set_parked(session_id, parked_objects(new))
         self._parks += 1
         tier = "disk" if spilled else self.tier
         self.reporter.emit(SessionEvent("park", session_id, moved, seconds, tier))
@@ -499,7 +502,7 @@ class Parking:
         seconds = time.perf_counter() - start
         if prefetched and any(handle.last_restore_prefetched for handle in handles):
             self._prefetch_hits += 1
-        del self._parked[session_id]
+        self._set_parked(session_id, {})
         # A sibling's prefetch of the same parked bytes was taken by this unpark: its
         # reservation has nothing behind it any more.
         for other in [o for o in self._reserved if o in self._parked]:
@@ -665,9 +668,26 @@ class Parking:
         return out
 
     def _parked_anywhere(self, handle: ParkedBytes) -> bool:
-        return any(
-            obj.handle is handle for objects in self._parked.values() for obj in objects.values()
-        )
+        return id(handle) in self._parked_by
+
+    def _set_parked(
+        self, session_id: Hashable, parked: dict[str, ParkedObject], /
+    ) -> dict[str, ParkedObject]:
+        # ``session_id``'s parked objects are now ``parked`` (none: empty); returns those it
+        # held before. Keeps the count of sessions holding each handle parked.
+        counts = self._parked_by
+        old = self._parked.pop(session_id, {})
+        for handle in _handles_of(old.values()):
+            left = counts[id(handle)] - 1
+            if left:
+                counts[id(handle)] = left
+            else:
+                del counts[id(handle)]
+        if parked:
+            self._parked[session_id] = parked
+            for handle in _handles_of(parked.values()):
+                counts[id(handle)] = counts.get(id(handle), 0) + 1
+        return old
 
     @property
     def used(self) -> bool:
@@ -829,33 +849,35 @@ class Parking:
             table.pop(key, None)
 
         table[key] = (weakref.ref(obj, gone), parked)
+        self._parked_as_of.setdefault(id(parked.handle), []).append(key)
 
     def _restored_already(self, state: SessionState) -> dict[str, StateObject]:
         out: dict[str, StateObject] = {}
         for name, obj in state.objects.items():
             if isinstance(obj, ParkedObject):
-                ref = self._restored.get((id(obj.handle), obj.key))
+                ref = self._restored.get(id(obj.handle), {}).get(obj.key)
                 alive = ref() if ref is not None else None
                 if alive is not None:
                     out[name] = alive
         return out
 
     def _remember_restored(self, parked: ParkedObject, obj: StateObject) -> None:
-        key = (id(parked.handle), parked.key)
-        table = self._restored
+        key = parked.key
+        table = self._restored.setdefault(id(parked.handle), {})
 
-        def gone(_: object, key: tuple[int, str | None] = key) -> None:
+        def gone(_: object, key: str | None = key) -> None:
             table.pop(key, None)
 
         table[key] = weakref.ref(obj, gone)
 
     def _forget_handle(self, handle: ParkedBytes) -> None:
         # A released handle's id may be reused: nothing may point at it any more.
-        for restored in [k for k in self._restored if k[0] == id(handle)]:
-            del self._restored[restored]
+        self._restored.pop(id(handle), None)
         self._bytes_of.pop(id(handle), None)
-        for obj_id in [k for k, (_, p) in self._parked_as.items() if p.handle is handle]:
-            del self._parked_as[obj_id]
+        for obj_id in self._parked_as_of.pop(id(handle), ()):
+            known = self._parked_as.get(obj_id)
+            if known is not None and known[1].handle is handle:
+                del self._parked_as[obj_id]
         self._kv_handles.discard(id(handle))
         self._groups.pop(id(handle), None)
 
