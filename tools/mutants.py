@@ -1179,6 +1179,19 @@ MUTANTS = (
         ),
         ("tests/manager/test_kept_copies.py",),
     ),
+    Mutant(
+        "parked-handle-count-never-drops",
+        "a session letting go of a parked handle leaves the count of its holders as it was, "
+        "so the handle is never released",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            left = counts[id(handle)] - 1\n",
+                "            left = counts[id(handle)]\n",
+            ),
+        ),
+        ("tests/storage/test_host_pool_manager.py", "tests/manager/test_fork.py"),
+    ),
 )
 
 
