@@ -1034,9 +1034,8 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "        return (\n            any(obj.handle is handle for obj in self.storing)",
-                "        return False and (\n"
-                "            any(obj.handle is handle for obj in self.storing)",
+                "        return (\n            handle_id in self._taking\n",
+                "        return False and (\n            handle_id in self._taking\n",
             ),
         ),
         ("tests/manager/test_fork.py", "tests/manager/test_fork_stateful.py"),
@@ -1059,8 +1058,8 @@ MUTANTS = (
         "sessionstate/_manager/_parking.py",
         (
             (
-                "                alive = ref() if ref is not None else None\n",
-                "                alive = None\n",
+                "                    candidate = entry.ref()\n",
+                "                    candidate = None\n",
             ),
         ),
         ("tests/manager/test_fork.py",),
@@ -1191,6 +1190,52 @@ MUTANTS = (
             ),
         ),
         ("tests/storage/test_host_pool_manager.py", "tests/manager/test_fork.py"),
+    ),
+    Mutant(
+        "handed-back-object-unchecked",
+        "an unpark hands a sibling's restored object back (or the session's own) though it "
+        "was written in place since it came back",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "if candidate is not None and _versions(candidate) == entry.versions:",
+                "if candidate is not None:",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "full-pool-releases-what-a-park-takes-back",
+        "a full host pool lets go of a kept copy the running park is taking back",
+        "sessionstate/_manager/_parking.py",
+        (("            handle_id in self._taking\n", "            False\n"),),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "sibling-share-checks-one-object",
+        "a park takes a sibling's parked handle when the session holds all of its objects, "
+        "though one was written through another object sharing its storage",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "        unchanged = {id(state.objects[name]) for name in found}\n",
+                "        unchanged = {id(state.objects[name]) for name in names}\n",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "hand-back-object-by-object",
+        "an unpark hands back each unchanged object of a handle though another of them, "
+        "sharing its storage, was written",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "                if all(o is not None for o in objects.values())\n",
+                "                if True\n",
+            ),
+        ),
+        ("tests/manager/test_kept_copies.py",),
     ),
 )
 

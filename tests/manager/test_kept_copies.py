@@ -173,6 +173,128 @@ def test_a_branch_that_wrote_in_place_does_not_take_its_siblings_bytes(tmp_path:
         assert torch.equal(got.object("still", TensorCache).view()[0], torch.full((_N,), value))
 
 
+def test_an_object_written_after_its_park_is_never_handed_back(tmp_path: Path) -> None:
+    # The caller keeps a record it got and writes into it once the session was parked again:
+    # the next get brings back what was stored, not the written object.
+    m = _manager(tmp_path)
+    m.put("a", _record(1.0))
+    m.put("b", _record(2.0))
+    a = m.get("a")
+    assert a is not None
+    assert m.get("b") is not None  # parks "a": its kept copy taken back
+    a.object("still", TensorCache).view()[0].add_(100.0)
+    got = m.get("a")
+    assert got is not None
+    assert tree_equal(got, _record(1.0))
+
+
+def test_a_sibling_is_never_handed_an_object_written_since_it_came_back(tmp_path: Path) -> None:
+    m = SessionStateManager(spool_dir=tmp_path)
+    m.put("a", _record(1.0))
+    m.fork("a", "c")
+    m.park_until(lambda: False, frees=lambda entry: True)  # both parked, one handle
+    c = m.get("c")
+    assert c is not None
+    m.park_until(lambda: False, frees=lambda entry: True)  # "c" parked again
+    c.object("still", TensorCache).view()[0].add_(100.0)  # into what "c" read, stored no more
+    for sid in ("a", "c"):
+        got = m.get(sid)
+        assert got is not None
+        assert tree_equal(got, _record(1.0))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_write_through_one_of_two_objects_sharing_a_storage_is_parked(
+    tmp_path: Path, tier: str
+) -> None:
+    # Restored objects share their storage but not a version counter: a write through one
+    # leaves the other's counter as it was, and must still keep both from a sibling's bytes.
+    base = torch.arange(16.0)
+    o0 = TensorCache(name="o0").allocate().commit((base[0:4],))
+    o2 = TensorCache(name="o2").allocate().commit((base[0:8],))
+    m = SessionStateManager(spool_dir=tmp_path, park_tier=tier)  # type: ignore[arg-type]
+
+    def park(*keep: str) -> None:
+        m.park_until(lambda: False, frees=lambda entry: True, keep=keep)
+
+    m.put("a", SessionState(objects={"o0": o0, "o2": o2}))
+    del base, o0, o2
+    park()
+    a = m.get("a")  # restored: o0 and o2 over one fresh storage
+    m.fork("a", "c")  # "c" holds "a"'s very objects
+    park("c")  # "a" parked again, its kept copy taken back
+    c = m.get("c")
+    assert c is not None
+    c.object("o2", TensorCache).view()[0][0].add_(100.0)  # base[0]: o0 reads it too
+    written = clone_tree(c)
+    del a, c
+    park()  # "c" parked: its bytes now differ from "a"'s
+    got = m.get("c")
+    assert got is not None
+    assert tree_equal(got, written)
+    (x0,), (x2,) = got.object("o0", TensorCache).view(), got.object("o2", TensorCache).view()
+    assert x0[0].item() == 100.0
+    assert x0.untyped_storage().data_ptr() == x2.untyped_storage().data_ptr()
+
+
+def test_a_sibling_is_handed_none_of_a_handle_one_of_whose_objects_was_written(
+    tmp_path: Path,
+) -> None:
+    def record() -> SessionState:
+        base = torch.arange(16.0)
+        o0 = TensorCache(name="o0").allocate().commit((base[0:4],))
+        o2 = TensorCache(name="o2").allocate().commit((base[0:8],))
+        return SessionState(objects={"o0": o0, "o2": o2})
+
+    m = SessionStateManager(spool_dir=tmp_path)
+    m.put("a", record())
+    m.fork("a", "c")
+    m.park_until(lambda: False, frees=lambda entry: True)  # one handle for both
+    c = m.get("c")  # o0 and o2 restored over one storage; "a" could be handed them
+    assert c is not None
+    c.object("o2", TensorCache).view()[0][0].add_(100.0)  # o0 reads it, its counter stays
+    got = m.get("a")
+    assert got is not None
+    assert tree_equal(got, record())
+
+
+def test_a_park_refused_by_a_full_host_pool_keeps_its_copies_held(tmp_path: Path) -> None:
+    # "a" and "c" keep the same copy; "a"'s park takes it back, then the pool refuses the rest
+    # even after letting kept copies go: the copy "a" took back must not have gone with them.
+    one = SessionStateManager()
+    one.put("x", _record(1.0))
+    nbytes = one.stats()["nbytes:cpu"]
+    m = SessionStateManager(
+        host_pool_bytes=nbytes + 256,
+        host_pool_full="refuse",
+        spool_dir=tmp_path,
+        check_immutable=True,  # (no object handed back: each unpark restores its own)
+    )
+
+    def park(*keep: str) -> None:
+        m.park_until(lambda: False, frees=lambda entry: True, keep=keep)
+
+    m.put("a", _record(1.0))
+    park()
+    m.fork("a", "c")
+    assert m.get("c") is not None  # "c" keeps the copy ("a" still holds it parked)
+    base = m.get("a")  # and "a" keeps it too
+    assert base is not None
+    big = TensorCache(name="big").allocate().commit((torch.ones(4 * _N),))  # over the pool
+    m.put("a", base.with_object("big", big))
+    del big
+    park("c")  # "a"'s park is refused: it stays resident
+    assert not m.session_stats("a")["parked"]
+    m.put("a", base)  # its unparked objects again, unchanged
+    del base
+    park("c")  # takes its copy back
+    assert m.session_stats("a")["parked"]
+    got = m.get("a")
+    assert got is not None
+    assert tree_equal(got, _record(1.0))
+    assert_stats_equal_a_recount(m)
+
+
 def test_objects_under_inference_mode_are_always_copied(tmp_path: Path) -> None:
     m = _manager(tmp_path)
     _robin(m, 3)

@@ -113,7 +113,9 @@ class Parking:
         # is never shared so: restoring it for one key would take pool blocks for all.
         self._parked_as: dict[int, tuple[weakref.ref[StateObject], ParkedObject]] = {}
         self._parked_as_of: dict[int, list[int]] = {}  # per handle id, its `_parked_as` keys
-        self._restored: dict[int, dict[str | None, weakref.ref[StateObject]]] = {}
+        self._restored: dict[int, dict[str | None, _Handed]] = {}
+        # Per session just unparked, the restored objects whose counters `restored` reads.
+        self._to_version: dict[Hashable, list[tuple[str, _Handed]]] = {}
         self._kv_handles: set[int] = set()  # handles holding K/V (never shared so)
         # Per handle parked here, the ids of the objects parked into it together: a sibling
         # takes the handle only if it holds every one of them (else it would hold, and bring
@@ -145,6 +147,7 @@ class Parking:
             int, dict[str | None, tuple[weakref.ref[StateObject], tuple[int, ...]]]
         ] = {}
         self._reparks = 0  # parks that took a kept handle back
+        self._taking: frozenset[int] = frozenset()  # kept handles the running park takes back
         self._reparked_nbytes = 0  # the bytes those parks did not copy
         # Prefetched sessions: the bytes their background restores make resident, per device
         # (charged to the budget until the session is unparked or the prefetch dropped).
@@ -212,6 +215,7 @@ class Parking:
             if not held:
                 self._release(handle)
         self._let_go(session_id)
+        self._to_version.pop(session_id, None)
         self._kv_parked.discard(session_id)
 
     def park(
@@ -244,6 +248,9 @@ class Parking:
         clean = self._clean.pop(session_id, {})
         kept = self._kept.pop(session_id, {})
         reused, apart, taken = _unchanged(state, names, clean, kept, held)
+        # Held while this park runs: a full host pool letting kept copies go must not
+        # release the ones it takes back (a sibling may keep the same handle).
+        self._taking = frozenset(taken)
         shared = self._parked_already(state, [name for name in names if name not in reused], held)
         names = [name for name in names if name not in shared]
         apart = [name for name in apart if name not in shared]
@@ -277,6 +284,8 @@ class Parking:
             if taken:
                 self._kept[session_id] = {i: kept[i] for i in taken}
             raise
+        finally:
+            self._taking = frozenset()
         seconds = time.perf_counter() - start
         if shared or reused:
             new = new._replace({**new.objects, **shared, **reused}, dict(new._attrs))
@@ -491,6 +500,7 @@ class Parking:
                 new = state.unpark()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
+        handed: list[tuple[str, _Handed]] = []
         for name, obj in state.objects.items():
             handle_id = id(obj.handle) if isinstance(obj, ParkedObject) else None
             if (
@@ -498,7 +508,10 @@ class Parking:
                 and handle_id in self._handles
                 and handle_id not in self._kv_handles
             ):
-                self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
+                entry = self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
+                handed.append((name, entry))
+        if handed:
+            self._to_version[session_id] = handed
         seconds = time.perf_counter() - start
         if prefetched and any(handle.last_restore_prefetched for handle in handles):
             self._prefetch_hits += 1
@@ -579,6 +592,10 @@ class Parking:
         record. Reads the version counters of the objects the unpark restored (their leaves
         from the ledger's items: no walk), and lets go of the kept copies of those that
         cannot be told unchanged."""
+        for name, entry in self._to_version.pop(session_id, ()):
+            obj = entry.ref()
+            if obj is not None:  # a sibling may take it as it is now, and only so
+                entry.versions = _versions(obj, held.get(("o", name)))
         clean = self._clean.get(session_id)
         if not clean:
             return
@@ -799,7 +816,8 @@ class Parking:
         # parked objects: releases are as rare as parks.
         handle_id = id(handle)
         return (
-            any(obj.handle is handle for obj in self.storing)
+            handle_id in self._taking
+            or any(obj.handle is handle for obj in self.storing)
             or any(handle_id in kept for kept in self._kept.values())
             or self._parked_anywhere(handle)
         )
@@ -831,11 +849,14 @@ class Parking:
                 found[name] = parked
         if not found:
             return {}
-        mine = {id(state.objects[name]) for name in names}
+        # Every object of the handle found unchanged, not just held: objects restored from
+        # one storage share it but not a version counter, so a write through one of them
+        # leaves the others' counters as they were.
+        unchanged = {id(state.objects[name]) for name in found}
         out: dict[str, ParkedObject] = {}
         for name, parked in found.items():
             group = self._groups.get(id(parked.handle))
-            if group is not None and group <= mine:
+            if group is not None and group <= unchanged:
                 out[name] = parked
         return out
 
@@ -852,23 +873,38 @@ class Parking:
         self._parked_as_of.setdefault(id(parked.handle), []).append(key)
 
     def _restored_already(self, state: SessionState) -> dict[str, StateObject]:
-        out: dict[str, StateObject] = {}
+        # Per handle, all of its objects ``state`` holds or none: each alive and unchanged
+        # since it came back (its bytes the parked ones). Objects restored from one storage
+        # share it but not a version counter: one written through leaves the others' as
+        # they were, so one changed object keeps every object of its handle from coming back.
+        found: dict[int, dict[str, StateObject | None]] = {}
         for name, obj in state.objects.items():
             if isinstance(obj, ParkedObject):
-                ref = self._restored.get(id(obj.handle), {}).get(obj.key)
-                alive = ref() if ref is not None else None
-                if alive is not None:
-                    out[name] = alive
+                entry = self._restored.get(id(obj.handle), {}).get(obj.key)
+                alive = None
+                if entry is not None and entry.versions is not None:
+                    candidate = entry.ref()
+                    if candidate is not None and _versions(candidate) == entry.versions:
+                        alive = candidate
+                found.setdefault(id(obj.handle), {})[name] = alive
+        out: dict[str, StateObject] = {}
+        for objects in found.values():
+            out.update(
+                {n: o for n, o in objects.items() if o is not None}
+                if all(o is not None for o in objects.values())
+                else {}
+            )
         return out
 
-    def _remember_restored(self, parked: ParkedObject, obj: StateObject) -> None:
+    def _remember_restored(self, parked: ParkedObject, obj: StateObject) -> _Handed:
         key = parked.key
         table = self._restored.setdefault(id(parked.handle), {})
 
         def gone(_: object, key: str | None = key) -> None:
             table.pop(key, None)
 
-        table[key] = weakref.ref(obj, gone)
+        entry = table[key] = _Handed(weakref.ref(obj, gone))
+        return entry
 
     def _forget_handle(self, handle: ParkedBytes) -> None:
         # A released handle's id may be reused: nothing may point at it any more.
@@ -912,6 +948,18 @@ def parked_objects(state: SessionState, /) -> dict[str, ParkedObject]:
 
 # Per state-object class, whether it is a `ParkedObject` (an ABC's isinstance costs more).
 _PARKED_TYPES: dict[type, bool] = {}
+
+
+class _Handed:
+    """An object an unpark restored, which a sibling unparking the same parked bytes may be
+    handed instead of a copy: a weak reference to it, and its tensors' version counters once
+    read (None until then, and then it is never handed)."""
+
+    __slots__ = ("ref", "versions")
+
+    def __init__(self, ref: weakref.ref[StateObject]) -> None:
+        self.ref = ref
+        self.versions: tuple[int, ...] | None = None
 
 
 class _Restored:
