@@ -248,9 +248,6 @@ class Parking:
         clean = self._clean.pop(session_id, {})
         kept = self._kept.pop(session_id, {})
         reused, apart, taken = _unchanged(state, names, clean, kept, held)
-        # Held while this park runs: a full host pool letting kept copies go must not
-        # release the ones it takes back (a sibling may keep the same handle).
-        self._taking = frozenset(taken)
         shared = self._parked_already(state, [name for name in names if name not in reused], held)
         names = [name for name in names if name not in shared]
         apart = [name for name in apart if name not in shared]
@@ -268,6 +265,9 @@ class Parking:
         made: list[tuple[list[str], list[ParkedBytes]]] = []  # per park, its names and handles
         spilled = False
         start = time.perf_counter()
+        # Held while the tier parks: a full host pool letting kept copies go must not release
+        # the ones this park takes back (a sibling may keep the same handle).
+        self._taking = frozenset(taken)
         try:
             for group in (copied, apart):
                 if group:
