@@ -510,6 +510,7 @@ class Parking:
             ):
                 entry = self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
                 handed.append((name, entry))
+        self._to_version.pop(session_id, None)
         if handed:
             self._to_version[session_id] = handed
         seconds = time.perf_counter() - start
@@ -592,16 +593,22 @@ class Parking:
         record. Reads the version counters of the objects the unpark restored (their leaves
         from the ledger's items: no walk), and lets go of the kept copies of those that
         cannot be told unchanged."""
+        read: dict[int, tuple[int, ...] | None] = {}  # by object id: each read once
         for name, entry in self._to_version.pop(session_id, ()):
             obj = entry.ref()
             if obj is not None:  # a sibling may take it as it is now, and only so
-                entry.versions = _versions(obj, held.get(("o", name)))
+                entry.versions = read[id(obj)] = _versions(obj, held.get(("o", name)))
         clean = self._clean.get(session_id)
         if not clean:
             return
         for name, restored in list(clean.items()):
             obj = restored.ref()
-            versions = None if obj is None else _versions(obj, held.get(("o", name)))
+            if obj is None:
+                versions = None
+            elif id(obj) in read:
+                versions = read[id(obj)]
+            else:
+                versions = _versions(obj, held.get(("o", name)))
             if versions is None or (restored.expect is not None and versions != restored.expect):
                 del clean[name]
             else:
