@@ -1179,6 +1179,34 @@ MUTANTS = (
         ("tests/manager/test_kept_copies.py",),
     ),
     Mutant(
+        "room-scan-asks-every-parked-session",
+        "a scan for room asks every other session what it could park, at every get, those "
+        "with nothing left to park included",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            if idle.get(other, _NO_DEVICES).issuperset(over):\n",
+                "            if False:\n",
+            ),
+        ),
+        ("tests/manager/test_budget_incremental.py",),
+    ),
+    Mutant(
+        "room-scan-forgets-an-unpark",
+        "an unparked session stays known as holding nothing to park, so it is never parked "
+        "again for room",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "        self._table[session_id] = state\n"
+                "        self._nothing_to_park.pop(session_id, None)\n"
+                "        self._ledger.set(",
+                "        self._table[session_id] = state\n        self._ledger.set(",
+            ),
+        ),
+        ("tests/manager/test_budget_incremental.py", "tests/manager/test_budget_stateful.py"),
+    ),
+    Mutant(
         "parked-handle-count-never-drops",
         "a session letting go of a parked handle leaves the count of its holders as it was, "
         "so the handle is never released",

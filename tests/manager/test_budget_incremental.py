@@ -1,4 +1,5 @@
-"""A budgeted put checks that the record fits from per-session totals, not by walking it.
+"""A budgeted put checks that the record fits from per-session totals, not by walking it; a
+scan for room asks a session what it could park once per record, not at every get.
 
 The manager refuses a record that alone holds more than a device's whole budget. It reads what
 the record holds alone from the ledger's per-session totals, moved by the put at the cost of
@@ -18,7 +19,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sessionstate._manager._ledger as ledger_module
-from sessionstate import LatentBuffer, SessionAdmissionError, SessionState, SessionStateManager
+from sessionstate import (
+    LatentBuffer,
+    SessionAdmissionError,
+    SessionState,
+    SessionStateManager,
+    TensorCache,
+)
+from sessionstate._manager._policy import BudgetPolicy
 from sessionstate.testing import recount_nbytes_by_device
 from tests.support import assert_stats_equal_a_recount
 
@@ -122,3 +130,46 @@ def test_a_record_alone_over_the_budget_counts_a_storage_it_shares_with_others()
     assert manager.peek("b") is shared
     assert manager.session_ids() == ["a", "b"]
     assert_stats_equal_a_recount(manager)
+
+
+def test_a_scan_for_room_passes_parked_sessions_by_until_their_record_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Forty sessions under a budget of two and a half: each get parks the least recently used
+    # resident one. A session whose record holds nothing left to park is asked once, not at
+    # every scan (a scan would otherwise cost every parked session, each get); stepped
+    # again, it is asked again and parked.
+    def record(v: float) -> SessionState:
+        cache = TensorCache(name="c").allocate().commit(torch.full((64,), v))
+        return SessionState(objects={"c": cache}, attrs={"v": v})
+
+    one = SessionStateManager()
+    one.put("x", record(0.0))
+    m = SessionStateManager(max_bytes={"cpu": one.stats()["nbytes:cpu"] * 5 // 2})
+    ids = [f"s{i}" for i in range(40)]
+    for i, sid in enumerate(ids):
+        m.put(sid, record(float(i)))
+    asked: list[str] = []
+    parkable = BudgetPolicy.parkable
+
+    def counted(self: BudgetPolicy, values: object, objects: object, devices: object) -> object:
+        asked.append("")
+        return parkable(self, values, objects, devices)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BudgetPolicy, "parkable", counted)
+    for rounds in range(3):
+        for i, sid in enumerate(ids):
+            state = m.get(sid)
+            assert state is not None
+            assert torch.equal(state.object("c", TensorCache).contents, torch.full((64,), float(i)))
+            m.put(sid, state.with_attrs(v=float(rounds)))  # a new record: asked again later
+    for i, sid in enumerate(ids):  # read alone: an unparked record is parked again for room
+        state = m.get(sid)
+        assert state is not None
+        assert torch.equal(state.object("c", TensorCache).contents, torch.full((64,), float(i)))
+    gets = 4 * len(ids)
+    stats = m.stats()
+    assert stats["evictions"] == 0
+    assert stats["parks"] >= gets - 2
+    # Each get parks one session, asking it and the few left resident; not the 37 parked.
+    assert len(asked) <= 3 * gets, len(asked)

@@ -212,6 +212,10 @@ class SessionStateManager(Generic[SessionT]):
             reporter=self._reporter,
         )
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
+        # Per session, the devices on which its stored record holds nothing the policy would
+        # park (all parked already, or staying for sharing with a resident value): a scan for
+        # room passes it by in one lookup until a write to the table replaces the record.
+        self._nothing_to_park: dict[Hashable, frozenset[str]] = {}
         self._check_immutable = check_immutable
         self._guard = ImmutabilityGuard() if check_immutable else None
         # Under the guard, versions are per session: an object a sibling unparked (and might
@@ -498,6 +502,7 @@ class SessionStateManager(Generic[SessionT]):
         for session_id, state in pairs:
             table[session_id] = state
             table.move_to_end(session_id)
+            self._nothing_to_park.pop(session_id, None)
             parking.track(session_id, state, {})
             self._record_versions(session_id, state)
 
@@ -774,6 +779,7 @@ class SessionStateManager(Generic[SessionT]):
                     # park; a prefetch of the source stays reserved.
                     self._ledger.set(source_id, self._ledger.values_for(source_id, records[0]))
                     self._table[source_id] = records[0]
+                    self._nothing_to_park.pop(source_id, None)
                     self._record_versions(source_id, records[0])
             except BaseException:
                 for branch_id in added:
@@ -1598,6 +1604,7 @@ class SessionStateManager(Generic[SessionT]):
             raise
         self._parking.storing = ()
         self._table[session_id] = state
+        self._nothing_to_park.pop(session_id, None)
         self._parking.track(session_id, state, parked)
         self._record_versions(session_id, state)
 
@@ -1704,11 +1711,16 @@ class SessionStateManager(Generic[SessionT]):
         over = policy.over(self._ledger, extra)
         if not over:
             return over
+        idle = self._nothing_to_park
         for other in list(self._table):
             if other == session_id or other in kept:
                 continue
+            if idle.get(other, _NO_DEVICES).issuperset(over):
+                continue  # nothing of its record to park there
             names = policy.parkable(self._ledger.held(other), self._table[other].objects, over)
-            if names and self._park(other, names):
+            if not names:
+                idle[other] = idle.get(other, _NO_DEVICES).union(over)
+            elif self._park(other, names):
                 over = policy.over(self._ledger, extra)
                 if not over:
                     return over
@@ -1727,6 +1739,7 @@ class SessionStateManager(Generic[SessionT]):
                 return False
             raise
         self._table[session_id] = new
+        self._nothing_to_park.pop(session_id, None)  # (it may hold some on other devices)
         self._ledger.set(session_id, self._ledger.values_for(session_id, new))
         self._record_versions(session_id, new)
         return True
@@ -1767,6 +1780,7 @@ class SessionStateManager(Generic[SessionT]):
         # ``state``, just unparked, stored for ``session_id``: the table, the ledger (its
         # walk of the restored objects is what parking reads their version counters from).
         self._table[session_id] = state
+        self._nothing_to_park.pop(session_id, None)
         self._ledger.set(session_id, self._ledger.values_for(session_id, state))
         self._parking.restored(session_id, self._ledger.held(session_id))
         self._record_versions(session_id, state)
@@ -1918,6 +1932,7 @@ class SessionStateManager(Generic[SessionT]):
 
     def _forget(self, session_id: Hashable) -> bool:
         state = self._table.pop(session_id, None)
+        self._nothing_to_park.pop(session_id, None)
         if self._guard is not None:
             self._guard.forget(session_id)
         self._ledger.set(session_id, {})
@@ -1939,6 +1954,9 @@ class SessionStateManager(Generic[SessionT]):
             with self._lock:
                 if self._table.get(session_id) is state:
                     self._guard.verify(session_id, state)
+
+
+_NO_DEVICES: frozenset[str] = frozenset()
 
 
 def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
