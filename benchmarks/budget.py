@@ -45,6 +45,11 @@ with the time spent waiting for a core, the CPU-time one much less.
    ``prefetch(next, make_room=True)`` before each step. The budget
    never evicts: the run fails if it does (evicted sessions would start over and the paths
    would stop doing the same work). Target: budgeted within 1.15x of unbudgeted.
+6. ``many_sessions``: N small sessions (a cache of four 256-byte tensors and a ring buffer)
+   under a budget that holds two and a half, stepped in turn with `get` and `put` (a commit
+   to the ring): each `get` parks the least recently used resident session and unparks its
+   own. Few sessions and many, in turns: a swap should cost the same however many sessions
+   are parked (the figure is the ratio; no target of the issue's).
 """
 
 from __future__ import annotations
@@ -498,6 +503,50 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def many_sessions(counts: tuple[int, int], rounds: int) -> dict[str, Any]:
+    """Median `get` + `put` per step of a round robin of few and of many small sessions under
+    a budget of two and a half, in turns."""
+
+    def record(v: float) -> SessionState:
+        cache = (
+            TensorCache(name="c").allocate().commit(tuple(torch.full((64,), v) for _ in range(4)))
+        )
+        ring = LatentBuffer(name="r", dim=0).allocate(maxlen=2).commit(torch.full((1, 4), v))
+        return SessionState(objects={"cache": cache, "ring": ring}, attrs={"step": 0})
+
+    one: SessionStateManager[SessionState] = SessionStateManager()
+    one.put("x", record(0.0))
+    budget = {"cpu": one.stats()["nbytes:cpu"] * 5 // 2}
+    managers = {}
+    for n in counts:
+        m = _budgeted(max_sessions=max(counts), max_bytes=budget, park_tier="host")
+        for i in range(n):
+            m.put(i, record(float(i)))
+        managers[n] = m
+    turns = {n: iter(range(10**9)) for n in counts}
+
+    def step(n: int) -> None:
+        m = managers[n]
+        k = next(turns[n])
+        state = m.get(k % n)
+        assert state is not None
+        ring = state.object("ring", LatentBuffer).commit(torch.full((1, 4), float(k)))
+        m.put(k % n, state.with_object("ring", ring))
+
+    few, many = counts
+    medians = _in_turns({f"n{n}": (lambda n=n: step(n)) for n in counts}, rounds, warmup=few)
+    stats = {n: m.stats() for n, m in managers.items()}
+    if any(s["evictions"] for s in stats.values()):
+        msg = "the sessions' round robin evicted: the budget no longer holds two and a half"
+        raise RuntimeError(msg)
+    return {
+        "sessions": list(counts),
+        "step_us": {str(n): medians[f"n{n}"] * 1e6 for n in counts},
+        "many_over_few": medians[f"n{many}"] / medians[f"n{few}"],
+        "parks": {str(n): s["parks"] for n, s in stats.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks; print and write the results as JSON."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -517,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
             put_check(n, repeats) for n in ([4] if args.smoke else [4, DEFAULT_MAX_SESSIONS])
         ],
         "round_robin": round_robin(6, 1 if args.smoke else 4),
+        "many_sessions": many_sessions(
+            (6, 60) if args.smoke else (6, 1000), 20 if args.smoke else 400
+        ),
     }
     results["loadavg_end"] = list(os.getloadavg())
     text = json.dumps(results, indent=2)

@@ -1185,7 +1185,7 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "            if idle.get(other, _NO_DEVICES).issuperset(over):\n",
+                "            if idle.get(other, _NO_DEVICES) >= devices:\n",
                 "            if False:\n",
             ),
         ),

@@ -1712,18 +1712,20 @@ class SessionStateManager(Generic[SessionT]):
         if not over:
             return over
         idle = self._nothing_to_park
+        devices = frozenset(over)
         for other in list(self._table):
+            if idle.get(other, _NO_DEVICES) >= devices:
+                continue  # nothing of its record to park there
             if other == session_id or other in kept:
                 continue
-            if idle.get(other, _NO_DEVICES).issuperset(over):
-                continue  # nothing of its record to park there
             names = policy.parkable(self._ledger.held(other), self._table[other].objects, over)
             if not names:
-                idle[other] = idle.get(other, _NO_DEVICES).union(over)
+                idle[other] = idle.get(other, _NO_DEVICES) | devices
             elif self._park(other, names):
                 over = policy.over(self._ledger, extra)
                 if not over:
                     return over
+                devices = frozenset(over)
         return over
 
     def _park(self, session_id: Hashable, names: list[str]) -> bool:
