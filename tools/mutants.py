@@ -1207,6 +1207,20 @@ MUTANTS = (
         ("tests/manager/test_budget_incremental.py", "tests/manager/test_budget_stateful.py"),
     ),
     Mutant(
+        "room-maker-asks-every-session",
+        "making a step's pool room asks every other session what it could free, at every "
+        "step, those whose K/V is parked included",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                if remembered is not None and remembered in idle.get(other, "
+                "_NO_DEVICES):\n",
+                "                if False:\n",
+            ),
+        ),
+        ("tests/manager/test_room_maker.py",),
+    ),
+    Mutant(
         "parked-handle-count-never-drops",
         "a session letting go of a parked handle leaves the count of its holders as it was, "
         "so the handle is never released",

@@ -106,3 +106,37 @@ def test_begin_says_whether_a_step_starts_or_continues_a_session() -> None:
             begin=False,
             lost=lambda sid: f"Model session {sid!r} is gone",
         )  # type: ignore[arg-type]
+
+
+def test_the_room_maker_passes_by_sessions_whose_kv_is_parked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Forty sessions, a pool with room for about three: each step parks the K/V of the least
+    # recently used session that holds some. A session whose K/V is parked is asked once
+    # what it could free, not at every step (the scan would cost every session held).
+    import sessionstate._manager._table as table_module
+
+    pool = KVPool(8, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=WINDOW)
+    m = SessionStateManager(pools=(pool,))
+    new, step = _tiny_model(pool)
+    asked: list[str] = []
+    objects_to_park = table_module.objects_to_park
+
+    def counted(*args: object) -> list[str]:
+        asked.append("")
+        return objects_to_park(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(table_module, "objects_to_park", counted)
+    ids = [f"s{i}" for i in range(40)]
+    want: dict[str, list[float]] = {}
+    steps = 0
+    for t in range(3):
+        for sid in ids:
+            x = float(100 * t + int(sid[1:]))
+            got = m.step(sid, lambda s, x=x: step(s, x), new=new)  # type: ignore[misc, operator]
+            want[sid] = _windowed([*want.get(sid, []), x, x])
+            assert got.tolist() == want[sid], (t, sid)
+            steps += 1
+    assert m.stats()["evictions"] == 0
+    assert m.stats()["kv_parks"] >= steps - 4
+    assert len(asked) <= 3 * steps, len(asked)

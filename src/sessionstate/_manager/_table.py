@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
@@ -213,9 +214,10 @@ class SessionStateManager(Generic[SessionT]):
         )
         self._table: OrderedDict[Hashable, SessionT] = OrderedDict()
         # Per session, the devices on which its stored record holds nothing the policy would
-        # park (all parked already, or staying for sharing with a resident value): a scan for
-        # room passes it by in one lookup until a write to the table replaces the record.
-        self._nothing_to_park: dict[Hashable, frozenset[str]] = {}
+        # park (all parked already, or staying for sharing with a resident value), and the
+        # `park_until` predicates that pick nothing of it: a scan for room passes it by in one
+        # lookup until a write to the table replaces the record.
+        self._nothing_to_park: dict[Hashable, frozenset[Hashable]] = {}
         self._check_immutable = check_immutable
         self._guard = ImmutabilityGuard() if check_immutable else None
         # Under the guard, versions are per session: an object a sibling unparked (and might
@@ -1295,11 +1297,21 @@ class SessionStateManager(Generic[SessionT]):
         with self._lock:
             if done():
                 return True
+            # A bound method (a pool's `owns_entry`) is the same predicate each time it is
+            # read, so a session it picks nothing of is passed by until its record changes;
+            # any other predicate may be a new closure per call, and is not remembered.
+            idle = self._nothing_to_park
+            remembered = frees if isinstance(frees, types.MethodType) else None
             for other in list(self._table):
                 if other in keep:
                     continue
+                if remembered is not None and remembered in idle.get(other, _NO_DEVICES):
+                    continue
                 names = objects_to_park(self._ledger.held(other), self._table[other].objects, frees)
-                if names and self._park(other, names) and done():
+                if not names:
+                    if remembered is not None:
+                        idle[other] = idle.get(other, _NO_DEVICES) | {remembered}
+                elif self._park(other, names) and done():
                     return True
             # Prefetched restores may hold what `done` waits for (a pool's blocks): they go
             # before the caller has to give up.
@@ -1958,7 +1970,7 @@ class SessionStateManager(Generic[SessionT]):
                     self._guard.verify(session_id, state)
 
 
-_NO_DEVICES: frozenset[str] = frozenset()
+_NO_DEVICES: frozenset[Hashable] = frozenset()
 
 
 def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
