@@ -647,7 +647,7 @@ MUTANTS = (
         (
             (
                 "                self.storage[block : block + count].copy_("
-                "data[slot : slot + count])\n",
+                "data[row : row + count])\n",
                 "                pass\n",
             ),
         ),
@@ -920,22 +920,23 @@ MUTANTS = (
         "sessionstate/_kv/_pool.py",
         (
             (
-                "    taken: list[list[int]] = []\n",
+                "    taken: list[list[int]] = []  # per pool: fresh blocks, for the saved blocks "
+                "not reused\n",
                 "    taken: list[list[int]] = []\n    early: list[Any] = []\n",
             ),
             (
-                '            group["pool"]._fill(blocks, group["blocks"], group["fills"])\n',
-                '            group["pool"]._fill(blocks, group["blocks"], group["fills"])\n'
-                "            early.append(\n"
-                '                group["pool"]._adopt_blocks(blocks, facts[len(early)])\n'
-                "            )\n",
+                '                group["pool"]._fill(blocks, group["blocks"], fills, rows)\n',
+                '                group["pool"]._fill(blocks, group["blocks"], fills, rows)\n'
+                "                early.append(\n"
+                '                    group["pool"]._adopt_blocks(blocks, facts[len(early)])\n'
+                "                )\n",
             ),
             (
                 "    except BaseException:\n"
-                "        for group, blocks in zip(groups, taken, strict=False):",
+                "        for group, again, blocks in itertools.zip_longest(groups, reused, taken):",
                 "    except BaseException:\n"
                 "        early.clear()\n"
-                "        for group, blocks in zip(groups, taken, strict=False):",
+                "        for group, again, blocks in itertools.zip_longest(groups, reused, taken):",
             ),
             (
                 "                if self._refs[block] == 0 and block not in free:",
@@ -1219,6 +1220,40 @@ MUTANTS = (
             ),
         ),
         ("tests/manager/test_room_maker.py",),
+    ),
+    Mutant(
+        "kv-unpark-takes-fresh-blocks-only",
+        "unparking K/V never takes back a live block of the same content: a family's shared "
+        "blocks come back as per-session copies",
+        "sessionstate/_kv/_pool.py",
+        (("                if valid >= fill:\n", "                if False:\n"),),
+        ("tests/kv/test_kv_family_park.py", "tests/manager/test_fork_kv_stateful.py"),
+    ),
+    Mutant(
+        "kv-unpark-extends-a-block-written-past-its-tokens",
+        "a restored block that its holder wrote past its restored tokens is extended with "
+        "another sibling's tokens, overwriting the holder's",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "valid < fill and self._filled[block] == valid and isinstance(",
+                "valid < fill and isinstance(",
+            ),
+        ),
+        ("tests/kv/test_kv_family_park.py",),
+    ),
+    Mutant(
+        "kv-restored-block-keeps-a-fresh-content",
+        "a block restored from a parked copy keeps the fresh content id it was taken with, so "
+        "no sibling unparked after it finds it",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                self._content[block] = content\n",
+                "                self._content[block] = own\n",
+            ),
+        ),
+        ("tests/kv/test_kv_family_park.py", "tests/manager/test_fork_kv_stateful.py"),
     ),
     Mutant(
         "parked-handle-count-never-drops",

@@ -1,11 +1,13 @@
 """A hypothesis machine over forks of sessions holding KV: the sharing graph and the pool.
 
-Random sequences of create / fork / step / drop / family snapshot and restore, against a
-model that knows each session's history chunks by number (a fork takes its source's, a step
-adds a new one) and its KV tokens. After every operation: each session's `shared_with` is
-exactly the sessions the model says share a chunk with it (the sharing graph), its KV reads
-back as the model says, the byte counts equal a recount, and the pool's free blocks are its
-total less the blocks the live handles hold, each block once.
+Random sequences of create / fork / step / drop / park a session's KV / read a session back /
+family snapshot and restore, against a model that knows each session's history chunks by
+number (a fork takes its source's, a step adds a new one, with one KV block) and its KV
+tokens. After every operation: each session's `shared_with` is exactly the sessions the model
+says share a chunk with it (the sharing graph), its KV reads back as the model says, the byte
+counts equal a recount, the pool's free blocks are its total less the blocks the live handles
+hold, each block once, and those are exactly one per chunk the resident sessions hold: a
+family parked and read back in any order shares its K/V blocks as before.
 """
 
 from __future__ import annotations
@@ -81,6 +83,20 @@ class ForkKVMachine(RuleBasedStateMachine):
             return
         self.m.step(sid, lambda s: (self._grow(s, sid, value), None), new=SessionState)
 
+    @rule(sid=sessions)
+    def park_kv(self, sid: str) -> None:
+        if sid not in self.chunks:
+            return
+        others = [o for o in self.chunks if o != sid]
+        self.m.park_until(lambda: False, frees=self.pool.owns_entry, keep=others)
+
+    @rule(sid=sessions)
+    def read(self, sid: str) -> None:
+        if sid in self.chunks:
+            state = self.m.get(sid)  # unparked, if parked
+            assert state is not None
+            assert state.object("kv", KVCache).read().tolist() == self.kv[sid]
+
     @rule(sid=consumes(sessions))
     def drop(self, sid: str) -> None:
         if sid in self.chunks:
@@ -115,18 +131,23 @@ class ForkKVMachine(RuleBasedStateMachine):
     @invariant()
     def every_kv_reads_as_the_model_says(self) -> None:
         for sid, tokens in self.kv.items():
-            state = self.m.peek(sid)
+            state = self.m.peek(sid, on_host=True)
             assert state is not None
             assert state.object("kv", KVCache).view().read().tolist() == tokens, sid
 
     @invariant()
-    def the_pool_frees_what_no_live_handle_holds(self) -> None:
+    def the_pool_holds_each_resident_chunks_block_once(self) -> None:
         held: set[int] = set()
+        chunks: set[int] = set()
         for sid in self.chunks:
             state = self.m.peek(sid)
             assert state is not None
+            if "kv" in state.parked:
+                continue
             held.update(state.object("kv", KVCache).view().blocks)
+            chunks.update(self.chunks[sid])
         assert self.pool.free_blocks == self.pool.num_blocks - len(held)
+        assert len(held) == len(chunks)  # one block per chunk: siblings share theirs
         assert_stats_equal_a_recount(self.m)
 
 

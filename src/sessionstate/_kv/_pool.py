@@ -28,6 +28,14 @@ handles are gone; unparking takes fresh blocks from the same pool, all or nothin
 handles read bit-identically and share what they shared (block ids may differ). Restored
 handles belong to no transaction: a step that fails never kills them.
 
+A family's blocks come back shared across its sessions too. Every block the pool hands out
+gets a content id, which a parked copy of it carries; a block restored from such a copy takes
+the id on, for the tokens it was restored with. Unparking reuses, instead of a fresh block, a
+live block of the same content id that holds at least the tokens the parked handles read
+there: the block a sibling still holds, or the one a sibling unparked into. Tokens below a
+block's fill never change while it is held (appends land past every live handle's end), so
+the reused block reads exactly what the parked copy holds.
+
 A snapshot saves handles by value (`register_snapshot_leaf`): per pool, the blocks its handles
 in the snapshot hold, once each, with only those handles' tokens (the rest of a block is
 zeros), and per handle its block list and token count. Loading rebuilds the handles over a
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -264,7 +273,9 @@ class KVHandle:
         """The handles an offload payload describes, on fresh blocks of their own pools.
 
         Block ids may differ from the offloaded ones; reads are bit-identical and blocks
-        shared between the handles are shared again. All or nothing.
+        shared between the handles are shared again. A live block of the same content
+        holding the tokens read (a sibling's) is taken back instead of a fresh one, so what
+        a family shares is shared again across its sessions too. All or nothing.
 
         Raises:
             KVPoolExhaustedError: if a pool has fewer free blocks than the handles need
@@ -346,6 +357,16 @@ class KVPool:
         self._free = list(range(num_blocks))  # a heap: lowest id first
         self._refs = [0] * num_blocks
         self._filled = [0] * num_blocks  # tokens written into each block so far
+        # Each block's content id (0: none, a restored standalone pool's), the tokens that
+        # hold that content (-1: the block it was first written to, whose fill says), and
+        # per content id a live block holding it (checked when read: entries may be stale).
+        self._content = [0] * num_blocks
+        self._valid = [-1] * num_blocks
+        self._holder: dict[int, int] = {}
+        self._contents = itertools.count(1)
+        self.blocks_reused = 0
+        """Blocks unparking took back from a live block of the same content (a sibling's)
+        instead of a fresh one; never reset."""
         self._lock = threading.RLock()
         self._local = threading.local()
         self._block_entries: dict[int, StorageEntry] = {}  # see `_entries`
@@ -635,7 +656,71 @@ class KVPool:
         if changed is not None:
             changed.setdefault(block, self._filled[block])
         self._filled[block] = 0
+        self._new_content(block)
         return block
+
+    def _new_content(self, block: int) -> None:
+        # Caller holds the lock: ``block`` was just taken, to be written afresh.
+        old = self._content[block]
+        if old and self._holder.get(old) == block:
+            del self._holder[old]
+        content = self._content[block] = next(self._contents)
+        self._valid[block] = -1
+        self._holder[content] = block
+
+    def _reuse(
+        self, contents: Sequence[int], fills: Sequence[int], data: object = None
+    ) -> dict[int, int]:
+        """Per saved block (its content id and the tokens read there) that a live block
+        holds, that block, by the saved block's index; each referenced once more until the
+        caller's handles hold it (`_release` drops these references).
+
+        A block restored with fewer of the content's tokens than a saved block reads, and
+        written no further since, is extended from ``data`` (the saved blocks, a tensor): the
+        tokens land past every live handle's end there, as an append's would.
+        """
+        out: dict[int, int] = {}
+        with self._lock:
+            for slot, (content, fill) in enumerate(zip(contents, fills, strict=True)):
+                block = self._holder.get(content) if content else None
+                if block is None or self._content[block] != content or not self._refs[block]:
+                    continue
+                valid = self._valid[block]
+                if valid < 0:
+                    valid = self._filled[block]  # the block the content was first written to
+                elif (
+                    valid < fill and self._filled[block] == valid and isinstance(data, torch.Tensor)
+                ):
+                    self.storage[block, valid:fill].copy_(data[slot, valid:fill])
+                    self._filled[block] = self._valid[block] = valid = fill
+                if valid >= fill:
+                    out[slot] = block
+                    self._refs[block] += 1
+        return out
+
+    def _restored(
+        self, blocks: Sequence[int], contents: Sequence[int], fills: Sequence[int]
+    ) -> None:
+        """``blocks`` (fresh, filled) hold ``contents`` up to ``fills`` tokens."""
+        with self._lock:
+            for block, content, fill in zip(blocks, contents, fills, strict=True):
+                if not content:
+                    continue
+                own = self._content[block]
+                if self._holder.get(own) == block:
+                    del self._holder[own]
+                self._content[block] = content
+                self._valid[block] = fill
+                # The holder to reuse from now on: this block, unless a live one holds at
+                # least as many of the content's tokens.
+                held = self._holder.get(content)
+                if (
+                    held is None
+                    or self._content[held] != content
+                    or not self._refs[held]
+                    or (self._filled[held] if self._valid[held] < 0 else self._valid[held]) < fill
+                ):
+                    self._holder[content] = block
 
     def _handle(self, blocks: tuple[int, ...], tokens: int, *, logged: bool = True) -> KVHandle:
         if blocks:
@@ -687,6 +772,7 @@ class KVPool:
             taken = [heapq.heappop(self._free) for _ in range(n)]
             for block in taken:
                 self._filled[block] = 0
+                self._new_content(block)
             return taken
 
     def _untake(self, blocks: Sequence[int], /) -> None:
@@ -701,19 +787,24 @@ class KVPool:
                     heapq.heappush(self._free, block)
 
     def _fill(
-        self, taken: Sequence[int], data: torch.Tensor | DeferredRead, fills: Sequence[int]
+        self,
+        taken: Sequence[int],
+        data: torch.Tensor | DeferredRead,
+        fills: Sequence[int],
+        rows: Sequence[int] | None = None,
     ) -> None:
         """Write ``data`` into ``taken`` (from `_take`, held by no handle) and set their fills.
 
-        Straight from ``data`` (the host tier's memory, or a tensor on any device) into the
-        pool's storage, one copy per run of consecutive block ids: no intermediate tensor.
-        A copy that fails leaves only blocks that no handle holds written.
+        ``rows``: the row of ``data`` each block takes (default: in order). Straight from
+        ``data`` (the host tier's memory, or a tensor on any device) into the pool's storage,
+        one copy per run of consecutive block ids and rows: no intermediate tensor. A copy
+        that fails leaves only blocks that no handle holds written.
         """
         if isinstance(data, DeferredRead):
             data = data.read()
         with self._lock:
-            for slot, block, count in _runs(taken):
-                self.storage[block : block + count].copy_(data[slot : slot + count])
+            for row, block, count in _runs(taken, rows):
+                self.storage[block : block + count].copy_(data[row : row + count])
             for block, fill in zip(taken, fills, strict=True):
                 self._filled[block] = fill
 
@@ -841,16 +932,23 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
             pool.storage.device,
             functools.partial(_read_into, pool, blocks, filled),
         )
-        saved.append({"pool": pool, "blocks": data, "fills": filled})
+        with pool._lock:  # (held by the handles: their contents cannot change)
+            contents = [pool._content[block] for block in blocks]
+        saved.append({"pool": pool, "blocks": data, "fills": filled, "contents": contents})
     return {"pools": saved, "handles": handles}
 
 
-def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """``(first slot, first block, count)`` per run of consecutive block ids in ``blocks``."""
+def _runs(
+    blocks: Sequence[int], rows: Sequence[int] | None = None
+) -> Iterator[tuple[int, int, int]]:
+    """``(first row, first block, count)`` per run of consecutive block ids in ``blocks`` whose
+    ``rows`` are consecutive too (default: each block's index)."""
+    if rows is None:
+        rows = range(len(blocks))
     start = 0
     for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-            yield start, blocks[start], i - start
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1 or rows[i] != rows[i - 1] + 1:
+            yield rows[start], blocks[start], i - start
             start = i
 
 
@@ -886,36 +984,59 @@ def _read_into(
 def reload_handles(payload: Any) -> list[KVHandle]:
     """The handles an offload payload describes (see `offload_payload`), on fresh blocks.
 
-    Each pool gives the blocks first, all of them or none: when one lacks room, the blocks
-    already taken from the others go back and nothing changes.
+    A saved block whose content a live block holds with at least the tokens read there (a
+    sibling's, or one a sibling was reloaded into) is taken back instead; only the others
+    need fresh blocks. Each pool gives the blocks first, all of them or none: when one lacks
+    room, the blocks already taken from the others go back and nothing changes.
 
     Raises:
         KVPoolExhaustedError: if a pool has fewer free blocks than its handles need, naming
             the bytes needed and free.
     """
     groups = payload["pools"]
-    taken: list[list[int]] = []
+    reused: list[dict[int, int]] = []  # per pool: saved block index -> live block taken back
+    taken: list[list[int]] = []  # per pool: fresh blocks, for the saved blocks not reused
     facts: list[list[Any]] = [[] for _ in groups]
     order: list[tuple[int, int]] = []  # per handle: its pool, its index there
     for fact in payload["handles"]:
         order.append((fact["pool"], len(facts[fact["pool"]])))
         facts[fact["pool"]].append(fact)
-    # Every pool's blocks are taken and filled before any handle is made: a failure (a pool
-    # short of blocks, a copy that cannot allocate) leaves no handle whose collection would
-    # give its blocks back a second time; the blocks taken go back once, here.
+    # Every pool's blocks are taken (live ones of the same content held once more, fresh ones
+    # for the rest) and filled before any handle is made: a failure (a pool short of blocks,
+    # a copy that cannot allocate) leaves no handle whose collection would give its blocks
+    # back a second time; the blocks go back once, here.
     try:
         for group in groups:
-            taken.append(group["pool"]._take(int(group["blocks"].shape[0])))
-        for group, blocks in zip(groups, taken, strict=True):
-            group["pool"]._fill(blocks, group["blocks"], group["fills"])
+            pool, fills = group["pool"], group["fills"]
+            contents = group.get("contents") or [0] * len(fills)
+            reused.append(pool._reuse(contents, fills, group["blocks"]))
+            taken.append(pool._take(len(fills) - len(reused[-1])))
+        for group, again, blocks in zip(groups, reused, taken, strict=True):
+            if blocks:
+                rows = [i for i in range(len(group["fills"])) if i not in again]
+                fills = [group["fills"][i] for i in rows]
+                group["pool"]._fill(blocks, group["blocks"], fills, rows)
     except BaseException:
-        for group, blocks in zip(groups, taken, strict=False):
-            group["pool"]._untake(blocks)
+        for group, again, blocks in itertools.zip_longest(groups, reused, taken):
+            if again:
+                group["pool"]._release(tuple(again.values()))
+            if blocks:
+                group["pool"]._untake(blocks)
         raise
-    made = [
-        group["pool"]._adopt_blocks(blocks, facts[g])
-        for g, (group, blocks) in enumerate(zip(groups, taken, strict=True))
-    ]
+    made = []
+    for g, (group, again, blocks) in enumerate(zip(groups, reused, taken, strict=True)):
+        pool, fills = group["pool"], group["fills"]
+        fresh = iter(blocks)
+        placed = [again[i] if i in again else next(fresh) for i in range(len(fills))]
+        made.append(pool._adopt_blocks(placed, facts[g]))
+        if again:  # the handles hold them now
+            pool._release(tuple(again.values()))
+            with pool._lock:
+                pool.blocks_reused += len(again)
+        contents = group.get("contents")
+        if contents:
+            rows = [i for i in range(len(fills)) if i not in again]
+            pool._restored(blocks, [contents[i] for i in rows], [fills[i] for i in rows])
     return [made[g][i] for g, i in order]
 
 

@@ -704,7 +704,9 @@ class SessionStateManager(Generic[SessionT]):
         forks parked: its branches hold the same parked bytes, which stay on the tier until
         the last session holding them unparks or goes. Under a budget the sharing holds: an
         object a sibling parked already is not parked again, and one a sibling unparked and
-        still holds comes back as that object (K/V objects park per session).
+        still holds comes back as that object. K/V objects park per session, and their
+        blocks come back shared: an unpark takes back the live blocks of the same tokens a
+        sibling holds (`KVPool`).
 
         Random state is split: a record's `RandomKey` objects are split (`split_random`)
         into one key for the source and one per branch, so no two of them draw the same

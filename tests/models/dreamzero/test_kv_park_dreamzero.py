@@ -109,9 +109,15 @@ def test_with_nothing_left_to_park_a_step_fails_with_the_bytes_and_changes_nothi
         obs.setdefault(sid, []).append(x)
     for x in obs["session-0"][:3]:  # 3 of the pool's 4 blocks
         pipe.forward(x, "session-0")
-    kept = manager.peek("session-0")  # a record held outside the manager keeps its blocks
-    pipe.forward(obs["session-1"][0], "session-1")  # parks session-0 (frees nothing), fits
+    pipe.forward(obs["session-1"][0], "session-1")  # parks session-0, fits
     assert manager.peek("session-0").parked == ("kv_cache",)  # type: ignore[union-attr]
+    # A handle held outside the manager takes the free blocks (session-0's back in the pool:
+    # its parked copy is all that holds its tokens now).
+    free = pool.free_blocks
+    kept = pool.append(
+        pool.empty(),
+        torch.zeros(free * pool.block_tokens, *pool.token_shape, dtype=pool.storage.dtype),
+    )
     with pytest.raises(KVPoolExhaustedError) as info:
         pipe.forward(obs["session-0"][3], "session-0")  # its 3 blocks cannot come back
     message = str(info.value)
@@ -120,7 +126,7 @@ def test_with_nothing_left_to_park_a_step_fails_with_the_bytes_and_changes_nothi
     assert f"hold the other {3 * pool.block_nbytes} bytes" in message
     assert "session_state_kv_pool_bytes" in message
     # Both sessions are held (session-1 parked to make room), nobody was evicted, and only
-    # the record kept outside holds blocks.
+    # the handle kept outside holds blocks.
     assert manager.peek("session-0").parked == ("kv_cache",)  # type: ignore[union-attr]
     assert manager.peek("session-1").parked == ("kv_cache",)  # type: ignore[union-attr]
     assert pool.free_blocks == pool.num_blocks - 3
