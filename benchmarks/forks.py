@@ -10,6 +10,14 @@ and by `copy.deepcopy` of the record (what a hand-rolled model does), then each 
 - ``bytes``: what the manager holds after the branches stepped (each storage once) against
   what the deep copies hold (the source and every copy), and their ratio.
 
+Then a family holding K/V (``kv_family``): a session whose `KVCache` holds a prefix of
+``--kv-prefix`` tokens in a `KVPool` given to the manager, forked into ``--branches`` branches
+that each append ``--kv-own`` tokens; every session is parked (`park_until`) and read back.
+Reported: the pool blocks the family holds before and after, what per-session copies of every
+branch's blocks would hold (each branch's blocks counted for it alone), and the blocks the
+unparks took back from a sibling (`KVPool.blocks_reused`); every read is checked with
+`torch.equal`.
+
 Prints one JSON object; nothing here asserts a time.
 """
 
@@ -24,7 +32,15 @@ from typing import Any
 
 import torch
 
-from sessionstate import LatentBuffer, SessionState, SessionStateManager, TensorCache, tree_equal
+from sessionstate import (
+    KVCache,
+    KVPool,
+    LatentBuffer,
+    SessionState,
+    SessionStateManager,
+    TensorCache,
+    tree_equal,
+)
 from sessionstate import nbytes_by_device as nbytes
 
 CHUNK = (1, 16, 2, 11, 20)  # a latent chunk at a quarter of the deploy latent grid
@@ -96,6 +112,45 @@ def measure(chunks: int, branches: int, steps: int, repeats: int) -> dict[str, A
     }
 
 
+def measure_kv_family(prefix: int, branches: int, own: int) -> dict[str, Any]:
+    """Pool blocks a forked K/V family holds before and after parking every session."""
+    block_tokens, token_shape = 16, (2, 4, 32)  # a block: 16 tokens of 2 x 4 heads x 32
+    per = -(-(prefix + own) // block_tokens) + 1
+    pool = KVPool(per * (branches + 1), block_tokens=block_tokens, token_shape=token_shape)
+    m: SessionStateManager[SessionState] = SessionStateManager(pools=(pool,))
+    g = torch.Generator().manual_seed(0)
+    kv = KVCache(name="kv").allocate().append(pool, torch.randn(prefix, *token_shape, generator=g))
+    m.put("src", SessionState(objects={"kv": kv}))
+    del kv
+    ids = [f"b{i}" for i in range(branches)]
+    m.fork("src", *ids)
+    for sid in ids:
+        state = m.require(sid)
+        grown = state.object("kv", KVCache).append(
+            pool, torch.randn(own, *token_shape, generator=g)
+        )
+        m.put(sid, state.with_object("kv", grown))
+    del state, grown
+    reads = {sid: m.require(sid).object("kv", KVCache).read() for sid in m.session_ids()}
+    copies = sum(len(m.require(sid).object("kv", KVCache).view().blocks) for sid in reads)
+    before = pool.num_blocks - pool.free_blocks
+    parked = m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    assert parked, "every session's K/V parks"
+    for sid, want in reads.items():
+        assert torch.equal(m.require(sid).object("kv", KVCache).read(), want)
+    after = pool.num_blocks - pool.free_blocks
+    return {
+        "prefix_tokens": prefix,
+        "branches": branches,
+        "own_tokens": own,
+        "blocks_before": before,
+        "blocks_after": after,
+        "blocks_as_per_session_copies": copies,
+        "after_over_before": round(after / before, 4),
+        "blocks_reused": getattr(pool, "blocks_reused", 0),
+    }
+
+
 def _stepped_copy(state: SessionState, i: int, steps: int) -> SessionState:
     for k in range(steps):
         state = step(state, 1000 * i + k)
@@ -108,10 +163,13 @@ def main() -> int:
     parser.add_argument("--branches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kv-prefix", type=int, default=1000)
+    parser.add_argument("--kv-own", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [measure(c, args.branches, args.steps, args.repeats) for c in args.chunks]
-    print(json.dumps({"forks": rows}, indent=2))
+    family = measure_kv_family(args.kv_prefix, args.branches, args.kv_own)
+    print(json.dumps({"forks": rows, "kv_family": family}, indent=2))
     return 0
 
 

@@ -254,8 +254,9 @@ def test_sizes_benchmark_smoke_times_both_ways_and_finds_the_tables_equal(tmp_pa
 
 
 def test_forks_benchmark_smoke_finds_the_branches_equal_and_the_history_shared() -> None:
+    cmd = [sys.executable, str(BENCHMARKS / "forks.py"), "--chunks", "2", "8", "--repeats", "1"]
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "forks.py"), "--chunks", "2", "8", "--repeats", "1"],
+        [*cmd, "--kv-prefix", "100", "--kv-own", "10"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -270,6 +271,12 @@ def test_forks_benchmark_smoke_finds_the_branches_equal_and_the_history_shared()
         assert row["bytes_ratio"] == round(row["managed_bytes"] / row["deepcopy_bytes"], 4)
     # A longer shared history saves more: the branches' own steps are the same size.
     assert rows[1]["bytes_ratio"] < rows[0]["bytes_ratio"]
+    # The K/V family parked and read back holds its blocks once, as before (every read
+    # checked), fewer than per-session copies would.
+    family = json.loads(proc.stdout)["kv_family"]
+    assert family["blocks_after"] == family["blocks_before"]
+    assert family["blocks_before"] < family["blocks_as_per_session_copies"]
+    assert family["blocks_reused"] > 0
 
 
 def test_batches_benchmark_smoke_reports_every_variant_and_size() -> None:
