@@ -1256,6 +1256,46 @@ MUTANTS = (
         ("tests/kv/test_kv_family_park.py", "tests/manager/test_fork_kv_stateful.py"),
     ),
     Mutant(
+        "kv-park-labels-a-restored-blocks-own-tokens",
+        "a restored block written past its restored tokens is parked under its content for "
+        "all of them, so an unpark takes another block of the content for its own tokens",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "pool._content[block] if pool._valid[block] < 0 or fill <= pool._valid[block] "
+                "else 0",
+                "pool._content[block]",
+            ),
+        ),
+        ("tests/kv/test_kv_family_park.py",),
+    ),
+    Mutant(
+        "kv-rollback-keeps-the-content",
+        "a rolled-back step's forgotten tokens stay under the block's content, so a copy of "
+        "them is taken back onto a block a sibling wrote other tokens into",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                            pool._relabel(block)\n",
+                "                            pass\n",
+            ),
+        ),
+        ("tests/kv/test_kv_family_park.py",),
+    ),
+    Mutant(
+        "kv-rollback-lowers-a-block-taken-again",
+        "a rollback lowers the fill of a block freed and taken again since (by a reload), "
+        "under the handles that hold it now",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "pool._takes[block] == taken and pool._filled[block] != filled:",
+                "pool._filled[block] != filled:",
+            ),
+        ),
+        ("tests/kv/test_kv_family_park.py",),
+    ),
+    Mutant(
         "parked-handle-count-never-drops",
         "a session letting go of a parked handle leaves the count of its holders as it was, "
         "so the handle is never released",

@@ -11,6 +11,7 @@ written past its restored tokens is never taken for another sibling's tokens.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -148,13 +149,86 @@ def test_a_managed_family_under_pool_pressure_keeps_its_sharing() -> None:
         grown = state.object("kv", KVCache).append(pool, torch.randn(5, 8, generator=g))
         m.put(sid, state.with_object("kv", grown))
     del state, grown
-    reads = {sid: m.require(sid).object("kv", KVCache).read() for sid in m.session_ids()}
+    reads: dict[Any, Any] = {
+        sid: m.require(sid).object("kv", KVCache).read() for sid in m.session_ids()
+    }
     held = _held(pool)
     sharing = {sid: sorted(m.session_stats(sid)["shared_with"]) for sid in reads}
     assert sharing["a"] == ["b", "c", "root"]
     assert m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
-    for sid in reads:
-        assert torch.equal(m.require(sid).object("kv", KVCache).read(), reads[sid])
+    for sid, want in reads.items():
+        got = m.require(sid).object("kv", KVCache).read()
+        assert got is not None
+        assert torch.equal(got, want)
     assert _held(pool) == held
     assert {sid: sorted(m.session_stats(sid)["shared_with"]) for sid in reads} == sharing
     assert pool.blocks_reused > 0
+
+
+def _tokens(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_tokens_written_past_a_restored_blocks_own_are_parked_as_no_content() -> None:
+    # A block restored with 2 tokens of a content and written past them in place by its own
+    # handle holds a third token that is not that content's: parked again, it must not be
+    # taken for another block of the content holding a different third token.
+    pool = KVPool(4, block_tokens=4, token_shape=())
+    a = pool.append(pool.empty(), _tokens(1, 2))
+    b = pool.append(a, _tokens(3))  # in place: [1, 2, 3]
+    parked_a, parked_b = _parked(a), _parked(b)
+    del a, b
+    (r,) = reload_handles(parked_a)  # a fresh block, [1, 2]
+    nine = pool.append(r, _tokens(9))  # in place: [1, 2, 9]
+    (s,) = reload_handles(parked_b)  # another fresh block of the content, [1, 2, 3]
+    parked_nine = _parked(nine)
+    del r, nine
+    (back,) = reload_handles(parked_nine)
+    assert back.read().tolist() == [1, 2, 9]
+    assert s.read().tolist() == [1, 2, 3]
+
+
+def test_tokens_a_rolled_back_step_wrote_are_never_taken_back() -> None:
+    # A copy taken inside a step that rolls back holds a token the rollback forgets; a
+    # sibling then writes another token there. The copy must come back with its own.
+    pool = KVPool(4, block_tokens=4, token_shape=())
+    a = pool.append(pool.empty(), _tokens(1, 2))
+    kept: dict[str, Any] = {}
+
+    def step() -> None:
+        with pool.transaction():
+            kept["payload"] = _parked(pool.append(a, _tokens(3)))
+            raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        step()
+    c = pool.append(a, _tokens(9))  # in place again: [1, 2, 9]
+    (back,) = reload_handles(kept["payload"])
+    assert back.read().tolist() == [1, 2, 3]
+    assert c.read().tolist() == [1, 2, 9]
+
+
+def test_a_rollback_leaves_a_block_taken_again_since_as_its_new_holders_wrote_it() -> None:
+    # A step writes into a block, the block is freed and taken again by a reload (which
+    # logs nothing), and the step rolls back: the reloaded handles keep their tokens.
+    pool = KVPool(2, block_tokens=4, token_shape=())
+    q0 = pool.append(pool.empty(), _tokens(1, 2))
+    p0 = pool.append(q0, _tokens(3))
+    payload = offload_payload([("p", p0), ("q", q0)])
+    payload["pools"][0]["blocks"] = payload["pools"][0]["blocks"].read()
+    del p0, q0
+    kept: dict[str, Any] = {"x": [pool.append(pool.empty(), _tokens(7, 8))]}
+
+    def step() -> None:
+        with pool.transaction():
+            pool.append(kept["x"][0], _tokens(9))  # x's block's first fill is logged
+            kept["x"].clear()  # the block is free again
+            kept["back"] = reload_handles(payload)  # and taken for the reload
+            raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        step()
+    p, q = kept["back"]
+    q2 = pool.append(q, _tokens(100))  # past p's end: a copy on write, not in place
+    assert p.read().tolist() == [1, 2, 3]
+    assert q2.read().tolist() == [1, 2, 100]

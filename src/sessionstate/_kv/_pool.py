@@ -96,8 +96,16 @@ class _Transaction:
                 with pool._lock:
                     for lease in reversed(log["leases"]):
                         lease.release()  # drops the handle's references, once
-                    for block, filled in log["filled"].items():
-                        pool._filled[block] = filled if pool._refs[block] else 0
+                    for block, (filled, taken) in log["filled"].items():
+                        if not pool._refs[block]:
+                            pool._filled[block] = 0
+                        elif pool._takes[block] == taken and pool._filled[block] != filled:
+                            # The tokens written past `filled` are forgotten and may be
+                            # written again otherwise: the block's content is a new one.
+                            pool._filled[block] = filled
+                            pool._relabel(block)
+                        # (a block taken again since, by a path that logs nothing (a reload
+                        # on another thread), holds what that path wrote: left alone)
         finally:
             pool._local.log = None
 
@@ -362,6 +370,7 @@ class KVPool:
         # per content id a live block holding it (checked when read: entries may be stale).
         self._content = [0] * num_blocks
         self._valid = [-1] * num_blocks
+        self._takes = [0] * num_blocks  # how many times each block was taken from the free list
         self._holder: dict[int, int] = {}
         self._contents = itertools.count(1)
         self.blocks_reused = 0
@@ -504,7 +513,8 @@ class KVPool:
         n, bt = int(kv.shape[0]), self.block_tokens
         filled = self._filled
         log = getattr(self._local, "log", None)
-        changed = None if log is None else log["filled"]  # first fill of each block written
+        # The first fill of each block written, and which taking of the block it was.
+        changed = None if log is None else log["filled"]
         with self._lock:
             blocks = list(handle.blocks)
             tokens = handle.tokens
@@ -529,7 +539,7 @@ class KVPool:
                     dest = self._block_view(block)[offset:end]
                     dest.copy_(kv if take == n else kv[written : written + take])
                     if changed is not None:
-                        changed.setdefault(block, filled[block])
+                        changed.setdefault(block, (filled[block], self._takes[block]))
                     filled[block] = end
                     written += take
                     tokens += take
@@ -642,7 +652,7 @@ class KVPool:
             )
             raise StaleKVHandleError(msg)
 
-    def _allocate(self, fresh: list[int], changed: dict[int, int] | None) -> int:
+    def _allocate(self, fresh: list[int], changed: dict[int, tuple[int, int]] | None) -> int:
         # Caller holds the lock; `changed`: the transaction's first fills (None: no transaction).
         if not self._free:
             msg = (
@@ -653,14 +663,20 @@ class KVPool:
             raise KVPoolExhaustedError(msg, pool=self, needed=1)
         block = heapq.heappop(self._free)
         fresh.append(block)
-        if changed is not None:
-            changed.setdefault(block, self._filled[block])
-        self._filled[block] = 0
         self._new_content(block)
+        if changed is not None:
+            changed.setdefault(block, (self._filled[block], self._takes[block]))
+        self._filled[block] = 0
         return block
 
     def _new_content(self, block: int) -> None:
         # Caller holds the lock: ``block`` was just taken, to be written afresh.
+        self._takes[block] += 1
+        self._relabel(block)
+
+    def _relabel(self, block: int) -> None:
+        # Caller holds the lock: ``block``'s tokens below its fill are a new content, of
+        # which it is the first holder.
         old = self._content[block]
         if old and self._holder.get(old) == block:
             del self._holder[old]
@@ -933,7 +949,12 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
             functools.partial(_read_into, pool, blocks, filled),
         )
         with pool._lock:  # (held by the handles: their contents cannot change)
-            contents = [pool._content[block] for block in blocks]
+            # A restored block's tokens past those it was restored with are its holders'
+            # own, not its content's: such a saved block carries no content (0).
+            contents = [
+                pool._content[block] if pool._valid[block] < 0 or fill <= pool._valid[block] else 0
+                for block, fill in zip(blocks, filled, strict=True)
+            ]
         saved.append({"pool": pool, "blocks": data, "fills": filled, "contents": contents})
     return {"pools": saved, "handles": handles}
 
