@@ -925,8 +925,8 @@ MUTANTS = (
                 "    taken: list[list[int]] = []\n    early: list[Any] = []\n",
             ),
             (
-                '                group["pool"]._fill(blocks, group["blocks"], fills, rows)\n',
-                '                group["pool"]._fill(blocks, group["blocks"], fills, rows)\n'
+                '                group["pool"]._fill(blocks, group["blocks"], fills, fresh_rows)\n',
+                '                group["pool"]._fill(blocks, group["blocks"], fills, fresh_rows)\n'
                 "                early.append(\n"
                 '                    group["pool"]._adopt_blocks(blocks, facts[len(early)])\n'
                 "                )\n",
@@ -1199,10 +1199,10 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
+                "        self._set_record(session_id, state)\n"
+                "        self._ledger.set(session_id, self._ledger.values_for(session_id, state))",
                 "        self._table[session_id] = state\n"
-                "        self._nothing_to_park.pop(session_id, None)\n"
-                "        self._ledger.set(",
-                "        self._table[session_id] = state\n        self._ledger.set(",
+                "        self._ledger.set(session_id, self._ledger.values_for(session_id, state))",
             ),
         ),
         ("tests/manager/test_budget_incremental.py", "tests/manager/test_budget_stateful.py"),
@@ -1236,8 +1236,8 @@ MUTANTS = (
         "sessionstate/_kv/_pool.py",
         (
             (
-                "valid < fill and self._filled[block] == valid and isinstance(",
-                "valid < fill and isinstance(",
+                "and self._valid[block] == self._filled[block]  # restored, not written past",
+                "and self._valid[block] >= 0",
             ),
         ),
         ("tests/kv/test_kv_family_park.py",),

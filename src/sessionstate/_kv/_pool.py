@@ -677,12 +677,30 @@ class KVPool:
     def _relabel(self, block: int) -> None:
         # Caller holds the lock: ``block``'s tokens below its fill are a new content, of
         # which it is the first holder.
-        old = self._content[block]
-        if old and self._holder.get(old) == block:
-            del self._holder[old]
+        self._unhold(block)
         content = self._content[block] = next(self._contents)
         self._valid[block] = -1
         self._holder[content] = block
+
+    def _unhold(self, block: int) -> None:
+        # Caller holds the lock: ``block`` no longer stands for its content.
+        content = self._content[block]
+        if content and self._holder.get(content) == block:
+            del self._holder[content]
+
+    def _live_holder(self, content: int) -> int | None:
+        # Caller holds the lock: the live block that stands for ``content``, if any (an
+        # entry left by a block freed or relabelled since is stale).
+        block = self._holder.get(content) if content else None
+        if block is None or self._content[block] != content or not self._refs[block]:
+            return None
+        return block
+
+    def _content_tokens(self, block: int) -> int:
+        # Caller holds the lock: the tokens of ``block`` that are its content's (the fill of
+        # the block the content was first written to).
+        valid = self._valid[block]
+        return self._filled[block] if valid < 0 else valid
 
     def _reuse(
         self, contents: Sequence[int], fills: Sequence[int], data: object = None
@@ -698,14 +716,14 @@ class KVPool:
         out: dict[int, int] = {}
         with self._lock:
             for slot, (content, fill) in enumerate(zip(contents, fills, strict=True)):
-                block = self._holder.get(content) if content else None
-                if block is None or self._content[block] != content or not self._refs[block]:
+                block = self._live_holder(content)
+                if block is None:
                     continue
-                valid = self._valid[block]
-                if valid < 0:
-                    valid = self._filled[block]  # the block the content was first written to
-                elif (
-                    valid < fill and self._filled[block] == valid and isinstance(data, torch.Tensor)
+                valid = self._content_tokens(block)
+                if (
+                    valid < fill
+                    and self._valid[block] == self._filled[block]  # restored, not written past
+                    and isinstance(data, torch.Tensor)
                 ):
                     self.storage[block, valid:fill].copy_(data[slot, valid:fill])
                     self._filled[block] = self._valid[block] = valid = fill
@@ -722,20 +740,13 @@ class KVPool:
             for block, content, fill in zip(blocks, contents, fills, strict=True):
                 if not content:
                     continue
-                own = self._content[block]
-                if self._holder.get(own) == block:
-                    del self._holder[own]
+                self._unhold(block)
                 self._content[block] = content
                 self._valid[block] = fill
                 # The holder to reuse from now on: this block, unless a live one holds at
                 # least as many of the content's tokens.
-                held = self._holder.get(content)
-                if (
-                    held is None
-                    or self._content[held] != content
-                    or not self._refs[held]
-                    or (self._filled[held] if self._valid[held] < 0 else self._valid[held]) < fill
-                ):
+                held = self._live_holder(content)
+                if held is None or self._content_tokens(held) < fill:
                     self._holder[content] = block
 
     def _handle(self, blocks: tuple[int, ...], tokens: int, *, logged: bool = True) -> KVHandle:
@@ -1017,6 +1028,7 @@ def reload_handles(payload: Any) -> list[KVHandle]:
     groups = payload["pools"]
     reused: list[dict[int, int]] = []  # per pool: saved block index -> live block taken back
     taken: list[list[int]] = []  # per pool: fresh blocks, for the saved blocks not reused
+    rows: list[list[int]] = []  # per pool: the saved blocks the fresh ones hold, in order
     facts: list[list[Any]] = [[] for _ in groups]
     order: list[tuple[int, int]] = []  # per handle: its pool, its index there
     for fact in payload["handles"]:
@@ -1031,12 +1043,12 @@ def reload_handles(payload: Any) -> list[KVHandle]:
             pool, fills = group["pool"], group["fills"]
             contents = group.get("contents") or [0] * len(fills)
             reused.append(pool._reuse(contents, fills, group["blocks"]))
-            taken.append(pool._take(len(fills) - len(reused[-1])))
-        for group, again, blocks in zip(groups, reused, taken, strict=True):
+            rows.append([i for i in range(len(fills)) if i not in reused[-1]])
+            taken.append(pool._take(len(rows[-1])))
+        for group, blocks, fresh_rows in zip(groups, taken, rows, strict=True):
             if blocks:
-                rows = [i for i in range(len(group["fills"])) if i not in again]
-                fills = [group["fills"][i] for i in rows]
-                group["pool"]._fill(blocks, group["blocks"], fills, rows)
+                fills = [group["fills"][i] for i in fresh_rows]
+                group["pool"]._fill(blocks, group["blocks"], fills, fresh_rows)
     except BaseException:
         for group, again, blocks in itertools.zip_longest(groups, reused, taken):
             if again:
@@ -1056,8 +1068,7 @@ def reload_handles(payload: Any) -> list[KVHandle]:
                 pool.blocks_reused += len(again)
         contents = group.get("contents")
         if contents:
-            rows = [i for i in range(len(fills)) if i not in again]
-            pool._restored(blocks, [contents[i] for i in rows], [fills[i] for i in rows])
+            pool._restored(blocks, [contents[i] for i in rows[g]], [fills[i] for i in rows[g]])
     return [made[g][i] for g, i in order]
 
 

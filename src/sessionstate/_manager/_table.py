@@ -502,9 +502,8 @@ class SessionStateManager(Generic[SessionT]):
             ledger.undo_growth(grown)
             raise
         for session_id, state in pairs:
-            table[session_id] = state
+            self._set_record(session_id, state)
             table.move_to_end(session_id)
-            self._nothing_to_park.pop(session_id, None)
             parking.track(session_id, state, {})
             self._record_versions(session_id, state)
 
@@ -782,8 +781,7 @@ class SessionStateManager(Generic[SessionT]):
                     # one of the same size (held alone), so no room to make and nothing to
                     # park; a prefetch of the source stays reserved.
                     self._ledger.set(source_id, self._ledger.values_for(source_id, records[0]))
-                    self._table[source_id] = records[0]
-                    self._nothing_to_park.pop(source_id, None)
+                    self._set_record(source_id, records[0])
                     self._record_versions(source_id, records[0])
             except BaseException:
                 for branch_id in added:
@@ -1617,8 +1615,7 @@ class SessionStateManager(Generic[SessionT]):
             self._parking.abandon(storing)
             raise
         self._parking.storing = ()
-        self._table[session_id] = state
-        self._nothing_to_park.pop(session_id, None)
+        self._set_record(session_id, state)
         self._parking.track(session_id, state, parked)
         self._record_versions(session_id, state)
 
@@ -1754,8 +1751,7 @@ class SessionStateManager(Generic[SessionT]):
             if isinstance(exc.__cause__, HostPoolFullError):
                 return False
             raise
-        self._table[session_id] = new
-        self._nothing_to_park.pop(session_id, None)  # (it may hold some on other devices)
+        self._set_record(session_id, new)  # (it may hold some to park on other devices)
         self._ledger.set(session_id, self._ledger.values_for(session_id, new))
         self._record_versions(session_id, new)
         return True
@@ -1795,8 +1791,7 @@ class SessionStateManager(Generic[SessionT]):
     def _store_unparked(self, session_id: Hashable, state: SessionT) -> None:
         # ``state``, just unparked, stored for ``session_id``: the table, the ledger (its
         # walk of the restored objects is what parking reads their version counters from).
-        self._table[session_id] = state
-        self._nothing_to_park.pop(session_id, None)
+        self._set_record(session_id, state)
         self._ledger.set(session_id, self._ledger.values_for(session_id, state))
         self._parking.restored(session_id, self._ledger.held(session_id))
         self._record_versions(session_id, state)
@@ -1945,6 +1940,12 @@ class SessionStateManager(Generic[SessionT]):
                     raise exc from failed
                 if not made:
                     raise
+
+    def _set_record(self, session_id: Hashable, state: SessionT) -> None:
+        # Every write of a held session's record goes through here: what a scan for room
+        # noted of the record it replaces goes with it.
+        self._table[session_id] = state
+        self._nothing_to_park.pop(session_id, None)
 
     def _forget(self, session_id: Hashable) -> bool:
         state = self._table.pop(session_id, None)
