@@ -162,14 +162,18 @@ class SimulatedServer:
         return SessionState(objects=objects, attrs=attrs if self._attr_units else {})
 
     def admit(self, session_id: str, now: float, /) -> None:
-        """Store the new session's record (the manager may park others for it, or refuse)."""
+        """Store the new session's record (the manager may park others for it, or refuse).
+
+        Its first step waits for the parks that made its room.
+        """
         if self.manager is None:
             return
         self._events.clear()
         try:
             self.manager.put(session_id, self._record())
         finally:
-            self._copies(now, {})
+            room = self._copies(now, {})
+        self._ready[session_id] = room  # its memory is free once the parks for it are done
 
     def step(
         self, session_ids: Sequence[str], now: float, schedule: Sequence[str], /
@@ -305,8 +309,9 @@ class SimulatedServer:
         self._count["copy_seconds"] += seconds
         return end
 
-    def _copies(self, now: float, hits: dict[str, bool]) -> None:
-        # The events of one manager call, as copies on the two lanes (see the module's text).
+    def _copies(self, now: float, hits: dict[str, bool]) -> float:
+        # The events of one manager call, as copies on the two lanes (see the module's text);
+        # returns when the room its parks made is free.
         room = now
         for event in self._events:
             sid = str(event.session_id)
@@ -330,6 +335,7 @@ class SimulatedServer:
                     earliest = max(room, self._park_end.get(sid, 0.0))
                     self._ready[sid] = self._copy("h2d", earliest, event.nbytes)
         self._events.clear()
+        return room
 
 
 def _any_storage(entry: object) -> bool:
