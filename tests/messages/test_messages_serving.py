@@ -1,4 +1,4 @@
-"""The load harness's messages: bad loads, shapes and admissions are refused before anything runs."""
+"""The load harness's messages: bad loads, shapes and admissions, refused before a run."""
 
 from __future__ import annotations
 
