@@ -16,7 +16,7 @@ See ``docs/performance.md`` ("Serving under load") for the figures and what they
 
 from sessionstate.serving._admission import DeadlineAdmission, DeadlineAdmissionError
 from sessionstate.serving._load import Arrival, DeployShape, Load, arrivals
-from sessionstate.serving._run import SUSTAINED, is_sustained, simulate, sweep
+from sessionstate.serving._run import SUSTAINED, is_sustained, simulate, sustained_sessions, sweep
 from sessionstate.serving._server import Backend, ChunkRecord, Run, percentile, serve_loop
 from sessionstate.serving._shapes import H200_NBYTES, LINGBOT, SANA_WM, dreamzero_shape
 from sessionstate.serving._sim import POLICIES, SCALE, Policy, SimulatedServer
@@ -44,5 +44,6 @@ __all__ = [
     "percentile",
     "serve_loop",
     "simulate",
+    "sustained_sessions",
     "sweep",
 ]

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from sessionstate.serving._admission import DeadlineAdmission
-from sessionstate.serving._load import DeployShape, Load, arrivals, check_positive
+from sessionstate.serving._load import Arrival, DeployShape, Load, arrivals, check_positive
 from sessionstate.serving._server import serve_loop
 from sessionstate.serving._sim import POLICIES, Policy, SimulatedServer, describe
 
-__all__ = ["SUSTAINED", "is_sustained", "simulate", "sweep"]
+__all__ = ["SUSTAINED", "is_sustained", "simulate", "sustained_sessions", "sweep"]
 
 SUSTAINED = {"attainment": 0.99, "refused_fraction": 0.01}
 """What a sustained rate meets: at least this attainment, at most this fraction refused."""
@@ -128,3 +128,38 @@ def sweep(
                     "attainment": m["attainment"],
                 }
     return {"shape": shape.name, "figures": dict(shape.figures), "runs": runs, "best": best}
+
+
+def sustained_sessions(
+    shape: DeployShape, policy: Policy = "schedule", *, chunks: int = 60, most: int = 64
+) -> int:
+    """The most sessions held at once that ``shape`` keeps at 99% of their deadlines.
+
+    Measured, not planned: ``n`` sessions of ``chunks`` chunks arrive spread over one chunk
+    period, with no admission control, for ``n = 1, 2, ...`` until a run misses more than 1%
+    of its chunks (at most ``most``). What `DeadlineAdmission` plans is checked against this.
+
+    >>> from sessionstate.serving import LINGBOT
+    >>> sustained_sessions(LINGBOT, "schedule", chunks=20)
+    4
+    """
+    if policy not in ("lru", "schedule"):
+        msg = (
+            f"`sustained_sessions` measures a parking policy ('lru' or 'schedule'), got "
+            f"{policy!r}: without a budget nothing stops sessions beyond the device's memory."
+        )
+        raise ValueError(msg)
+    found = 0
+    for n in range(1, most + 1):
+        gap = shape.chunk_period_s / n
+        sessions = [Arrival(f"s{i}", i * gap, chunks) for i in range(n)]
+        run = serve_loop(
+            SimulatedServer(shape, policy),
+            sessions,
+            chunk_period_s=shape.chunk_period_s,
+            ttfc_s=shape.ttfc_s,
+        )
+        if run.metrics()["attainment"] < SUSTAINED["attainment"]:
+            break
+        found = n
+    return found
