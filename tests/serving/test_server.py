@@ -125,3 +125,36 @@ def test_a_known_schedule_parks_fewer_times_than_lru_on_the_same_round_robin() -
         assert len(run.chunks) == 200
     assert parks["lru"] >= 180  # all but the first round's and the last's
     assert parks["schedule"] <= 55  # a quarter of 200, and the edges
+
+
+class _Scripted:
+    """A backend whose steps take the given seconds, in turn; no memory."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds = iter(seconds)
+
+    def admit(self, session_id: str, now: float, /) -> None:
+        pass
+
+    def step(self, ids: object, now: float, schedule: object, /) -> tuple[float, float]:
+        return now, now + next(self.seconds)
+
+    def finish(self, session_id: str, now: float, /) -> None:
+        pass
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_late_chunk_leaves_the_next_deadline_where_it_was() -> None:
+    # Chunk 0: 0 -> 0.1 (playout from 0.1). Chunk 1: released 0.1, 0.1 -> 1.1, due 0.6: late.
+    # Chunk 2: released at 1.1 (chunk 1 done), 1.1 -> 1.2, due 0.1 + 2 * 0.5 = 1.1: late too.
+    run = serve_loop(
+        _Scripted([0.1, 1.0, 0.1]), [Arrival("a", 0.0, 3)], chunk_period_s=0.5, ttfc_s=1.0
+    )
+    assert [(c.release, c.done, c.due) for c in run.chunks] == [
+        (0.0, 0.1, 1.0),
+        (0.1, 1.1, 0.6),
+        (1.1, 1.2000000000000002, 1.1),
+    ]
+    assert run.metrics()["attainment"] == 1 / 3
