@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, shape_result in results["headline"].items():
         print(f"\n{name} (resident {shape_result['resident_capacity']}, planned limit "
               f"{shape_result['planned_limit']}):")  # fmt: skip
-        for line_name, line in shape_result["lines"].items():
+        for line in shape_result["lines"].values():
             best = line["best"]
             print(f"  {line['label']:<55} "
                   + ("none sustained" if best is None else

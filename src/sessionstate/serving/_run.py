@@ -13,7 +13,7 @@ from typing import Any
 from sessionstate.serving._admission import DeadlineAdmission
 from sessionstate.serving._load import Arrival, DeployShape, Load, arrivals, check_positive
 from sessionstate.serving._server import serve_loop
-from sessionstate.serving._sim import POLICIES, Policy, SimulatedServer, describe
+from sessionstate.serving._sim import Policy, SimulatedServer, describe
 
 __all__ = ["SUSTAINED", "is_sustained", "simulate", "sustained_sessions", "sweep"]
 
@@ -97,7 +97,7 @@ def sweep(
     mean_chunks: float,
     duration_s: float,
     seed: int = 0,
-    policies: Sequence[Policy] = tuple(POLICIES),  # type: ignore[assignment]
+    policies: Sequence[Policy] = ("fixed", "cap", "lru", "schedule"),
     admission: bool = False,
     cap: int = 4,
 ) -> dict[str, Any]:

@@ -152,9 +152,9 @@ class SimulatedServer:
         }
 
     def _record(self) -> SessionState:
-        from sessionstate import TensorCache
+        from sessionstate import StateObject, TensorCache
 
-        objects = {
+        objects: dict[str, StateObject] = {
             name: TensorCache().allocate().commit(torch.zeros(n, dtype=torch.uint8))
             for name, n in self._units.items()
         }
@@ -245,10 +245,9 @@ class SimulatedServer:
         schedule: Sequence[str],
         *,
         keep: set[str],
-        only: set[str] | None = None,
     ) -> bool:
         # Park resident sessions, the one used furthest in ``schedule`` first (never one in
-        # ``keep``; only those in ``only`` when given), until ``sid``'s parked bytes fit the
+        # ``keep``), until ``sid``'s parked bytes fit the
         # budget beside what is charged; whether they fit.
         manager = self.manager
         assert manager is not None
@@ -262,13 +261,12 @@ class SimulatedServer:
         if free >= need - self._attr_units:
             return True
         rank = {s: i for i, s in enumerate(schedule)}
-        held = manager.session_ids()
+        held = [str(s) for s in manager.session_ids()]
         victims = [
             s
             for s in held
             if s not in keep
             and s != sid
-            and (only is None or s in only)
             and s not in self._prefetch_ready
             and not self._is_parked(s)
         ]
