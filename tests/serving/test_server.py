@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from sessionstate.serving import (
@@ -158,3 +159,17 @@ def test_a_late_chunk_leaves_the_next_deadline_where_it_was() -> None:
         (1.1, 1.2000000000000002, 1.1),
     ]
     assert run.metrics()["attainment"] == 1 / 3
+
+
+def test_a_session_the_manager_cannot_bring_back_fails_and_its_chunks_count_as_missed() -> None:
+    # The host holds one parked session: c's admission parks b there; b's turn needs a parked
+    # too, which the full host refuses. b fails with its two chunks unserved, counted missed.
+    shape = attrs.evolve(TOY, host_nbytes=10 * MIB)
+    server = SimulatedServer(shape, "lru")
+    run = serve_loop(server, SESSIONS, chunk_period_s=4.0, ttfc_s=3.0)
+    m = run.metrics()
+    assert [f[:3] for f in run.failed] == [("b", 0.5, 2)]
+    assert "over its budget" in run.failed[0][3]
+    assert (m["failed_sessions"], m["chunks_lost"], m["chunks"]) == (1, 2, 3)
+    assert m["attainment"] == sum(c.on_time for c in run.chunks) / 5
+    assert "b" not in server.manager.session_ids()  # type: ignore[union-attr]
