@@ -1354,6 +1354,44 @@ MUTANTS = (
         ),
         ("tests/manager/test_kept_copies.py",),
     ),
+    Mutant(
+        "serving-restore-ignores-room",
+        "on the simulated clock a restore starts before the park that made its room is done",
+        "sessionstate/serving/_sim.py",
+        (
+            (
+                "                    earliest = max(room, self._park_end.get(sid, 0.0))\n"
+                "                    self._ready[sid] = self._copy(",
+                "                    earliest = max(now, self._park_end.get(sid, 0.0))\n"
+                "                    self._ready[sid] = self._copy(",
+            ),
+        ),
+        ("tests/serving/test_server.py",),
+    ),
+    Mutant(
+        "serving-admission-ignores-copies",
+        "admission by deadline counts steps only, not the swaps of sessions beyond the resident",
+        "sessionstate/serving/_admission.py",
+        (
+            (
+                "        return self.compute_s(n) + 2 * self.copy_s(n) <= budget + 1e-12\n",
+                "        return self.compute_s(n) <= budget + 1e-12\n",
+            ),
+        ),
+        ("tests/messages/test_messages_serving.py", "tests/serving/test_plan_vs_harness.py"),
+    ),
+    Mutant(
+        "serving-late-chunk-slips",
+        "a late chunk moves the next chunk's deadline (deadlines slip instead of staying put)",
+        "sessionstate/serving/_server.py",
+        (
+            (
+                "        return self.t0 + self.k * period\n",
+                "        return max(self.t0 + self.k * period, self.last_done + period)\n",
+            ),
+        ),
+        ("tests/serving/test_server.py",),
+    ),
 )
 
 

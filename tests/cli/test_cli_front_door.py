@@ -66,9 +66,9 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_internal_episode_command_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["nope"]) == 2
     assert capsys.readouterr().err == (
-        "sessionstate: error: argument {ab,sizes,plan,rollout,demo,inspect,cluster}: invalid "
-        "choice: 'nope' (choose from 'ab', 'sizes', 'plan', 'rollout', 'demo', 'inspect', "
-        "'cluster') (see "
+        "sessionstate: error: argument {ab,sizes,plan,rollout,demo,inspect,cluster,serve-bench}: "
+        "invalid choice: 'nope' (choose from 'ab', 'sizes', 'plan', 'rollout', 'demo', "
+        "'inspect', 'cluster', 'serve-bench') (see "
         "`sessionstate --help`)\n"
     )
 
