@@ -1354,6 +1354,21 @@ MUTANTS = (
         ),
         ("tests/manager/test_kept_copies.py",),
     ),
+    Mutant(
+        "plan-parks-the-random-key",
+        "the capacity plan counts an unparkable state object (the random key) as parked",
+        "sessionstate/cli/_plan.py",
+        (
+            (
+                'elif row["bucket"] == "object" and row.get("parkable", True):',
+                'elif row["bucket"] == "object":',
+            ),
+        ),
+        (
+            "tests/cli/test_cli_plan.py::"
+            "test_the_plan_counts_a_budgeted_managers_parked_session_exactly",
+        ),
+    ),
 )
 
 
