@@ -1369,6 +1369,25 @@ MUTANTS = (
             "test_the_plan_counts_a_budgeted_managers_parked_session_exactly",
         ),
     ),
+    Mutant(
+        "trace-main-thread-only",
+        "`ab --trace` profiles only the thread that starts the profiler (no prefetch worker)",
+        "sessionstate/cli/_ab.py",
+        (("experimental_config=all_threads_config(),", "experimental_config=None,"),),
+        ("tests/cli/test_cli.py::test_ab_trace_writes_both_paths_with_the_librarys_ranges",),
+    ),
+    Mutant(
+        "span-thread-flag-only",
+        "a library range is recorded only where torch's thread-local profiler flag is on",
+        "sessionstate/_events.py",
+        (
+            (
+                "_profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:",
+                "_profiler_enabled():",
+            ),
+        ),
+        ("tests/manager/test_observability.py::test_parks_unparks_and_steps_are_profiler_ranges",),
+    ),
 )
 
 

@@ -65,11 +65,15 @@ def run_episode(args: argparse.Namespace) -> int:
     episode = list(spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed))
     profiler: Any = contextlib.nullcontext()
     if args.trace:
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            experimental_config=all_threads_config(),
+        )
     with profiler:
         _steps(args, pipe, episode, records, times, total)
     if args.trace:
         profiler.export_chrome_trace(args.trace)
+        name_worker_tracks(Path(args.trace))
     print(_DECODE, file=sys.stderr, flush=True)
     torch.save(
         {
@@ -166,6 +170,53 @@ def _batched_steps(
             records.extend({"session": sid, **spec.outputs(outs[sid])} for sid in group)
         done += len(group)
         print(f"{_PROGRESS}{done} {total}", file=sys.stderr, flush=True)
+
+
+PREFETCH_TRACK = "sessionstate-prefetch"
+"""The name of the prefetch worker's thread, and of its track in an ``ab --trace`` trace."""
+
+
+def all_threads_config() -> Any:
+    """A profiler config that records every thread, so the prefetch worker's restores show.
+
+    torch's profiler records only the thread that started it, and threads it starts, unless
+    told otherwise; the switch, ``profile_all_threads`` (torch 2.13 has it), is only on the
+    private ``_ExperimentalConfig``: there is no public one. None (the thread alone) where the
+    installed torch has no such switch.
+
+    >>> config = all_threads_config()
+    >>> config is None or type(config).__name__ == "_ExperimentalConfig"
+    True
+    """
+    import torch
+
+    try:
+        return torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+def name_worker_tracks(path: Path) -> None:
+    """Name the track of each prefetch worker thread in the Chrome trace at ``path``.
+
+    torch names every thread's track ``thread <tid> (python)``; the prefetch worker's, found
+    by its Python thread name (`PREFETCH_TRACK`), is renamed so it reads as what it is.
+    """
+    import threading
+
+    workers = {t.native_id for t in threading.enumerate() if t.name.startswith(PREFETCH_TRACK)}
+    if not workers:
+        return
+    trace = json.loads(path.read_text())
+    for event in trace.get("traceEvents", []):
+        if (
+            isinstance(event, dict)
+            and event.get("ph") == "M"
+            and event.get("name") == "thread_name"
+            and event.get("tid") in workers
+        ):
+            event["args"] = {"name": PREFETCH_TRACK}
+    path.write_text(json.dumps(trace))
 
 
 def merge_traces(parts: dict[str, Path], out: str) -> None:
