@@ -1388,6 +1388,21 @@ MUTANTS = (
         ),
         ("tests/manager/test_observability.py::test_parks_unparks_and_steps_are_profiler_ranges",),
     ),
+    Mutant(
+        "split-skips-an-empty-key",
+        "a record whose random key is not allocated yet forks into branches that draw alike",
+        "sessionstate/_session.py",
+        (
+            (
+                "            if isinstance(obj, RandomKey):\n",
+                "            if isinstance(obj, RandomKey) and obj.is_allocated:\n",
+            ),
+        ),
+        (
+            "tests/storage/test_golden_snapshots.py::"
+            "test_a_keyless_golden_session_forked_before_its_first_step_draws_apart",
+        ),
+    ),
 )
 
 

@@ -669,11 +669,11 @@ def test_random_key_messages() -> None:
     ):
         ss.RandomKey.seeded("3")  # type: ignore[arg-type]
     msg = (
-        "Cannot split RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
+        "Cannot draw from RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
         "first (or build it with `RandomKey.seeded(seed)`)."
     )
     with pytest.raises(ss.NotAllocatedError, match=_exact(msg)):
-        ss.RandomKey(name="noise").split(2)
+        ss.RandomKey(name="noise").split(2)[0].normal((2,))  # a split key is not allocated
     msg = (
         "RandomKey `random_key` holds its key as an int64 tensor of shape (2,) (stream, "
         "counter), got a torch.int32 tensor of shape (2,); build keys with "
