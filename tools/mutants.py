@@ -1403,6 +1403,13 @@ MUTANTS = (
             "test_a_keyless_golden_session_forked_before_its_first_step_draws_apart",
         ),
     ),
+    Mutant(
+        "cli-budget-count-only",
+        "`ab --max-bytes` takes a byte count only, not the device=count form",
+        "sessionstate/cli/_common.py",
+        (("        type=budget,\n", "        type=nbytes,\n"),),
+        ("tests/cli/test_cli_arguments.py",),
+    ),
 )
 
 

@@ -957,3 +957,22 @@ def test_read_many_messages() -> None:
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         read_many([long, short])
+
+
+def test_a_budget_text_is_refused_with_one_message_wherever_it_is_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sessionstate.cli import main
+
+    msg = (
+        "`max_bytes['cpu']` must be a byte count: a non-negative int or a string like '24GiB', "
+        "'512MiB' or '1.5GB'; got 'lots' (str)."
+    )
+    with pytest.raises(ss.BudgetTextError, match=_exact(msg)) as info:
+        ss.SessionStateManager(max_bytes="cpu=lots")
+    assert (info.value.rule, info.value.part) == ("count", "lots")
+    assert main(["ab", "--max-bytes", "cpu=lots"]) == 2
+    assert capsys.readouterr().err == (
+        f"sessionstate ab: error: argument --max-bytes: {msg.rstrip('.')} "
+        "(see `sessionstate ab --help`)\n"
+    )

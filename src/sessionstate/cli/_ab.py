@@ -24,6 +24,8 @@ from sessionstate.cli._common import (
     ArgumentParser,
     HelpFormatter,
     add_budget_arguments,
+    budget,
+    budget_text,
     check_device,
     fmt_bytes,
     load_model_config,
@@ -255,7 +257,7 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
     if args.device != "cpu":
         cmd += ["--device", args.device]
     if args.max_bytes is not None:
-        cmd += ["--max-bytes", str(args.max_bytes)]
+        cmd += ["--max-bytes", budget_text(args.max_bytes)]
     if args.park_tier and (args.max_bytes is not None or args.kv_pool_bytes is not None):
         cmd += ["--park-tier", args.park_tier]
     if args.kv_pool_bytes is not None:
@@ -431,17 +433,17 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         refusal = budget_refusal(results)
         if refusal is not None:
             msg = (
-                f"the byte budget `--max-bytes {args.max_bytes}` is below what this workload "
-                f"needs: the managed path refused a step the bespoke path (which has no budget) "
-                f"served, so the two cannot be compared. Raise `--max-bytes` above one "
+                f"the byte budget `--max-bytes {budget_text(args.max_bytes)}` is below what this "
+                "workload needs: the managed path refused a step the bespoke path (which has no "
+                "budget) served, so the two cannot be compared. Raise `--max-bytes` above one "
                 f"session's bytes. The refusal, {refusal}"
             )
             raise ValueError(msg)
         evicted = budget_evictions(results)
         if evicted:
             msg = (
-                f"the byte budget `--max-bytes {args.max_bytes}` is below what this workload "
-                f"needs: even after parking, the managed path evicted {evicted} more "
+                f"the byte budget `--max-bytes {budget_text(args.max_bytes)}` is below what this "
+                f"workload needs: even after parking, the managed path evicted {evicted} more "
                 f"session(s) than the bespoke path (which has no budget), and they restarted "
                 f"there, so the two cannot be compared (first difference: {mismatch}). Raise "
                 f"`--max-bytes`, or run fewer `--sessions`."
@@ -652,7 +654,7 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--out", required=True)
     episode.add_argument("--max-sessions", type=int, required=True)
     episode.add_argument("--device", default="cpu")
-    episode.add_argument("--max-bytes", type=int)
+    episode.add_argument("--max-bytes", type=budget)
     episode.add_argument("--park-tier", choices=["host", "disk"])
     episode.add_argument("--kv-pool-bytes", type=int)
     episode.add_argument("--model", default=DEFAULT_MODEL)
