@@ -976,3 +976,19 @@ def test_a_budget_text_is_refused_with_one_message_wherever_it_is_read(
         f"sessionstate ab: error: argument --max-bytes: {msg.rstrip('.')} "
         "(see `sessionstate ab --help`)\n"
     )
+
+
+def test_metrics_without_their_extra_say_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from sessionstate.metrics import SessionStateCollector
+
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    msg = (
+        "Metrics need `prometheus_client`: install the `metrics` extra from your clone, "
+        "`pip install -e '.[metrics]'` (no release of sessionstate is on PyPI yet)."
+    )
+    with pytest.raises(ImportError, match=_exact(msg)):
+        SessionStateCollector(SessionStateManager())
