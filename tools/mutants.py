@@ -1410,6 +1410,20 @@ MUTANTS = (
         (("        type=budget,\n", "        type=nbytes,\n"),),
         ("tests/cli/test_cli_arguments.py",),
     ),
+    Mutant(
+        "keep-branch-splits-the-key",
+        "the kept branch gets a split of its random key, not its own",
+        "sessionstate/models/planning.py",
+        (
+            (
+                "pipe.fork(branch_id, session_id, share_random=True)",
+                "pipe.fork(branch_id, session_id)",
+            ),
+        ),
+        (
+            "tests/cli/test_cli_rollout.py::test_keep_branch_gives_a_hand_made_branch_the_sessions_id",
+        ),
+    ),
 )
 
 

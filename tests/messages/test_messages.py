@@ -992,3 +992,15 @@ def test_metrics_without_their_extra_say_how_to_install_it(
     )
     with pytest.raises(ImportError, match=_exact(msg)):
         SessionStateCollector(SessionStateManager())
+
+
+def test_keep_branch_refuses_the_session_as_its_own_branch() -> None:
+    from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline
+    from sessionstate.models.planning import keep_branch
+
+    msg = (
+        "`keep_branch` needs a branch other than the session, got 's' for both; pass the id "
+        "of a branch forked from it."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        keep_branch(Cosmos3Pipeline(Cosmos3Config.preset("tiny")), "s", "s")
