@@ -1421,7 +1421,30 @@ MUTANTS = (
             ),
         ),
         (
-            "tests/cli/test_cli_rollout.py::test_keep_branch_gives_a_hand_made_branch_the_sessions_id",
+            "tests/cli/test_cli_rollout.py::"
+            "test_keep_branch_gives_a_hand_made_branch_the_sessions_id",
+        ),
+    ),
+    Mutant(
+        "piped-tables-80-columns",
+        "a command's tables fit rich's default 80 columns when stdout is not a terminal",
+        "sessionstate/cli/_common.py",
+        (("    return Console(width=PIPED_WIDTH)\n", "    return console\n"),),
+        ("tests/cli/test_cli_inspect.py::test_piped_tables_print_every_header_and_cell_whole",),
+    ),
+    Mutant(
+        "inspect-root-counts-without-kv",
+        "inspect's root structure counts tensors without the K/V leaves' (two counts)",
+        "sessionstate/_storage/_inspect.py",
+        (
+            (
+                '"root": _structure(tree, views, depth=0, leaves=leaves),',
+                '"root": _structure(tree, views, depth=0),',
+            ),
+        ),
+        (
+            "tests/cli/test_cli_inspect.py::"
+            "test_a_family_file_is_shown_per_session_with_one_tensor_count",
         ),
     ),
 )

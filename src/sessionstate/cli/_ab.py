@@ -31,6 +31,7 @@ from sessionstate.cli._common import (
     load_model_config,
     nbytes,
     positive_int,
+    stdout_console,
     with_budget,
 )
 from sessionstate.cli._sizes import progress_columns
@@ -522,11 +523,10 @@ def _counted(spec: ModelSpec, report: dict[str, Any]) -> str:
 
 
 def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     spec = spec or get_model(report.get("model", DEFAULT_MODEL))
-    console = Console()
+    console = stdout_console()
     verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
     model = f"{report['model']} " if "model" in report else ""
     console.print(

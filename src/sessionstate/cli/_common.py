@@ -186,6 +186,32 @@ def budget_text(value: int | dict[str, int]) -> str:
     return str(value)
 
 
+PIPED_WIDTH = 1000
+"""The width a command's console takes when stdout is not a terminal (wider than any table)."""
+
+
+def stdout_console() -> Any:
+    """The rich console a command prints its tables on.
+
+    On a terminal, the terminal's width. Piped or redirected there is no width to fit, and
+    rich's default of 80 columns cut a wide table's headers ("sessio…"); the console is then
+    `PIPED_WIDTH` wide, so every header and cell prints whole (a table takes only the width
+    its content needs), without colour.
+
+    >>> import io, contextlib
+    >>> with contextlib.redirect_stdout(io.StringIO()):
+    ...     console = stdout_console()
+    >>> console.width
+    1000
+    """
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        return console
+    return Console(width=PIPED_WIDTH)
+
+
 def check_device(text: str) -> None:
     """Raises `ValueError` with one line of fix unless ``text`` names a device this torch can use.
 

@@ -31,7 +31,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sessionstate.cli._common import fmt_at_least, fmt_bytes, negative_size, positive_int
+from sessionstate.cli._common import (
+    fmt_at_least,
+    fmt_bytes,
+    negative_size,
+    positive_int,
+    stdout_console,
+)
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 __all__ = [
@@ -582,10 +588,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     out = Table(
         "", "device", "host",
         title=f"Capacity plan: {spec.title}, preset {args.preset}, after {plan['steps']} steps "
