@@ -1116,7 +1116,7 @@ MUTANTS = (
         "sessionstate/models/_kit.py",
         (
             (
-                "    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:",
+                "    if share_random or not isinstance(key, RandomKey):",
                 "    if True:",
             ),
         ),

@@ -191,11 +191,13 @@ def all_threads_config() -> Any:
     >>> config is None or type(config).__name__ == "_ExperimentalConfig"
     True
     """
-    import torch
-
     try:
-        return torch.profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):
+        from torch._C._profiler import _ExperimentalConfig
+    except ImportError:
+        return None
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch, without the switch
         return None
 
 
