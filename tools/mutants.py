@@ -1116,7 +1116,7 @@ MUTANTS = (
         "sessionstate/models/_kit.py",
         (
             (
-                "    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:",
+                "    if share_random or not isinstance(key, RandomKey):",
                 "    if True:",
             ),
         ),
@@ -1391,6 +1391,99 @@ MUTANTS = (
             ),
         ),
         ("tests/serving/test_server.py",),
+    ),
+    Mutant(
+        "plan-parks-the-random-key",
+        "the capacity plan counts an unparkable state object (the random key) as parked",
+        "sessionstate/cli/_plan.py",
+        (
+            (
+                'elif row["bucket"] == "object" and row.get("parkable", True):',
+                'elif row["bucket"] == "object":',
+            ),
+        ),
+        (
+            "tests/cli/test_cli_plan.py::"
+            "test_the_plan_counts_a_budgeted_managers_parked_session_exactly",
+        ),
+    ),
+    Mutant(
+        "trace-main-thread-only",
+        "`ab --trace` profiles only the thread that starts the profiler (no prefetch worker)",
+        "sessionstate/cli/_ab.py",
+        (("experimental_config=all_threads_config(),", "experimental_config=None,"),),
+        ("tests/cli/test_cli.py::test_ab_trace_writes_both_paths_with_the_librarys_ranges",),
+    ),
+    Mutant(
+        "span-thread-flag-only",
+        "a library range is recorded only where torch's thread-local profiler flag is on",
+        "sessionstate/_events.py",
+        (
+            (
+                "_profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:",
+                "_profiler_enabled():",
+            ),
+        ),
+        ("tests/manager/test_observability.py::test_parks_unparks_and_steps_are_profiler_ranges",),
+    ),
+    Mutant(
+        "split-skips-an-empty-key",
+        "a record whose random key is not allocated yet forks into branches that draw alike",
+        "sessionstate/_session.py",
+        (
+            (
+                "            if isinstance(obj, RandomKey):\n",
+                "            if isinstance(obj, RandomKey) and obj.is_allocated:\n",
+            ),
+        ),
+        (
+            "tests/storage/test_golden_snapshots.py::"
+            "test_a_keyless_golden_session_forked_before_its_first_step_draws_apart",
+        ),
+    ),
+    Mutant(
+        "cli-budget-count-only",
+        "`ab --max-bytes` takes a byte count only, not the device=count form",
+        "sessionstate/cli/_common.py",
+        (("        type=budget,\n", "        type=nbytes,\n"),),
+        ("tests/cli/test_cli_arguments.py",),
+    ),
+    Mutant(
+        "keep-branch-splits-the-key",
+        "the kept branch gets a split of its random key, not its own",
+        "sessionstate/models/planning.py",
+        (
+            (
+                "pipe.fork(branch_id, session_id, share_random=True)",
+                "pipe.fork(branch_id, session_id)",
+            ),
+        ),
+        (
+            "tests/cli/test_cli_rollout.py::"
+            "test_keep_branch_gives_a_hand_made_branch_the_sessions_id",
+        ),
+    ),
+    Mutant(
+        "piped-tables-80-columns",
+        "a command's tables fit rich's default 80 columns when stdout is not a terminal",
+        "sessionstate/cli/_common.py",
+        (("    return Console(width=PIPED_WIDTH)\n", "    return console\n"),),
+        ("tests/cli/test_cli_inspect.py::test_piped_tables_print_every_header_and_cell_whole",),
+    ),
+    Mutant(
+        "inspect-root-counts-without-kv",
+        "inspect's root structure counts tensors without the K/V leaves' (two counts)",
+        "sessionstate/_storage/_inspect.py",
+        (
+            (
+                '"root": _structure(tree, views, depth=0, leaves=leaves),',
+                '"root": _structure(tree, views, depth=0),',
+            ),
+        ),
+        (
+            "tests/cli/test_cli_inspect.py::"
+            "test_a_family_file_is_shown_per_session_with_one_tensor_count",
+        ),
     ),
 )
 

@@ -167,7 +167,11 @@ class Reporter:
 
 def span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A `torch.profiler.record_function` range named ``name`` while a profiler runs, else a
-    no-op (a record_function costs microseconds even with no profiler)."""
-    if torch._C._autograd._profiler_enabled():
+    no-op (a record_function costs microseconds even with no profiler).
+
+    A profiler started with ``profile_all_threads`` (``sessionstate ab --trace``) records
+    every thread yet leaves the thread-local flag off, on its own thread too; torch's Python
+    flag is set by every profiler, so either one counts."""
+    if torch._C._autograd._profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()

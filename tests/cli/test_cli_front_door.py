@@ -86,8 +86,8 @@ def test_ab_without_the_models_extra_is_one_line() -> None:
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
         "sessionstate ab: error: `sessionstate ab` needs diffusers, which is not installed; "
-        'install the `models` extra: pip install "sessionstate[models]" '
-        '(from a clone: pip install -e ".[models]").'
+        'install the `models` extra from your clone: pip install -e ".[models]" '
+        "(no release is on PyPI yet)."
     ]
 
 

@@ -294,7 +294,10 @@ def test_a_failing_callback_never_fails_the_manager(caplog: pytest.LogCaptureFix
         SessionStateManager(on_event=1)  # type: ignore[arg-type]
 
 
-def test_parks_unparks_and_steps_are_profiler_ranges() -> None:
+@pytest.mark.parametrize("all_threads", [False, True])
+def test_parks_unparks_and_steps_are_profiler_ranges(all_threads: bool) -> None:
+    # A profiler that records every thread (`ab --trace`) leaves the thread's flag off.
+    config = torch.profiler._ExperimentalConfig(profile_all_threads=True) if all_threads else None
     pool = KVPool(4, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=2)
     m = SessionStateManager(pools=(pool,))
 
@@ -305,7 +308,8 @@ def test_parks_unparks_and_steps_are_profiler_ranges() -> None:
     def fresh() -> SessionState:
         return SessionState(objects={"kv": KVCache().allocate()})
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, experimental_config=config) as prof:
         for sid in "aba":
             m.step(sid, grow, new=fresh)
     names = {event.key for event in prof.key_averages()}

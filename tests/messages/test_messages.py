@@ -669,11 +669,11 @@ def test_random_key_messages() -> None:
     ):
         ss.RandomKey.seeded("3")  # type: ignore[arg-type]
     msg = (
-        "Cannot split RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
+        "Cannot draw from RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
         "first (or build it with `RandomKey.seeded(seed)`)."
     )
     with pytest.raises(ss.NotAllocatedError, match=_exact(msg)):
-        ss.RandomKey(name="noise").split(2)
+        ss.RandomKey(name="noise").split(2)[0].normal((2,))  # a split key is not allocated
     msg = (
         "RandomKey `random_key` holds its key as an int64 tensor of shape (2,) (stream, "
         "counter), got a torch.int32 tensor of shape (2,); build keys with "
@@ -957,3 +957,50 @@ def test_read_many_messages() -> None:
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         read_many([long, short])
+
+
+def test_a_budget_text_is_refused_with_one_message_wherever_it_is_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sessionstate.cli import main
+
+    msg = (
+        "`max_bytes['cpu']` must be a byte count: a non-negative int or a string like '24GiB', "
+        "'512MiB' or '1.5GB'; got 'lots' (str)."
+    )
+    with pytest.raises(ss.BudgetTextError, match=_exact(msg)) as info:
+        ss.SessionStateManager(max_bytes="cpu=lots")
+    assert (info.value.rule, info.value.part) == ("count", "lots")
+    assert main(["ab", "--max-bytes", "cpu=lots"]) == 2
+    assert capsys.readouterr().err == (
+        f"sessionstate ab: error: argument --max-bytes: {msg.rstrip('.')} "
+        "(see `sessionstate ab --help`)\n"
+    )
+
+
+def test_metrics_without_their_extra_say_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from sessionstate.metrics import SessionStateCollector
+
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    msg = (
+        "Metrics need `prometheus_client`: install the `metrics` extra from your clone, "
+        "`pip install -e '.[metrics]'` (no release of sessionstate is on PyPI yet)."
+    )
+    with pytest.raises(ImportError, match=_exact(msg)):
+        SessionStateCollector(SessionStateManager())
+
+
+def test_keep_branch_refuses_the_session_as_its_own_branch() -> None:
+    from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline
+    from sessionstate.models.planning import keep_branch
+
+    msg = (
+        "`keep_branch` needs a branch other than the session, got 's' for both; pass the id "
+        "of a branch forked from it."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        keep_branch(Cosmos3Pipeline(Cosmos3Config.preset("tiny")), "s", "s")

@@ -81,8 +81,8 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
         return None
     return (
         f"sessionstate {command}: error: `sessionstate {command}` needs {root}, which is not "
-        f'installed; install the `{extra}` extra: pip install "sessionstate[{extra}]" '
-        f'(from a clone: pip install -e ".[{extra}]").'
+        f'installed; install the `{extra}` extra from your clone: pip install -e ".[{extra}]" '
+        "(no release is on PyPI yet)."
     )
 
 

@@ -698,7 +698,7 @@ def split_bespoke(source: Any, branches: list[Any], *, share_random: bool) -> No
     True
     """
     key = getattr(source, "random_key", None)
-    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:
+    if share_random or not isinstance(key, RandomKey):
         return
     keys = key.split(len(branches) + 1)
     source.random_key = keys[0]
