@@ -753,9 +753,9 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "                if self._policy.over(self._ledger, extra):\n"
-                "                    parking.count_dropped_prefetch()\n",
-                "                if False:\n                    parking.count_dropped_prefetch()\n",
+                "            if self._policy.over(self._ledger, extra):\n"
+                "                if sooner is None:\n",
+                "            if False:\n                if sooner is None:\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
