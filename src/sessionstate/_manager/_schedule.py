@@ -59,22 +59,28 @@ def park_order(lru_ids: Sequence[H], schedule: Sequence[H], /) -> list[H]:
     return unscheduled + scheduled
 
 
-def prefetch_plan(schedule: Sequence[H], parked: Collection[H], /) -> list[tuple[H, frozenset[H]]]:
+def prefetch_plan(
+    schedule: Sequence[H], parked: Collection[H], held: Collection[H], /
+) -> list[tuple[H, frozenset[H]]]:
     """The parked sessions to prefetch under ``schedule``, in order of next use, each with the
     sessions that must not be parked to make its room.
 
     Each parked session of the schedule (once, at its first use) comes with every session the
     schedule uses no later than it: room for a prefetch is made only by parking sessions whose
-    next use is later (or unknown). The caller starts them in order and stops at the first
-    that does not fit, so a prefetch never takes the room of one needed sooner.
+    next use is later (or unknown). The plan ends at the first scheduled id not ``held``: a
+    new session needs room, of a size not known yet, before the sessions after it. The caller
+    starts them in order and stops at the first that does not fit, so a prefetch never takes
+    the room of one needed sooner.
 
-    >>> prefetch_plan(["a", "b", "c", "b"], {"b", "c"}) == [
+    >>> prefetch_plan(["a", "b", "c", "b", "new", "d"], {"b", "c", "d"}, {"a", "b", "c", "d"}) == [
     ...     ("b", frozenset({"a", "b"})), ("c", frozenset({"a", "b", "c"}))]
     True
     """
     plan: list[tuple[H, frozenset[H]]] = []
     sooner: set[H] = set()
     for session_id in schedule:
+        if session_id not in held:
+            break
         if session_id in sooner:
             continue
         sooner.add(session_id)

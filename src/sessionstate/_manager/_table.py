@@ -1137,11 +1137,12 @@ class SessionStateManager(Generic[SessionT]):
         With ``prefetch`` (default), the parked sessions of the schedule are prefetched in
         order (see `prefetch`, with ``make_room``), each making its room only by parking
         sessions whose next use is later (or unknown), never evicting; the first that does
-        not fit stops the plan (not counted as dropped). ``scheduled_prefetches`` in `stats()`
+        not fit stops the plan (not counted as dropped), and so does the first id not held
+        (a new session needs room before the ones after it). ``scheduled_prefetches`` in `stats()`
         (with the other parking keys) counts the background restores this started.
 
-        Unknown ids are not an error (a scheduler's guess): they are kept in the order and
-        prefetch nothing. Outputs are unchanged by a schedule; it decides only who is parked
+        Unknown ids are not an error (a scheduler's guess, or a session about to start): they
+        are kept in the order. Outputs are unchanged by a schedule; it decides only who is parked
         and when bytes move.
 
         Raises:
@@ -1167,7 +1168,7 @@ class SessionStateManager(Generic[SessionT]):
             if not prefetch:
                 return
             parked = {sid for sid in ids if sid in self._table and self._parking.is_parked(sid)}
-            for session_id, sooner in prefetch_plan(ids, parked):
+            for session_id, sooner in prefetch_plan(ids, parked, self._table):
                 started = not self._parking.is_prefetched(session_id)
                 if not self._start_prefetch(session_id, True, sooner):
                     return
