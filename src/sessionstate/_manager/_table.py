@@ -846,7 +846,8 @@ class SessionStateManager(Generic[SessionT]):
         with a parked object), ``parks`` and ``unparks`` (times a session's objects were
         parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
         a `KVHandle`'s blocks too), ``nbytes_parked:host`` and ``nbytes_parked:disk``
-        (bytes the tiers hold), ``reparks`` (parks that took a kept copy back, see
+        (bytes the tiers hold), ``scheduled_prefetches`` (background restores `expect`
+        started), ``reparks`` (parks that took a kept copy back, see
         ``keep_parked_copies``), ``nbytes_reparked`` (the bytes they did not copy), and
         ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
         objects). Once `fork` made a branch: ``forks`` (branches made) and
@@ -1138,12 +1139,12 @@ class SessionStateManager(Generic[SessionT]):
         order (see `prefetch`, with ``make_room``), each making its room only by parking
         sessions whose next use is later (or unknown), never evicting; the first that does
         not fit stops the plan (not counted as dropped), and so does the first id not held
-        (a new session needs room before the ones after it). ``scheduled_prefetches`` in `stats()`
-        (with the other parking keys) counts the background restores this started.
+        (a new session needs room before the ones after it). ``scheduled_prefetches`` in
+        `stats()` (with the other parking keys) counts the background restores it started.
 
         Unknown ids are not an error (a scheduler's guess, or a session about to start): they
-        are kept in the order. Outputs are unchanged by a schedule; it decides only who is parked
-        and when bytes move.
+        are kept in the order. Outputs are unchanged by a schedule; it decides only who is
+        parked and when bytes move.
 
         Raises:
             TypeError: for ``session_ids`` that are not a sequence (a str, a set, a
@@ -1332,7 +1333,8 @@ class SessionStateManager(Generic[SessionT]):
 
         For memory outside the byte budget that parking gives back, such as the blocks of a
         `KVPool` the manager was not given (a pool given as ``pools=`` has its room made by
-        `step`, `get` and `prefetch`): oldest first and never the sessions in ``keep``, each
+        `step`, `get` and `prefetch`): oldest first (under `expect`'s schedule, the furthest
+        next use first) and never the sessions in ``keep``, each
         session's parkable objects holding a storage ``frees`` picks (a `StorageEntry`, as
         the accounting reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked
         again. A session
