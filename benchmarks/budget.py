@@ -468,6 +468,7 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
     names = list(pipes)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    told: dict[str, list[float]] = {"schedule_parking": [], "schedule_prefetch": []}
     for i, (sid, obs) in enumerate(episode):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
@@ -478,6 +479,8 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
             elif name.startswith("schedule_"):  # this step's session first, then the next five
                 manager = pipe._managed.manager  # type: ignore[union-attr]
                 manager.expect(order[i : i + sessions], prefetch=name == "schedule_prefetch")
+                if i >= sessions:
+                    told[name].append(time.perf_counter() - start)
             pipe.forward(obs, sid)
             if i >= sessions:  # the first round starts the sessions: not timed
                 times[name].append(time.perf_counter() - start)
@@ -492,6 +495,9 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         raise RuntimeError(msg)
     medians = {name: statistics.median(t) for name, t in times.items()}
     cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
+    # Belady's gain is in the steps that do not swap (one in five): a median step swaps, the
+    # mean shows them.
+    means = {name: statistics.fmean(t) for name, t in times.items()}
     fetched = stats["budgeted_prefetch"]
     scheduled = stats["schedule_prefetch"]
     return {
@@ -520,6 +526,10 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         "schedule_parking_over_unbudgeted": medians["schedule_parking"] / medians["unbudgeted"],
         "schedule_prefetch_over_unbudgeted": medians["schedule_prefetch"] / medians["unbudgeted"],
         "schedule_prefetch_over_unbudgeted_cpu": cpu["schedule_prefetch"] / cpu["unbudgeted"],
+        "mean_over_unbudgeted": {
+            name: means[name] / means["unbudgeted"] for name in names if name != "unbudgeted"
+        },
+        "expect_ms": {name: statistics.median(t) * 1e3 for name, t in told.items()},
         "schedule_parking_parks": stats["schedule_parking"].get("parks", 0),
         "schedule_prefetch_parks": scheduled.get("parks", 0),
         "scheduled_prefetches": scheduled.get("scheduled_prefetches", 0),
