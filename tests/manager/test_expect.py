@@ -166,7 +166,8 @@ def test_a_dreamzero_round_robin_under_expect_and_prefetch_equals_an_unbudgeted_
     from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
     from sessionstate.models.dreamzero.episode import scripted_episode
 
-    episode = list(scripted_episode(DreamZeroConfig.preset("tiny"), steps=2, sessions=6, seed=2))
+    # Three sessions: each one's first step encodes an image, the run's main cost.
+    episode = list(scripted_episode(DreamZeroConfig.preset("tiny"), steps=3, sessions=3, seed=2))
 
     def pipeline(max_bytes: int | None) -> DreamZeroPipeline:
         config = OmniDiffusionConfig(
@@ -182,8 +183,8 @@ def test_a_dreamzero_round_robin_under_expect_and_prefetch_equals_an_unbudgeted_
     def run(pipe: DreamZeroPipeline, schedule: Sequence[Hashable] | None) -> list[torch.Tensor]:
         outs = []
         for i, (sid, obs) in enumerate(episode):
-            if schedule is not None:  # the next six steps' sessions, this one first
-                pipe._managed.manager.expect(schedule[i : i + 6])  # type: ignore[union-attr]
+            if schedule is not None:  # the next three steps' sessions, this one first
+                pipe._managed.manager.expect(schedule[i : i + 3])  # type: ignore[union-attr]
             out = pipe.forward(obs, sid)
             outs += [out.actions, out.video_latents]
         return outs
