@@ -753,9 +753,9 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "                if self._policy.over(self._ledger, extra):\n"
-                "                    parking.count_dropped_prefetch()\n",
-                "                if False:\n                    parking.count_dropped_prefetch()\n",
+                "            if self._policy.over(self._ledger, extra):\n"
+                "                if sooner is None:\n",
+                "            if False:\n                if sooner is None:\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
@@ -1484,6 +1484,61 @@ MUTANTS = (
             "tests/cli/test_cli_inspect.py::"
             "test_a_family_file_is_shown_per_session_with_one_tensor_count",
         ),
+    ),
+    Mutant(
+        "belady-order-reversed",
+        "under a schedule, room-making parks the session used soonest first",
+        "sessionstate/_manager/_schedule.py",
+        (("        reverse=True,\n", "        reverse=False,\n"),),
+        ("tests/manager/test_schedule.py", "tests/manager/test_expect.py"),
+    ),
+    Mutant(
+        "schedule-ignored",
+        "`expect`'s schedule is kept but room-making stays least recently used first",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "        return park_order(list(self._table), self._schedule)\n",
+                "        return list(self._table)\n",
+            ),
+        ),
+        ("tests/manager/test_expect.py",),
+    ),
+    Mutant(
+        "scheduled-prefetch-parks-sooner",
+        "a prefetch `expect` starts may park a session the schedule uses sooner",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                if not self._start_prefetch(session_id, True, sooner):\n",
+                "                if not self._start_prefetch(session_id, True, {session_id}):\n",
+            ),
+        ),
+        ("tests/manager/test_expect.py",),
+    ),
+    Mutant(
+        "scheduled-prefetch-over-budget",
+        "a prefetch `expect` starts skips the budget check",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            if self._policy.over(self._ledger, extra):\n",
+                "            if sooner is None and self._policy.over(self._ledger, extra):\n",
+            ),
+        ),
+        ("tests/manager/test_expect.py",),
+    ),
+    Mutant(
+        "prefetch-plan-past-a-new-session",
+        "`expect`'s prefetch plan goes on past a session not held yet",
+        "sessionstate/_manager/_schedule.py",
+        (
+            (
+                "        if session_id not in held:\n            break\n",
+                "        if session_id not in held:\n            continue\n",
+            ),
+        ),
+        ("tests/manager/test_schedule.py",),
     ),
 )
 

@@ -535,6 +535,19 @@ def test_the_host_pool_and_prefetch_arguments() -> None:
         SessionStateManager().prefetch("a", make_room=1)  # type: ignore[arg-type]
 
 
+def test_a_schedule_that_is_not_one() -> None:
+    msg = (
+        "`session_ids` must be a sequence of session ids in the order they run next, got "
+        "'ab' (str); pass a list, e.g. `expect(['a', 'b'])` (and `expect([])` to clear the "
+        "schedule)."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionStateManager().expect("ab")
+    msg = "`prefetch` must be a bool (True or False), got 1 (int)."
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionStateManager().expect(["a"], prefetch=1)  # type: ignore[arg-type]
+
+
 # --- coverage guard -------------------------------------------------------------------------
 
 CORE_MESSAGES = {
@@ -564,6 +577,7 @@ CORE_MESSAGES = {
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
+    "_manager/_schedule.py": 1,  # `expect` given no sequence: test_a_schedule_that_is_not_one
     # check_count (pinned through KVPool in test_kvpool.py), then the session-id rule (None
     # and NaN ids: pinned in test_session_ids.py), then the validators: `check_bool` (through
     # the manager's `check_immutable`, test_reliability_contracts.py), `a_bool` (through the

@@ -207,6 +207,8 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
     assert robin["prefetches"] > 0
     assert robin["prefetch_over_unbudgeted"] > 0
     assert robin["copying_over_unbudgeted"] > 0
+    assert robin["schedule_prefetch_over_unbudgeted"] > 0
+    assert robin["scheduled_prefetches"] > 0  # `expect` prefetched the next sessions
 
 
 SNAPSHOT_METHODS = (

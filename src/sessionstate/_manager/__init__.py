@@ -8,6 +8,8 @@
   when to refuse); it changes nothing.
 - `Parking` (``_parking``): the tier, the spool directory, the handles it made, their counts.
 - `ImmutabilityGuard` (``_guard``): stored tensors' version counters, checked on access.
+- ``_schedule``: under a schedule of next use (`SessionStateManager.expect`), whom to park
+  first (`park_order`, Belady's) and whom to prefetch (`prefetch_plan`), as pure functions.
 """
 
 from sessionstate._manager._guard import ImmutabilityGuard

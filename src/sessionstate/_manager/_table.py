@@ -55,6 +55,7 @@ from sessionstate._manager._policy import (
     objects_to_park,
     parse_nbytes,
 )
+from sessionstate._manager._schedule import check_schedule, park_order, prefetch_plan
 from sessionstate._protocols import EnginePool, StorageEntry
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject
@@ -229,6 +230,8 @@ class SessionStateManager(Generic[SessionT]):
         self._misses = 0
         self._evictions = 0
         self._forks = 0
+        self._schedule: list[Hashable] = []  # `expect`'s order of next use (first = next)
+        self._scheduled_prefetches = 0
 
     @property
     def max_sessions(self) -> int:
@@ -843,7 +846,8 @@ class SessionStateManager(Generic[SessionT]):
         with a parked object), ``parks`` and ``unparks`` (times a session's objects were
         parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
         a `KVHandle`'s blocks too), ``nbytes_parked:host`` and ``nbytes_parked:disk``
-        (bytes the tiers hold), ``reparks`` (parks that took a kept copy back, see
+        (bytes the tiers hold), ``scheduled_prefetches`` (background restores `expect`
+        started), ``reparks`` (parks that took a kept copy back, see
         ``keep_parked_copies``), ``nbytes_reparked`` (the bytes they did not copy), and
         ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
         objects). Once `fork` made a branch: ``forks`` (branches made) and
@@ -886,6 +890,7 @@ class SessionStateManager(Generic[SessionT]):
         if self._policy is not None or self._parking.used:
             parking, by_tier = self._parking.summary()
             out.update(parking)
+            out["scheduled_prefetches"] = self._scheduled_prefetches
         return out, by_tier
 
     def _sharing_sessions(self) -> int:
@@ -1088,26 +1093,87 @@ class SessionStateManager(Generic[SessionT]):
             msg = f"`make_room` must be a bool (True or False), got {make_room!r}."
             raise TypeError(msg)
         with self._lock:
-            parking = self._parking
-            state = self._table.get(session_id)
-            if state is None or not parking.is_parked(session_id):
-                return False
-            if parking.is_prefetched(session_id):
-                return True
-            need = parking.parked_need(session_id)
-            if not self._prefetch_blocks(session_id, make_room):
-                parking.count_dropped_prefetch()
-                return False
-            if self._policy is not None:
-                reserved = parking.reserved()
-                extra = {d: need.get(d, 0) + reserved.get(d, 0) for d in {*need, *reserved}}
-                if make_room:
-                    self._park_others(session_id, extra)
-                if self._policy.over(self._ledger, extra):
-                    parking.count_dropped_prefetch()
-                    return False
-            parking.start_prefetch(session_id, need)
+            return self._start_prefetch(session_id, make_room)
+
+    def _start_prefetch(
+        self, session_id: Hashable, make_room: bool, sooner: Collection[Hashable] | None = None
+    ) -> bool:
+        # `prefetch`, under the lock. `sooner`: for `expect`'s plan, the sessions its room must
+        # not park (those used no later); a plan's prefetch that does not fit is not a drop.
+        parking = self._parking
+        state = self._table.get(session_id)
+        if state is None or not parking.is_parked(session_id):
+            return False
+        if parking.is_prefetched(session_id):
             return True
+        need = parking.parked_need(session_id)
+        if not self._prefetch_blocks(session_id, make_room, sooner or ()):
+            if sooner is None:
+                parking.count_dropped_prefetch()
+            return False
+        if self._policy is not None:
+            reserved = parking.reserved()
+            extra = {d: need.get(d, 0) + reserved.get(d, 0) for d in {*need, *reserved}}
+            if make_room:
+                self._park_others(session_id, extra, sooner or ())
+            if self._policy.over(self._ledger, extra):
+                if sooner is None:
+                    parking.count_dropped_prefetch()
+                return False
+        parking.start_prefetch(session_id, need)
+        return True
+
+    def expect(self, session_ids: Sequence[Hashable], /, *, prefetch: bool = True) -> None:
+        """Declare the order in which sessions will be used next (first = next).
+
+        For a server that schedules its next ticks: it replaces any earlier schedule, and
+        ``expect([])`` clears it. While a schedule is set, room-making (the byte budget's
+        parking, and the room of ``pools`` made by `step`, `step_many` and `park_until`)
+        parks first the sessions not in it, least recently used first, then the scheduled
+        ones, furthest next use first (Belady): a session used sooner than another is never
+        parked while the later one could go. An id scheduled twice counts at its first
+        position. A session's use does not take it off the schedule; call ``expect`` again
+        each tick. Eviction (``on_full="evict"``) stays least recently used first.
+
+        With ``prefetch`` (default), the parked sessions of the schedule are prefetched in
+        order (see `prefetch`, with ``make_room``), each making its room only by parking
+        sessions whose next use is later (or unknown), never evicting; the first that does
+        not fit stops the plan (not counted as dropped), and so does the first id not held
+        (a new session needs room before the ones after it). ``scheduled_prefetches`` in
+        `stats()` (with the other parking keys) counts the background restores it started.
+
+        Unknown ids are not an error (a scheduler's guess, or a session about to start): they
+        are kept in the order. Outputs are unchanged by a schedule; it decides only who is
+        parked and when bytes move.
+
+        Raises:
+            TypeError: for ``session_ids`` that are not a sequence (a str, a set, a
+                generator), an invalid id (None, unhashable), or a non-bool ``prefetch``.
+
+        >>> import torch
+        >>> from sessionstate import SessionState, TensorCache
+        >>> m = SessionStateManager(max_bytes={"cpu": 64})
+        >>> def record(): return SessionState(objects={"c": TensorCache().allocate().commit(torch.zeros(8))})
+        >>> for sid in "abc": m.put(sid, record())  # "a" is parked to fit "c"
+        >>> _ = m.get("b")  # least recently used first: "a", "c", "b"
+        >>> m.expect(["a", "c", "b"])  # "a" next: prefetched, parking "b" (used last), not "c"
+        >>> [bool(m.peek(sid).parked) for sid in "abc"], m.stats()["scheduled_prefetches"]
+        ([True, True, False], 1)
+        >>> _ = m.get("a"); m.stats()["prefetch_hits"]
+        1
+        """  # noqa: E501 - a doctest line
+        ids = check_schedule(session_ids)
+        check_bool(prefetch, "prefetch")
+        with self._lock:
+            self._schedule = ids
+            if not prefetch:
+                return
+            parked = {sid for sid in ids if sid in self._table and self._parking.is_parked(sid)}
+            for session_id, sooner in prefetch_plan(ids, parked, self._table):
+                started = not self._parking.is_prefetched(session_id)
+                if not self._start_prefetch(session_id, True, sooner):
+                    return
+                self._scheduled_prefetches += started
 
     def step(
         self,
@@ -1267,7 +1333,8 @@ class SessionStateManager(Generic[SessionT]):
 
         For memory outside the byte budget that parking gives back, such as the blocks of a
         `KVPool` the manager was not given (a pool given as ``pools=`` has its room made by
-        `step`, `get` and `prefetch`): oldest first and never the sessions in ``keep``, each
+        `step`, `get` and `prefetch`): oldest first (under `expect`'s schedule, the furthest
+        next use first) and never the sessions in ``keep``, each
         session's parkable objects holding a storage ``frees`` picks (a `StorageEntry`, as
         the accounting reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked
         again. A session
@@ -1302,7 +1369,7 @@ class SessionStateManager(Generic[SessionT]):
             # any other predicate may be a new closure per call, and is not remembered.
             idle = self._nothing_to_park
             remembered = frees if isinstance(frees, types.MethodType) else None
-            for other in list(self._table):
+            for other in self._park_order():
                 if other in keep:
                     continue
                 if remembered is not None and remembered in idle.get(other, _NO_DEVICES):
@@ -1724,7 +1791,7 @@ class SessionStateManager(Generic[SessionT]):
             return over
         idle = self._nothing_to_park
         devices = frozenset(over)
-        for other in list(self._table):
+        for other in self._park_order():
             if idle.get(other, _NO_DEVICES) >= devices:
                 continue  # nothing of its record to park there
             if other == session_id or other in kept:
@@ -1738,6 +1805,11 @@ class SessionStateManager(Generic[SessionT]):
                     return over
                 devices = frozenset(over)
         return over
+
+    def _park_order(self) -> list[Hashable]:
+        # The order room-making tries the sessions in: least recently used first, or under
+        # `expect`'s schedule, Belady's (`park_order`).
+        return park_order(list(self._table), self._schedule)
 
     def _park(self, session_id: Hashable, names: list[str]) -> bool:
         # Whether the objects were parked: a host pool that refuses them (with
@@ -1796,7 +1868,9 @@ class SessionStateManager(Generic[SessionT]):
         self._parking.restored(session_id, self._ledger.held(session_id))
         self._record_versions(session_id, state)
 
-    def _prefetch_blocks(self, session_id: Hashable, make_room: bool) -> bool:
+    def _prefetch_blocks(
+        self, session_id: Hashable, make_room: bool, sooner: Collection[Hashable] = ()
+    ) -> bool:
         # Whether every pool has room for the restored session beside a step's (a background
         # restore takes its blocks while another session steps); with `make_room`, the least
         # recently used other resident sessions' blocks are parked until it has.
@@ -1810,7 +1884,7 @@ class SessionStateManager(Generic[SessionT]):
             if make_room:
                 # Parked sessions have nothing to park; kept, their own prefetches stay.
                 parked = (sid for sid in self._table if self._parking.is_parked(sid))
-                keep = {session_id, *parked}
+                keep = {session_id, *parked, *sooner}
                 done = functools.partial(_has_free_blocks, pool, need)
                 self.park_until(done, frees=pool.owns_entry, keep=keep)
             if pool.free_blocks < need:
