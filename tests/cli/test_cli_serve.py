@@ -49,3 +49,11 @@ def test_the_policies_offered_are_the_librarys() -> None:
     from sessionstate.serving import POLICIES
 
     assert POLICY_HELP == POLICIES
+
+
+def test_a_piped_table_prints_every_header_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve-bench", "--rate", "0.05", "--duration", "60", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    for header in ("attainment", "chunk p99 s", "active mean", "prefetch hits /s"):
+        assert header in out
+    assert "…" not in out

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from sessionstate.cli._common import positive_int
+from sessionstate.cli._common import positive_int, stdout_console
 
 SHAPES = ("lingbot", "sana-wm", "dreamzero")
 POLICY_HELP = {
@@ -142,10 +142,9 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def _print_runs(out: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     title = f"serve-bench, {out['clock']} clock" + (
         f", shape {out['shape']}" if "shape" in out else ""
     )
