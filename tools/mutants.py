@@ -1354,6 +1354,65 @@ MUTANTS = (
         ),
         ("tests/manager/test_kept_copies.py",),
     ),
+    Mutant(
+        "refused-batch-releases-replaced-parked-bytes",
+        "a batch store releases the parked bytes of the records it replaces before it is "
+        "stored whole, so a refusal puts back a parked record whose bytes are gone",
+        "sessionstate/_manager/_parking.py",
+        (("            or any(obj.handle is handle for obj in self.replacing)\n", ""),),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "refused-get-many-keeps-prefetched-restore",
+        "a get_many the budget refuses keeps what check read and a prefetch restored, "
+        "charged to nobody",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                    for session_id in parked:  # what `check` read",
+                "                    for session_id in ():  # what `check` read",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "fork-source-key-without-room",
+        "a fork gives the source its new split key without making room for it",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                        self._make_room(source_id, {}, added)\n",
+                "                        pass\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "unpark-charges-handed-back-bytes",
+        "an unpark charges the parked bytes of objects a resident sibling hands back",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "        back = {id(parked[name].handle) for name in self.handed_back(session_id)}"
+                "\n",
+                "        back: set[int] = set()\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "batch-counts-shared-parked-bytes-per-member",
+        "get_many charges a parked handle its members share once per member",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            if counted is not None and id(handle) in counted:\n"
+                "                continue\n",
+                "",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
 )
 
 

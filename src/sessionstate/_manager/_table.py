@@ -401,17 +401,25 @@ class SessionStateManager(Generic[SessionT]):
             parking = self._parking
             need: dict[str, int] = {}
             parked = [sid for sid in ids if parking.is_parked(sid)]
+            counted: set[int] = set()  # parked bytes the batch brings back once, for all
+            holders: list[Hashable] = []
             for session_id in parked:
                 self._verify(session_id, self._table[session_id])
+                holders += self._holders(session_id)
                 try:
-                    for device, nbytes in parking.check(session_id).items():
+                    for device, nbytes in parking.check(session_id, counted).items():
                         need[device] = need.get(device, 0) + nbytes
                 except BaseException:
                     parking.discard(session_id)
                     raise
                 parking.unreserve(session_id)
             if parked:
-                self._make_room(parked[0], need, keep=ids)
+                try:
+                    self._make_room(parked[0], need, keep=[*ids, *holders])
+                except BaseException:
+                    for session_id in parked:  # what `check` read, and their prefetches, go
+                        parking.discard(session_id)
+                    raise
             out: list[SessionT] = []
             for session_id in ids:
                 state = self._table[session_id]
@@ -519,6 +527,13 @@ class SessionStateManager(Generic[SessionT]):
             raise
         before = {sid: self._table.get(sid) for sid in ids}
         order = list(self._table)
+        # The parked bytes of the records the batch replaces are held until it is stored
+        # whole: a refusal puts those records back, and their bytes must still be there.
+        parking = self._parking
+        replaced = [
+            obj for r in before.values() if r is not None for obj in parked_objects(r).values()
+        ]
+        parking.replacing = tuple(replaced)
         try:
             for (session_id, state), values in zip(pairs, walked, strict=True):
                 self._put_locked(session_id, state, touch=True, keep=ids, values=values)
@@ -536,6 +551,9 @@ class SessionStateManager(Generic[SessionT]):
                 if session_id in self._table:
                     self._table.move_to_end(session_id)
             raise
+        finally:
+            parking.replacing = ()
+            parking.abandon(replaced)  # what no stored record holds any more
 
     def _refuse_batch_over_budget(self, ids: list[Hashable], walked: list[Values]) -> None:
         # Refuse a batch whose records together (each storage once) exceed a device's whole
@@ -777,10 +795,19 @@ class SessionStateManager(Generic[SessionT]):
                         SessionEvent("fork", branch_id, 0, reason=f"of {source_id!r}")
                     )
                 if records[0] is not state:
-                    # The source's record with its own split key: only the key changed, for
-                    # one of the same size (held alone), so no room to make and nothing to
-                    # park; a prefetch of the source stays reserved.
-                    self._ledger.set(source_id, self._ledger.values_for(source_id, records[0]))
+                    # The source's record with its own split key: only the key changed, but
+                    # its new key is held alone (the old one may be a branch's now), so its
+                    # room is made as a put's, never parking a branch; nothing of the source
+                    # is parked and a prefetch of it stays reserved.
+                    values = self._ledger.values_for(source_id, records[0])
+                    grown = self._ledger.growth((values,))
+                    previous = self._ledger.set(source_id, values)
+                    try:
+                        self._make_room(source_id, {}, added)
+                    except BaseException:
+                        self._ledger.set(source_id, previous)
+                        self._ledger.undo_growth(grown)
+                        raise
                     self._set_record(source_id, records[0])
                     self._record_versions(source_id, records[0])
             except BaseException:
@@ -1773,6 +1800,7 @@ class SessionStateManager(Generic[SessionT]):
         parking = self._parking
         if not parking.is_parked(session_id):
             return state
+        holders = self._holders(session_id)
         try:
             need = parking.check(session_id)
         except BaseException:
@@ -1780,13 +1808,25 @@ class SessionStateManager(Generic[SessionT]):
             raise
         parking.unreserve(session_id)  # a prefetch's bytes: charged as the session's now
         try:
-            self._make_room(session_id, need)
+            self._make_room(session_id, need, holders)
             new = self._unpark(session_id, state)
         except BaseException:
             parking.discard(session_id)
             raise
         self._store_unparked(session_id, new)
         return new
+
+    def _holders(self, session_id: Hashable) -> list[Hashable]:
+        # The sessions holding the objects `session_id`'s unpark hands back (charged nothing
+        # for them): kept resident while room is made for it, so the objects stay alive.
+        back = {id(obj) for obj in self._parking.handed_back(session_id).values()}
+        if not back:
+            return []
+        return [
+            sid
+            for sid, record in self._table.items()
+            if sid != session_id and not back.isdisjoint(map(id, record.objects.values()))
+        ]
 
     def _store_unparked(self, session_id: Hashable, state: SessionT) -> None:
         # ``state``, just unparked, stored for ``session_id``: the table, the ledger (its
