@@ -1413,6 +1413,36 @@ MUTANTS = (
         ),
         ("tests/manager/test_get_put_many.py",),
     ),
+    Mutant(
+        "failed-step-moves-lru",
+        "a step's read makes its sessions the most recently used before the step publishes, "
+        "so a failed or refused step reorders the LRU",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            if touch:\n                self._table.move_to_end(session_id)\n",
+                "            self._table.move_to_end(session_id)\n",
+            ),
+            (
+                "            if touch:\n                for session_id in ids:\n",
+                "            if True:\n                for session_id in ids:\n",
+            ),
+        ),
+        ("tests/manager/test_step_many.py",),
+    ),
+    Mutant(
+        "put-many-leaves-lru",
+        "put_many of held, resident sessions leaves them where they were in the LRU order",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            table.move_to_end(session_id)\n"
+                "            parking.track(session_id, state, {})\n",
+                "            parking.track(session_id, state, {})\n",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
 )
 
 

@@ -248,3 +248,18 @@ def test_get_many_counts_the_parked_bytes_a_family_shares_once(tmp_path: Path) -
     assert s["nbytes:cpu"] == 424
     assert s["evictions"] == 0
     assert_stats_equal_a_recount(m)
+
+
+@pytest.mark.parametrize("budget", [None, 10_000])
+def test_put_many_of_held_sessions_makes_them_the_most_recently_used(budget: int | None) -> None:
+    # As `put` does, in the order given: the batch of held, resident sessions is stored in
+    # one move of the ledger, and a member parked (under the budget, "b") put by put.
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes=None if budget is None else {"cpu": budget}
+    )
+    for sid in "abcd":
+        m.put(sid, _record(float(ord(sid))))
+    m.put_many([("b", _record(1.0)), ("a", _record(2.0))])
+    assert m.session_ids() == ["c", "d", "b", "a"]
+    m.put_many({"c": _record(3.0)})
+    assert m.session_ids() == ["d", "b", "a", "c"]

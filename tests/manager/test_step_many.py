@@ -140,3 +140,34 @@ def test_a_batch_over_the_byte_budget_is_refused_whole() -> None:
         m.step_many(["b", "c"], big, new=SessionState)
     assert m.session_ids() == ["a"]
     assert_stats_equal_a_recount(m)
+
+
+def test_a_failed_or_refused_step_leaves_the_lru_order_as_it_was() -> None:
+    # The `docs/batches.md` example: a failed batch left "a" the most recently used.
+    m = SessionStateManager(max_bytes={"cpu": 100}, on_full="refuse")
+
+    def count(states: list[SessionState]) -> tuple[list[SessionState], list[int]]:
+        new = [s.with_attrs(n=s.attrs.get("n", 0) + 1) for s in states]
+        return new, [s.attrs["n"] for s in new]
+
+    def fails(states: list[SessionState]) -> Any:
+        raise ZeroDivisionError
+
+    def big(states: list[SessionState]) -> tuple[list[SessionState], list[None]]:
+        return [s.with_attrs(x=torch.zeros(50)) for s in states], [None] * len(states)
+
+    assert m.step_many(["a", "b"], count, new=SessionState) == [1, 1]
+    with pytest.raises(ZeroDivisionError):
+        m.step_many(["a", "c"], fails, new=SessionState)
+    assert m.session_ids() == ["a", "b"]
+    with pytest.raises(ZeroDivisionError):
+        m.step("a", fails, new=SessionState)
+    assert m.session_ids() == ["a", "b"]
+    with pytest.raises(ss.SessionAdmissionError):
+        m.step_many(["a"], big, new=SessionState)  # 200 bytes: over the budget
+    assert m.session_ids() == ["a", "b"]
+    assert m.peek("a").attrs["n"] == 1
+    assert m.step("a", lambda s: (s, None), new=SessionState) is None
+    assert m.session_ids() == ["b", "a"]  # a step that publishes touches its session
+    assert m.step_many(["b"], count, new=SessionState) == [2]
+    assert m.session_ids() == ["a", "b"]

@@ -358,6 +358,11 @@ class SessionStateManager(Generic[SessionT]):
         True
         """
         check_session_id(session_id)
+        return self._read(session_id, touch=True)
+
+    def _read(self, session_id: Hashable, *, touch: bool) -> SessionT | None:
+        # `get`; `touch=False` leaves the LRU order alone (a step's read: its session becomes
+        # the most recently used when the step publishes, and stays where it was if it fails).
         self._await_prefetch(session_id)
         with self._lock:
             state = self._table.get(session_id)
@@ -367,7 +372,8 @@ class SessionStateManager(Generic[SessionT]):
             self._verify(session_id, state)
             state = self._resident(session_id, state)
             self._hits += 1
-            self._table.move_to_end(session_id)
+            if touch:
+                self._table.move_to_end(session_id)
             return state
 
     def get_many(self, session_ids: Sequence[Hashable], /) -> list[SessionT]:
@@ -391,7 +397,10 @@ class SessionStateManager(Generic[SessionT]):
         >>> [r.attrs["n"] for r in m.get_many(["c", "a"])], m.session_ids()
         (['c', 'a'], ['b', 'c', 'a'])
         """
-        ids = self._batch_ids(session_ids, "get_many")
+        return self._read_many(self._batch_ids(session_ids, "get_many"), touch=True)
+
+    def _read_many(self, ids: list[Hashable], *, touch: bool) -> list[SessionT]:
+        # `get_many` of checked ids; `touch=False` leaves the LRU order alone, as `_read`.
         self._await_prefetch(*ids)
         with self._lock:
             missing = [sid for sid in ids if sid not in self._table]
@@ -433,9 +442,10 @@ class SessionStateManager(Generic[SessionT]):
                 else:
                     self._verify(session_id, state)
                 out.append(state)
-            for session_id in ids:
-                self._hits += 1
-                self._table.move_to_end(session_id)
+            self._hits += len(ids)
+            if touch:
+                for session_id in ids:
+                    self._table.move_to_end(session_id)
             return out
 
     def put_many(
@@ -1155,7 +1165,8 @@ class SessionStateManager(Generic[SessionT]):
         blocks (then their prefetches); the byte budget makes its room as `get` and `put`
         do. ``fn`` runs inside every pool's ``transaction()`` (where a pool has one), so a
         step that fails gives back what it took and leaves the stored record, or its
-        absence, exactly as it was.
+        absence, exactly as it was, and the LRU order too (the session becomes the most
+        recently used when the step publishes).
 
         Args:
             session_id: The session.
@@ -1186,7 +1197,7 @@ class SessionStateManager(Generic[SessionT]):
         check_session_id(session_id)
         try:
             self._make_step_room((session_id,))
-            state = None if begin else self.get(session_id)
+            state = None if begin else self._read(session_id, touch=False)
             if state is None:
                 if begin is False:
                     raise SessionStateLostError(
@@ -1223,10 +1234,11 @@ class SessionStateManager(Generic[SessionT]):
         `step` for a batch: the room for every session's step is made at once (in each pool,
         the blocks all their steps can take, parking least recently used sessions outside
         the batch; the byte budget as `get_many` and `put_many` make it), the records are
-        read with `get_many` (a session not held starts from ``new()``, unless ``begin`` is
-        False), ``fn`` runs once inside every pool's transaction, and its records are stored
-        with `put_many`. All or nothing: a step or a store that fails gives back what the
-        step took and leaves every session of the batch as it was.
+        read as `get_many` reads them (a session not held starts from ``new()``, unless
+        ``begin`` is False), ``fn`` runs once inside every pool's transaction, and its records
+        are stored with `put_many`, which makes them the most recently used. All or nothing: a
+        step or a store that fails gives back what the step took and leaves every session of
+        the batch as it was, and the LRU order too.
 
         Args:
             session_ids: The sessions, each once; ``fn`` gets their records in this order.
@@ -1260,7 +1272,8 @@ class SessionStateManager(Generic[SessionT]):
             if begin is False and len(held) < len(ids):
                 missing = next(sid for sid in ids if sid not in held)
                 raise SessionStateLostError(lost(missing) if lost is not None else _lost(missing))
-            records = dict(zip(held, self.get_many(held), strict=True)) if held else {}
+            read = self._read_many(held, touch=False) if held else []
+            records = dict(zip(held, read, strict=True))
             states = [records[sid] if sid in records else new() for sid in ids]
             with self._transactions(), span("sessionstate::step_many"):
                 stepped, outs = fn(states)
