@@ -1443,6 +1443,20 @@ MUTANTS = (
         ),
         ("tests/manager/test_get_put_many.py",),
     ),
+    Mutant(
+        "shared-sessions-only-after-a-fork",
+        "stats() reports shared_sessions only once a fork was made (a restored family reads 0 "
+        "on the gauge)",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                '        out["shared_sessions"] = self._sharing_sessions()\n',
+                "        if self._forks:\n"
+                '            out["shared_sessions"] = self._sharing_sessions()\n',
+            ),
+        ),
+        ("tests/manager/test_observability.py::test_a_restored_family_is_counted_as_sharing",),
+    ),
 )
 
 

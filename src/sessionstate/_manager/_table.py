@@ -883,9 +883,9 @@ class SessionStateManager(Generic[SessionT]):
         (bytes the tiers hold), ``reparks`` (parks that took a kept copy back, see
         ``keep_parked_copies``), ``nbytes_reparked`` (the bytes they did not copy), and
         ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
-        objects). Once `fork` made a branch: ``forks`` (branches made) and
-        ``shared_sessions`` (sessions holding a resident storage another session holds too:
-        a family's members until they let its history go).
+        objects). Always: ``forks`` (branches `fork` made) and ``shared_sessions`` (sessions
+        holding a resident storage another session holds too: a family's members, forked or
+        restored with `restore_many`, until they let its history go).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
         block once; parking an object moves its handles' blocks to the tier with it (the pool
@@ -893,7 +893,7 @@ class SessionStateManager(Generic[SessionT]):
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
-         'total_nbytes': 0}
+         'total_nbytes': 0, 'forks': 0, 'shared_sessions': 0}
         """
         with self._lock:
             return self._stats_locked()[0]
@@ -913,9 +913,8 @@ class SessionStateManager(Generic[SessionT]):
             out[f"nbytes:{device}"] = nbytes
         for device, nbytes in self._ledger.engine_totals().items():
             out[f"engine_nbytes:{device}"] = nbytes
-        if self._forks:
-            out["forks"] = self._forks
-            out["shared_sessions"] = self._sharing_sessions()
+        out["forks"] = self._forks
+        out["shared_sessions"] = self._sharing_sessions()
         if self._policy is not None:
             for device in sorted(self._policy.max_bytes):
                 out[f"max_bytes:{device}"] = self._policy.max_bytes[device]

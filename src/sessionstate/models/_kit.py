@@ -268,8 +268,8 @@ class SessionTable(Generic[S]):
         out = {"sessions": len(self.states), "max_sessions": self.max_sessions, **self.counts}
         out["total_nbytes"] = sum(totals.values())
         out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
-        if "forks" in self.counts:  # as the manager: once a fork was made
-            out["shared_sessions"] = _sharing(held)
+        out["forks"] = self.counts.get("forks", 0)  # as the manager: always
+        out["shared_sessions"] = _sharing(held)
         return out
 
 
