@@ -1927,12 +1927,18 @@ class SessionStateManager(Generic[SessionT]):
         if len(session_ids) > 1:
             named, label, fix = list(session_ids), "Batch", "step a smaller batch, or "
         if pool.blocks_for_step(0) == 0:  # the pool says nothing of a step: no room was made
+            # The free blocks are counted after the step gave its own back: more than the
+            # failing append found, so the message says when each was counted.
+            blocks = "block" if needed == 1 else "blocks"
+            build = "Step a smaller batch, or build" if len(session_ids) > 1 else "Build"
             msg = (
                 f"{label} {named!r}: KV pool {pool.name!r} ran out of blocks during the step "
-                f"({needed} needed, {pool.free_blocks} free). The pool declares no "
-                "`step_tokens`, so the manager made no room before the step: it parks other "
-                "sessions' KV only for a pool that says what a step takes. Build the pool with "
-                "`step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+                f"(an append needed {needed} free {blocks} and found fewer; "
+                f"{pool.free_blocks} free now that the step gave its blocks back). The pool "
+                "declares no `step_tokens`, so the manager made no room before the step: it "
+                "parks other sessions' KV only for a pool that says what a step takes. "
+                f"{build} the pool with `step_tokens` (and `window_tokens` for a windowed "
+                "cache), or with more blocks."
             )
             return KVPoolExhaustedError(msg, pool=pool, needed=needed)
         return kv_shortfall(
