@@ -1457,6 +1457,19 @@ MUTANTS = (
         ),
         ("tests/manager/test_observability.py::test_a_restored_family_is_counted_as_sharing",),
     ),
+    Mutant(
+        "batch-peak-not-checked",
+        "a batch that replaces held sessions is checked against the budget without the "
+        "records its later members still hold, so it evicts others and is refused midway",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "        for k in range(len(olds) - 1) if any(olds[1:]) else ():\n",
+                "        for k in ():\n",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
 )
 
 

@@ -263,3 +263,22 @@ def test_put_many_of_held_sessions_makes_them_the_most_recently_used(budget: int
     assert m.session_ids() == ["c", "d", "b", "a"]
     m.put_many({"c": _record(3.0)})
     assert m.session_ids() == ["d", "b", "a", "c"]
+
+
+def test_a_batch_refused_midway_by_the_budget_evicts_nobody() -> None:
+    # Put by put, "n" is stored while "r" still holds its old 400 bytes: 900 bytes at the
+    # peak, over the whole budget of 800 whoever is evicted. Refused before "o" is evicted;
+    # listing "r" first brings the peak down to the batch itself.
+    m: SessionStateManager[SessionState] = SessionStateManager(max_bytes={"cpu": 800})
+    m.put("o", SessionState(attrs={"x": torch.zeros(25)}))
+    m.put("r", SessionState(attrs={"x": torch.zeros(100)}))
+    before = m.peek("r")
+    with pytest.raises(SessionAdmissionError, match="while 'n' is stored"):
+        m.put_many([("n", SessionState(attrs={"x": torch.zeros(125)})), ("r", _small(1.0))])
+    assert m.session_ids() == ["o", "r"]
+    assert m.peek("r") is before
+    assert m.stats()["evictions"] == 0
+    m.put_many([("r", _small(1.0)), ("n", SessionState(attrs={"x": torch.zeros(125)}))])
+    assert m.session_ids() == ["o", "r", "n"]
+    assert m.stats()["evictions"] == 0
+    assert_stats_equal_a_recount(m)

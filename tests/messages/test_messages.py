@@ -357,6 +357,24 @@ def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step(blocks: int) -> No
             m.step("a", lambda s: (grow([s])[0][0], 0), new=ss.SessionState)
 
 
+def test_a_batch_over_the_budget_midway() -> None:
+    m = SessionStateManager(max_bytes={"cpu": 800})
+    m.put("r", SessionState(attrs={"x": torch.zeros(100)}))
+    batch = [
+        ("n", SessionState(attrs={"x": torch.zeros(125)})),
+        ("r", SessionState(attrs={"x": torch.zeros(10)})),
+    ]
+    msg = (
+        "Cannot store the batch ['n', 'r']: while 'n' is stored, the batch's new records up to "
+        "it and the records the members after it still hold come to 900 bytes on cpu, more "
+        "than the whole budget of 800 bytes there (`max_bytes`); storing it would evict or "
+        "park every other session and still not fit. List the sessions it replaces first, "
+        "store a smaller batch, or raise the budget for cpu."
+    )
+    with pytest.raises(ss.SessionAdmissionError, match=_exact(msg)):
+        m.put_many(batch)
+
+
 def test_refused_admission() -> None:
     manager = SessionStateManager(2, on_full="refuse")
     manager.put("a", SessionState())

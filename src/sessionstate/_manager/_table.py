@@ -531,7 +531,8 @@ class SessionStateManager(Generic[SessionT]):
         # `_store_batch` when a member is new or holds parked objects: put by put.
         done: list[Hashable] = []
         try:
-            self._refuse_batch_over_budget(ids, walked)
+            olds = [self._ledger.held(sid) for sid in ids]
+            self._refuse_batch_over_budget(ids, walked, olds)
         except BaseException:
             self._ledger.undo_growth(self._ledger.growth(walked))
             raise
@@ -565,9 +566,13 @@ class SessionStateManager(Generic[SessionT]):
             parking.replacing = ()
             parking.abandon(replaced)  # what no stored record holds any more
 
-    def _refuse_batch_over_budget(self, ids: list[Hashable], walked: list[Values]) -> None:
+    def _refuse_batch_over_budget(
+        self, ids: list[Hashable], walked: list[Values], olds: Sequence[Values] = ()
+    ) -> None:
         # Refuse a batch whose records together (each storage once) exceed a device's whole
         # budget: storing it would evict or park every other session and still not fit.
+        # `olds`: the records the members held (stored put by put: while a member is put, the
+        # members after it still hold theirs), so a batch refused midway evicts no one.
         policy = self._policy
         if policy is None:
             return
@@ -582,6 +587,21 @@ class SessionStateManager(Generic[SessionT]):
                     f"budget for {device}."
                 )
                 self._refuse(ids[0], SessionAdmissionError(msg))
+        for k in range(len(olds) - 1) if any(olds[1:]) else ():
+            held = [*walked[: k + 1], *olds[k + 1 :]]
+            peak = count_entries(entry for values in held for entry in entries_of(values))
+            for device, budget in policy.max_bytes.items():
+                if peak.get(device, 0) > budget:
+                    msg = (
+                        f"Cannot store the batch {ids!r}: while {ids[k]!r} is stored, the "
+                        "batch's new records up to it and the records the members after it "
+                        f"still hold come to {peak[device]} bytes on {device}, more than the "
+                        f"whole budget of {budget} bytes there (`max_bytes`); storing it "
+                        "would evict or park every other session and still not fit. List "
+                        "the sessions it replaces first, store a smaller batch, or raise the "
+                        f"budget for {device}."
+                    )
+                    self._refuse(ids[0], SessionAdmissionError(msg))
 
     def _batch_ids(self, session_ids: Sequence[Hashable], method: str) -> list[Hashable]:
         ids = list(session_ids)
