@@ -1470,6 +1470,32 @@ MUTANTS = (
         ),
         ("tests/manager/test_get_put_many.py",),
     ),
+    Mutant(
+        "get-many-skips-guard",
+        "get_many hands out a batch without the immutability guard's check of each record",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            for session_id in ids:  # every record, before anything is parked or "
+                "unparked\n                self._verify(session_id, self._table[session_id])\n",
+                "",
+            ),
+        ),
+        ("tests/manager/test_guard_batches.py",),
+    ),
+    Mutant(
+        "family-read-skips-guard",
+        "snapshot_many and peek_many read a family without the immutability guard's check",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                self._verify(session_id, state)\n"
+                "                if state.parked:\n",
+                "                if state.parked:\n",
+            ),
+        ),
+        ("tests/manager/test_guard_batches.py",),
+    ),
 )
 
 

@@ -407,13 +407,14 @@ class SessionStateManager(Generic[SessionT]):
             if missing:
                 msg = _not_held(f"Cannot get the batch {ids!r}", missing, then="Nothing changed.")
                 raise SessionStateLostError(msg)
+            for session_id in ids:  # every record, before anything is parked or unparked
+                self._verify(session_id, self._table[session_id])
             parking = self._parking
             need: dict[str, int] = {}
             parked = [sid for sid in ids if parking.is_parked(sid)]
             counted: set[int] = set()  # parked bytes the batch brings back once, for all
             holders: list[Hashable] = []
             for session_id in parked:
-                self._verify(session_id, self._table[session_id])
                 holders += self._holders(session_id)
                 try:
                     for device, nbytes in parking.check(session_id, counted).items():
@@ -439,8 +440,6 @@ class SessionStateManager(Generic[SessionT]):
                         parking.discard(session_id)
                         raise
                     self._store_unparked(session_id, state)
-                else:
-                    self._verify(session_id, state)
                 out.append(state)
             self._hits += len(ids)
             if touch:
