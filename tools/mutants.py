@@ -1496,6 +1496,31 @@ MUTANTS = (
         ),
         ("tests/manager/test_guard_batches.py",),
     ),
+    Mutant(
+        "fork-forgets-parked-kv",
+        "fork does not tell parking that a branch of a K/V-parked source holds parked K/V",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            self._kv_parked.add(branch_id)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "first-pool-transaction-only",
+        "a step runs inside the first pool's transaction only, so a failed step keeps the "
+        "blocks it took from the others",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "        for transaction in opened:\n",
+                "        for transaction in opened[:1]:\n",
+            ),
+        ),
+        ("tests/manager/test_step_many.py",),
+    ),
 )
 
 

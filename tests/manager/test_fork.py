@@ -562,3 +562,21 @@ def test_a_family_that_fits_the_budget_is_unparked_once(tmp_path: Path) -> None:
     }
     assert len(history) == 1  # one history, shared again
     assert_stats_equal_a_recount(m)
+
+
+def test_a_branch_of_a_kv_parked_source_counts_its_unpark_as_kv() -> None:
+    # The branch holds the source's parked K/V: its unpark moves K/V, counted in kv_unparks.
+    pool = KVPool(8, block_tokens=4, token_shape=(2,))
+    m: SessionStateManager[SessionState] = SessionStateManager(pools=(pool,))
+    handle = pool.append(pool.empty(), torch.arange(12.0).view(6, 2))
+    m.put("a", SessionState(objects={"kv": KVCache(name="kv").allocate().commit(handle)}))
+    del handle
+    assert m.park_until(lambda: pool.free_blocks == 8, frees=pool.owns_entry)
+    assert m.stats()["kv_parks"] == 1
+    m.fork("a", "b")
+    assert m.peek("b").parked == ("kv",)
+    b = m.require("b")
+    assert torch.equal(b.object("kv", KVCache).view().read(), torch.arange(12.0).view(6, 2))
+    assert (m.stats()["unparks"], m.stats()["kv_unparks"]) == (1, 1)
+    m.require("a")
+    assert (m.stats()["unparks"], m.stats()["kv_unparks"]) == (2, 2)
