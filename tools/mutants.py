@@ -45,7 +45,7 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "self._lock = threading.RLock()",
+                "self._lock = _Lock(threading.RLock(), self._reporter)",
                 'self._lock = __import__("contextlib").nullcontext()',
             ),
         ),
@@ -1520,6 +1520,13 @@ MUTANTS = (
             ),
         ),
         ("tests/manager/test_step_many.py",),
+    ),
+    Mutant(
+        "callback-interrupt-raised-mid-work",
+        "a KeyboardInterrupt an on_event callback raises escapes at once, mid-unpark",
+        "sessionstate/_events.py",
+        (("                if not self.defer:\n", "                if True:\n"),),
+        ("tests/manager/test_observability.py",),
     ),
 )
 

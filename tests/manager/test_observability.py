@@ -32,7 +32,7 @@ from sessionstate import (
 from sessionstate._events import SessionEvent
 from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
 from sessionstate.models.dreamzero.episode import scripted_episode
-from tests.support import torch_threads
+from tests.support import assert_stats_equal_a_recount, torch_threads
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
@@ -398,3 +398,36 @@ def test_evictions_warn_once_a_minute_with_a_count(
     )
     assert all(r.levelno == logging.WARNING for r in caplog.records)
     assert m.stats()["evictions"] == 6
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_a_callback_raising_beyond_exception_leaves_the_manager_whole(
+    raised: type[BaseException],
+) -> None:
+    # The callback raises during the unpark (and the parks it makes room with): the get
+    # finishes its work, then the interrupt propagates; nothing is left half done.
+    armed = False
+
+    def interrupt(event: SessionEvent) -> None:
+        if armed and event.kind == "unpark":
+            raise raised
+
+    def record(fill: float) -> SessionState:
+        return SessionState(objects={"c": TensorCache().allocate().commit(torch.full((16,), fill))})
+
+    m = SessionStateManager(max_bytes={"cpu": 100}, on_event=interrupt)
+    m.put("a", record(1.0))
+    m.put("b", record(2.0))  # parks "a"
+    assert m.peek("a").parked == ("c",)
+    armed = True
+    with pytest.raises(raised):
+        m.get("a")
+    armed = False
+    a = m.require("a")  # resident and readable: the unpark was whole
+    assert not a.parked
+    assert torch.equal(a.object("c", TensorCache).view(), torch.full((16,), 1.0))
+    assert m.session_stats("a")["resident"]
+    assert m.peek("b").parked == ("c",)
+    s = m.stats()
+    assert (s["unparks"], s["parked_sessions"], s["nbytes:cpu"]) == (1, 1, 64)
+    assert_stats_equal_a_recount(m)

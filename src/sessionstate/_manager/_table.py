@@ -148,8 +148,11 @@ class SessionStateManager(Generic[SessionT]):
             unpark releases the copy, and every park copies.
         on_event: Called with each `SessionEvent` (park, unpark, prefetch, fork, evict, refuse),
             under the manager's lock: it must not call the manager, and what it raises is
-            logged, never raised. Every event is also logged on the ``sessionstate`` logger at
-            DEBUG, evictions at WARNING (at most one line a minute, with a count).
+            logged, never raised; a `BaseException` that is not an `Exception` (a
+            KeyboardInterrupt) is raised once the call that emitted the event has finished
+            its work, so the manager's state stays whole. Every event is also logged on the
+            ``sessionstate`` logger at DEBUG, evictions at WARNING (at most one line a
+            minute, with a count).
         pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
             e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
             other sessions' objects holding a pool's blocks until the step's room is free,
@@ -224,7 +227,7 @@ class SessionStateManager(Generic[SessionT]):
         # have written into) is not handed to another session.
         self._parking.share_restored = self._guard is None
         self._warned_eviction = False
-        self._lock = threading.RLock()
+        self._lock = _Lock(threading.RLock(), self._reporter)
         self._hits = 0
         self._misses = 0
         self._evictions = 0
@@ -2051,6 +2054,33 @@ class SessionStateManager(Generic[SessionT]):
 
 
 _NO_DEVICES: frozenset[Hashable] = frozenset()
+
+
+class _Lock:
+    """The manager's re-entrant lock, under which `on_event` callbacks run: what one raises
+    beyond `Exception` (a KeyboardInterrupt) is held by the reporter until the outermost
+    holder lets go, when the manager's state is whole again, and raised then."""
+
+    __slots__ = ("_depth", "_lock", "_reporter")
+
+    def __init__(self, lock: Any, reporter: Reporter) -> None:
+        self._lock = lock
+        self._reporter = reporter
+        self._depth = 0
+        reporter.defer = True  # the manager emits under its lock only
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if self._depth or self._reporter.deferred is None:
+            self._lock.release()
+            return
+        raised, self._reporter.deferred = self._reporter.deferred, None
+        self._lock.release()
+        raise raised
 
 
 def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
