@@ -537,7 +537,7 @@ class Parking:
         handed: list[tuple[str, _Handed]] = []
         for name, obj in state.objects.items():
             if isinstance(obj, ParkedObject) and self._shared_restore(obj.handle):
-                entry = self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
+                entry = self._remember_restored(obj, new.objects[name])
                 handed.append((name, entry))
         self._to_version.pop(session_id, None)
         if handed:
@@ -909,13 +909,14 @@ class Parking:
         table[key] = (weakref.ref(obj, gone), parked)
         self._parked_as_of.setdefault(id(parked.handle), []).append(key)
 
-    def _restored_already(self, objects: Mapping[str, StateObject]) -> dict[str, StateObject]:
-        # Per handle, all of its ``objects`` (a record's) or none: each alive and unchanged
-        # since it came back (its bytes the parked ones). Objects restored from one storage
-        # share it but not a version counter: one written through leaves the others' as
-        # they were, so one changed object keeps every object of its handle from coming back.
+    def _restored_already(self, record: Mapping[str, StateObject]) -> dict[str, StateObject]:
+        # Per handle, all of its objects in ``record`` (a record's objects) or none: each
+        # alive and unchanged since it came back (its bytes the parked ones). Objects
+        # restored from one storage share it but not a version counter: one written through
+        # leaves the others' as they were, so one changed object keeps every object of its
+        # handle from coming back.
         found: dict[int, dict[str, StateObject | None]] = {}
-        for name, obj in objects.items():
+        for name, obj in record.items():
             if isinstance(obj, ParkedObject):
                 entry = self._restored.get(id(obj.handle), {}).get(obj.key)
                 alive = None
