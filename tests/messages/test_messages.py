@@ -593,7 +593,7 @@ CORE_MESSAGES = {
     # test_family_snapshot_*), batches (3: test_batch_io_messages), a batch over the whole
     # budget (1: test_batch_budget_message) and a batched step's count of records (1:
     # test_step_many.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 1 + 5 + 3 + 3 + 1 + 1 + 1,
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 1 + 5 + 3 + 3 + 1 + 1 + 1 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
