@@ -1450,9 +1450,8 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                '        out["shared_sessions"] = self._sharing_sessions()\n',
-                "        if self._forks:\n"
-                '            out["shared_sessions"] = self._sharing_sessions()\n',
+                "            self._store_batch(pairs, ids)\n            self._families = True\n",
+                "            self._store_batch(pairs, ids)\n",
             ),
         ),
         ("tests/manager/test_observability.py::test_a_restored_family_is_counted_as_sharing",),

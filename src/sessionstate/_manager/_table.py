@@ -232,6 +232,7 @@ class SessionStateManager(Generic[SessionT]):
         self._misses = 0
         self._evictions = 0
         self._forks = 0
+        self._families = False  # whether a fork or a family restore was ever made
 
     @property
     def max_sessions(self) -> int:
@@ -847,6 +848,7 @@ class SessionStateManager(Generic[SessionT]):
                     self._forget(branch_id)
                 raise
             self._forks += len(added)
+            self._families = True
 
     def _admit_branches(self, source_id: Hashable, n: int) -> None:
         # A fork's room in the cap, checked before anything changes.
@@ -907,7 +909,8 @@ class SessionStateManager(Generic[SessionT]):
         ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
         objects). Always: ``forks`` (branches `fork` made) and ``shared_sessions`` (sessions
         holding a resident storage another session holds too: a family's members, forked or
-        restored with `restore_many`, until they let its history go).
+        restored with `restore_many`, until they let its history go; counted once a family
+        was made, 0 before, so records shared by hand before any are not counted).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
         block once; parking an object moves its handles' blocks to the tier with it (the pool
@@ -936,7 +939,9 @@ class SessionStateManager(Generic[SessionT]):
         for device, nbytes in self._ledger.engine_totals().items():
             out[f"engine_nbytes:{device}"] = nbytes
         out["forks"] = self._forks
-        out["shared_sessions"] = self._sharing_sessions()
+        # The count walks every session's storages: done once a family was made (a fork,
+        # a family restore), 0 before (a worker reads `stats()` at every step).
+        out["shared_sessions"] = self._sharing_sessions() if self._families else 0
         if self._policy is not None:
             for device in sorted(self._policy.max_bytes):
                 out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
@@ -1629,6 +1634,7 @@ class SessionStateManager(Generic[SessionT]):
                 self._refuse(ids[0], SessionAdmissionError(msg))
             pairs = [(sid, cast(SessionT, state)) for sid, state in zip(ids, records, strict=True)]
             self._store_batch(pairs, ids)
+            self._families = True
         return {sid: cast(SessionT, state) for sid, state in zip(ids, records, strict=True)}
 
     # -- under the lock -------------------------------------------------------------------------
