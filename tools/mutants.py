@@ -45,7 +45,7 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "self._lock = threading.RLock()",
+                "self._lock = _Lock(threading.RLock(), self._reporter)",
                 'self._lock = __import__("contextlib").nullcontext()',
             ),
         ),
@@ -1539,6 +1539,179 @@ MUTANTS = (
             ),
         ),
         ("tests/manager/test_schedule.py",),
+    ),
+    Mutant(
+        "refused-batch-releases-replaced-parked-bytes",
+        "a batch store releases the parked bytes of the records it replaces before it is "
+        "stored whole, so a refusal puts back a parked record whose bytes are gone",
+        "sessionstate/_manager/_parking.py",
+        (("            or any(obj.handle is handle for obj in self.replacing)\n", ""),),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "refused-get-many-keeps-prefetched-restore",
+        "a get_many the budget refuses keeps what check read and a prefetch restored, "
+        "charged to nobody",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                    for session_id in parked:  # what `check` read",
+                "                    for session_id in ():  # what `check` read",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "fork-source-key-without-room",
+        "a fork gives the source its new split key without making room for it",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                        self._make_room(source_id, {}, added)\n",
+                "                        pass\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "unpark-charges-handed-back-bytes",
+        "an unpark charges the parked bytes of objects a resident sibling hands back",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "        back = {id(parked[name].handle) for name in self.handed_back(session_id)}"
+                "\n",
+                "        back: set[int] = set()\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "batch-counts-shared-parked-bytes-per-member",
+        "get_many charges a parked handle its members share once per member",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            if counted is not None and id(handle) in counted:\n"
+                "                continue\n",
+                "",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "failed-step-moves-lru",
+        "a step's read makes its sessions the most recently used before the step publishes, "
+        "so a failed or refused step reorders the LRU",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            if touch:\n                self._table.move_to_end(session_id)\n",
+                "            self._table.move_to_end(session_id)\n",
+            ),
+            (
+                "            if touch:\n                for session_id in ids:\n",
+                "            if True:\n                for session_id in ids:\n",
+            ),
+        ),
+        ("tests/manager/test_step_many.py",),
+    ),
+    Mutant(
+        "put-many-leaves-lru",
+        "put_many of held, resident sessions leaves them where they were in the LRU order",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            table.move_to_end(session_id)\n"
+                "            parking.track(session_id, state, {})\n",
+                "            parking.track(session_id, state, {})\n",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "shared-sessions-only-after-a-fork",
+        "stats() reports shared_sessions only once a fork was made (a restored family reads 0 "
+        "on the gauge)",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            self._store_batch(pairs, ids)\n            self._families = True\n",
+                "            self._store_batch(pairs, ids)\n",
+            ),
+        ),
+        ("tests/manager/test_observability.py::test_a_restored_family_is_counted_as_sharing",),
+    ),
+    Mutant(
+        "batch-peak-not-checked",
+        "a batch that replaces held sessions is checked against the budget without the "
+        "records its later members still hold, so it evicts others and is refused midway",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "        for k in range(len(olds) - 1) if any(olds[1:]) else ():\n",
+                "        for k in ():\n",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "get-many-skips-guard",
+        "get_many hands out a batch without the immutability guard's check of each record",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "            for session_id in ids:  # every record, before anything is parked or "
+                "unparked\n                self._verify(session_id, self._table[session_id])\n",
+                "",
+            ),
+        ),
+        ("tests/manager/test_guard_batches.py",),
+    ),
+    Mutant(
+        "family-read-skips-guard",
+        "snapshot_many and peek_many read a family without the immutability guard's check",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "                self._verify(session_id, state)\n"
+                "                if state.parked:\n",
+                "                if state.parked:\n",
+            ),
+        ),
+        ("tests/manager/test_guard_batches.py",),
+    ),
+    Mutant(
+        "fork-forgets-parked-kv",
+        "fork does not tell parking that a branch of a K/V-parked source holds parked K/V",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            self._kv_parked.add(branch_id)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "first-pool-transaction-only",
+        "a step runs inside the first pool's transaction only, so a failed step keeps the "
+        "blocks it took from the others",
+        "sessionstate/_manager/_table.py",
+        (
+            (
+                "        for transaction in opened:\n",
+                "        for transaction in opened[:1]:\n",
+            ),
+        ),
+        ("tests/manager/test_step_many.py",),
+    ),
+    Mutant(
+        "callback-interrupt-raised-mid-work",
+        "a KeyboardInterrupt an on_event callback raises escapes at once, mid-unpark",
+        "sessionstate/_events.py",
+        (("                if not self.defer:\n", "                if True:\n"),),
+        ("tests/manager/test_observability.py",),
     ),
 )
 

@@ -115,6 +115,11 @@ class Reporter:
         self.timings = Timings()
         self.counts: dict[str, int] = {}
         self._warned_at: float | None = None  # the last eviction WARNING
+        # What a callback raised beyond `Exception` (KeyboardInterrupt, SystemExit) while
+        # `defer` is set: held for the caller to raise once its work is whole (the manager,
+        # when it lets go of its lock), never swallowed. The first one is kept.
+        self.defer = False
+        self.deferred: BaseException | None = None
         self._quiet = 0  # evictions logged at DEBUG since
 
     def emit(self, event: SessionEvent, *, warned: bool = False) -> None:
@@ -146,6 +151,11 @@ class Reporter:
                 self.hook(event)
             except Exception:  # a callback's failure never fails the manager's work
                 logger.exception("The manager's `on_event` callback raised on %r", event)
+            except BaseException as exc:
+                if not self.defer:
+                    raise
+                if self.deferred is None:
+                    self.deferred = exc
 
     def _eviction_level(self, warned: bool) -> tuple[int, str]:
         # WARNING at most once every WARN_EVERY seconds, counting the DEBUG ones in between.

@@ -317,8 +317,11 @@ def test_lost_session() -> None:
     assert str(info.value) == msg
 
 
-def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step() -> None:
-    pool = ss.KVPool(6, block_tokens=2, token_shape=(2,), name="p2")
+@pytest.mark.parametrize("blocks", [6, 7])
+def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step(blocks: int) -> None:
+    # With a block to spare, "b" took it and "c" found none: one free once the step gave
+    # "b"'s back, which the message says (it said "1 needed, 1 free").
+    pool = ss.KVPool(blocks, block_tokens=2, token_shape=(2,), name="p2")
     m: ss.SessionStateManager[ss.SessionState] = ss.SessionStateManager(pools=(pool,))
     for sid in "abc":
         cache = ss.KVCache(name="kv").allocate().append(pool, torch.ones(4, 2))
@@ -332,14 +335,44 @@ def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step() -> None:
         return grown, [0] * len(states)
 
     msg = (
-        "Batch ['b', 'c']: KV pool 'p2' ran out of blocks during the step (1 needed, 0 free). "
-        "The pool declares no `step_tokens`, so the manager made no room before the step: it "
-        "parks other sessions' KV only for a pool that says what a step takes. Build the pool "
-        "with `step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+        "Batch ['b', 'c']: KV pool 'p2' ran out of blocks during the step (an append needed 1 "
+        f"free block and found fewer; {blocks - 6} free now that the step gave its blocks "
+        "back). The pool declares no `step_tokens`, so the manager made no room before the "
+        "step: it parks other sessions' KV only for a pool that says what a step takes. Step "
+        "a smaller batch, or build the pool with `step_tokens` (and `window_tokens` for a "
+        "windowed cache), or with more blocks."
     )
     with pytest.raises(ss.KVPoolExhaustedError, match=_exact(msg)):
         m.step_many(["b", "c"], grow, new=ss.SessionState)
-    assert pool.free_blocks == 0  # the three sessions' blocks, the step's given back
+    assert pool.free_blocks == blocks - 6  # the three sessions' blocks, the step's given back
+    msg = (
+        "Session 'a': KV pool 'p2' ran out of blocks during the step (an append needed 1 free "
+        f"block and found fewer; {blocks - 6} free now that the step gave its blocks back). The "
+        "pool declares no `step_tokens`, so the manager made no room before the step: it parks "
+        "other sessions' KV only for a pool that says what a step takes. Build the pool with "
+        "`step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+    )
+    if blocks == 6:
+        with pytest.raises(ss.KVPoolExhaustedError, match=_exact(msg)):
+            m.step("a", lambda s: (grow([s])[0][0], 0), new=ss.SessionState)
+
+
+def test_a_batch_over_the_budget_midway() -> None:
+    m = SessionStateManager(max_bytes={"cpu": 800})
+    m.put("r", SessionState(attrs={"x": torch.zeros(100)}))
+    batch = [
+        ("n", SessionState(attrs={"x": torch.zeros(125)})),
+        ("r", SessionState(attrs={"x": torch.zeros(10)})),
+    ]
+    msg = (
+        "Cannot store the batch ['n', 'r']: while 'n' is stored, the batch's new records up to "
+        "it and the records the members after it still hold come to 900 bytes on cpu, more "
+        "than the whole budget of 800 bytes there (`max_bytes`); storing it would evict or "
+        "park every other session and still not fit. List the sessions it replaces first, "
+        "store a smaller batch, or raise the budget for cpu."
+    )
+    with pytest.raises(ss.SessionAdmissionError, match=_exact(msg)):
+        m.put_many(batch)
 
 
 def test_refused_admission() -> None:
@@ -573,7 +606,7 @@ CORE_MESSAGES = {
     # test_family_snapshot_*), batches (3: test_batch_io_messages), a batch over the whole
     # budget (1: test_batch_budget_message) and a batched step's count of records (1:
     # test_step_many.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 1 + 5 + 3 + 3 + 1 + 1 + 1,
+    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 1 + 5 + 3 + 3 + 1 + 1 + 1 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,

@@ -123,6 +123,9 @@ class Parking:
         self._groups: dict[int, frozenset[int]] = {}
         # Parked objects of a record being stored (not tracked yet): their bytes are held.
         self.storing: tuple[ParkedObject, ...] = ()
+        # Parked objects of records a batch being stored replaced: their bytes are held until
+        # the batch is stored whole (then `abandon`ed) or put back (a refusal's rollback).
+        self.replacing: tuple[ParkedObject, ...] = ()
         # Whether an object a sibling unparked is handed to the next (off under the
         # immutability guard, whose versions are per session).
         self.share_restored = True
@@ -452,23 +455,54 @@ class Parking:
         """``session_id`` is being unparked: its bytes are charged as its own from now on."""
         self._reserved.pop(session_id, None)
 
-    def check(self, session_id: Hashable, /) -> dict[str, int]:
+    def check(self, session_id: Hashable, /, counted: set[int] | None = None) -> dict[str, int]:
         """Check that ``session_id``'s parked bytes can be restored; return what they need.
 
         Reads and checks the bytes into host memory (a spool file's checksums), allocating no
         device memory, so the manager makes room only for bytes that will come back. Returns
-        the bytes unparking makes resident, per device.
+        the bytes unparking makes resident, per device: none for a handle whose objects come
+        back as the very objects a sibling unparked and still holds (`handed_back`; not read
+        either), nor for one in ``counted`` (the ids of handles a batch unparks before this
+        session, whose objects it then hands back), to which this session's are added.
 
         Raises:
             ParkingError: if the bytes cannot be restored (a damaged spool file); nothing
                 changes and the session stays parked.
         """
+        parked = self._parked[session_id]
+        back = {id(parked[name].handle) for name in self.handed_back(session_id)}
+        handles = [h for h in _handles_of(parked.values()) if id(h) not in back]
         try:
-            for handle in _handles_of(self._parked[session_id].values()):
+            for handle in handles:
                 handle.prefetch()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
-        return self.parked_need(session_id)
+        need: dict[str, int] = {}
+        for handle in handles:
+            if counted is not None and id(handle) in counted:
+                continue
+            if counted is not None and self._shared_restore(handle):
+                counted.add(id(handle))
+            for device, nbytes in handle.nbytes_by_device.items():
+                need[device] = need.get(device, 0) + nbytes
+        return need
+
+    def handed_back(self, session_id: Hashable, /) -> dict[str, StateObject]:
+        """The objects unparking ``session_id`` now would hand back rather than restore: by
+        name, the very objects a sibling unparked from the same parked bytes and still holds,
+        unchanged (they cost no byte; the sessions holding them must stay resident until it
+        unparks)."""
+        if not self.share_restored:
+            return {}
+        return self._restored_already(self._parked[session_id])
+
+    def _shared_restore(self, handle: ParkedBytes) -> bool:
+        # Whether what an unpark restores from ``handle`` is handed to the next sibling that
+        # unparks it (this manager's, holding no K/V), as `unpark` records it.
+        handle_id = id(handle)
+        return (
+            self.share_restored and handle_id in self._handles and handle_id not in self._kv_handles
+        )
 
     def discard(self, session_id: Hashable, /) -> None:
         """Drop what `check` read for ``session_id`` (the unpark will not happen now), and
@@ -491,7 +525,7 @@ class Parking:
         prefetched = any(handle.prefetching for handle in handles)
         # What a sibling unparked from the same parked bytes and still holds comes back as
         # that very object: the sessions share it again instead of holding a copy each.
-        again = self._restored_already(state) if self.share_restored else {}
+        again = self._restored_already(state.objects) if self.share_restored else {}
         start = time.perf_counter()
         try:
             with span("sessionstate::unpark"):
@@ -502,13 +536,8 @@ class Parking:
             raise self._unpark_error(session_id, exc) from exc
         handed: list[tuple[str, _Handed]] = []
         for name, obj in state.objects.items():
-            handle_id = id(obj.handle) if isinstance(obj, ParkedObject) else None
-            if (
-                self.share_restored
-                and handle_id in self._handles
-                and handle_id not in self._kv_handles
-            ):
-                entry = self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
+            if isinstance(obj, ParkedObject) and self._shared_restore(obj.handle):
+                entry = self._remember_restored(obj, new.objects[name])
                 handed.append((name, entry))
         self._to_version.pop(session_id, None)
         if handed:
@@ -825,6 +854,7 @@ class Parking:
         return (
             handle_id in self._taking
             or any(obj.handle is handle for obj in self.storing)
+            or any(obj.handle is handle for obj in self.replacing)
             or any(handle_id in kept for kept in self._kept.values())
             or self._parked_anywhere(handle)
         )
@@ -879,13 +909,14 @@ class Parking:
         table[key] = (weakref.ref(obj, gone), parked)
         self._parked_as_of.setdefault(id(parked.handle), []).append(key)
 
-    def _restored_already(self, state: SessionState) -> dict[str, StateObject]:
-        # Per handle, all of its objects ``state`` holds or none: each alive and unchanged
-        # since it came back (its bytes the parked ones). Objects restored from one storage
-        # share it but not a version counter: one written through leaves the others' as
-        # they were, so one changed object keeps every object of its handle from coming back.
+    def _restored_already(self, record: Mapping[str, StateObject]) -> dict[str, StateObject]:
+        # Per handle, all of its objects in ``record`` (a record's objects) or none: each
+        # alive and unchanged since it came back (its bytes the parked ones). Objects
+        # restored from one storage share it but not a version counter: one written through
+        # leaves the others' as they were, so one changed object keeps every object of its
+        # handle from coming back.
         found: dict[int, dict[str, StateObject | None]] = {}
-        for name, obj in state.objects.items():
+        for name, obj in record.items():
             if isinstance(obj, ParkedObject):
                 entry = self._restored.get(id(obj.handle), {}).get(obj.key)
                 alive = None

@@ -149,8 +149,11 @@ class SessionStateManager(Generic[SessionT]):
             unpark releases the copy, and every park copies.
         on_event: Called with each `SessionEvent` (park, unpark, prefetch, fork, evict, refuse),
             under the manager's lock: it must not call the manager, and what it raises is
-            logged, never raised. Every event is also logged on the ``sessionstate`` logger at
-            DEBUG, evictions at WARNING (at most one line a minute, with a count).
+            logged, never raised; a `BaseException` that is not an `Exception` (a
+            KeyboardInterrupt) is raised once the call that emitted the event has finished
+            its work, so the manager's state stays whole. Every event is also logged on the
+            ``sessionstate`` logger at DEBUG, evictions at WARNING (at most one line a
+            minute, with a count).
         pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
             e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
             other sessions' objects holding a pool's blocks until the step's room is free,
@@ -225,13 +228,14 @@ class SessionStateManager(Generic[SessionT]):
         # have written into) is not handed to another session.
         self._parking.share_restored = self._guard is None
         self._warned_eviction = False
-        self._lock = threading.RLock()
+        self._lock = _Lock(threading.RLock(), self._reporter)
         self._hits = 0
         self._misses = 0
         self._evictions = 0
         self._forks = 0
         self._schedule: list[Hashable] = []  # `expect`'s order of next use (first = next)
         self._scheduled_prefetches = 0
+        self._families = False  # whether a fork or a family restore was ever made
 
     @property
     def max_sessions(self) -> int:
@@ -361,6 +365,11 @@ class SessionStateManager(Generic[SessionT]):
         True
         """
         check_session_id(session_id)
+        return self._read(session_id, touch=True)
+
+    def _read(self, session_id: Hashable, *, touch: bool) -> SessionT | None:
+        # `get`; `touch=False` leaves the LRU order alone (a step's read: its session becomes
+        # the most recently used when the step publishes, and stays where it was if it fails).
         self._await_prefetch(session_id)
         with self._lock:
             state = self._table.get(session_id)
@@ -370,7 +379,8 @@ class SessionStateManager(Generic[SessionT]):
             self._verify(session_id, state)
             state = self._resident(session_id, state)
             self._hits += 1
-            self._table.move_to_end(session_id)
+            if touch:
+                self._table.move_to_end(session_id)
             return state
 
     def get_many(self, session_ids: Sequence[Hashable], /) -> list[SessionT]:
@@ -394,27 +404,39 @@ class SessionStateManager(Generic[SessionT]):
         >>> [r.attrs["n"] for r in m.get_many(["c", "a"])], m.session_ids()
         (['c', 'a'], ['b', 'c', 'a'])
         """
-        ids = self._batch_ids(session_ids, "get_many")
+        return self._read_many(self._batch_ids(session_ids, "get_many"), touch=True)
+
+    def _read_many(self, ids: list[Hashable], *, touch: bool) -> list[SessionT]:
+        # `get_many` of checked ids; `touch=False` leaves the LRU order alone, as `_read`.
         self._await_prefetch(*ids)
         with self._lock:
             missing = [sid for sid in ids if sid not in self._table]
             if missing:
                 msg = _not_held(f"Cannot get the batch {ids!r}", missing, then="Nothing changed.")
                 raise SessionStateLostError(msg)
+            for session_id in ids:  # every record, before anything is parked or unparked
+                self._verify(session_id, self._table[session_id])
             parking = self._parking
             need: dict[str, int] = {}
             parked = [sid for sid in ids if parking.is_parked(sid)]
+            counted: set[int] = set()  # parked bytes the batch brings back once, for all
+            holders: list[Hashable] = []
             for session_id in parked:
-                self._verify(session_id, self._table[session_id])
+                holders += self._holders(session_id)
                 try:
-                    for device, nbytes in parking.check(session_id).items():
+                    for device, nbytes in parking.check(session_id, counted).items():
                         need[device] = need.get(device, 0) + nbytes
                 except BaseException:
                     parking.discard(session_id)
                     raise
                 parking.unreserve(session_id)
             if parked:
-                self._make_room(parked[0], need, keep=ids)
+                try:
+                    self._make_room(parked[0], need, keep=[*ids, *holders])
+                except BaseException:
+                    for session_id in parked:  # what `check` read, and their prefetches, go
+                        parking.discard(session_id)
+                    raise
             out: list[SessionT] = []
             for session_id in ids:
                 state = self._table[session_id]
@@ -425,12 +447,11 @@ class SessionStateManager(Generic[SessionT]):
                         parking.discard(session_id)
                         raise
                     self._store_unparked(session_id, state)
-                else:
-                    self._verify(session_id, state)
                 out.append(state)
-            for session_id in ids:
-                self._hits += 1
-                self._table.move_to_end(session_id)
+            self._hits += len(ids)
+            if touch:
+                for session_id in ids:
+                    self._table.move_to_end(session_id)
             return out
 
     def put_many(
@@ -516,12 +537,20 @@ class SessionStateManager(Generic[SessionT]):
         # `_store_batch` when a member is new or holds parked objects: put by put.
         done: list[Hashable] = []
         try:
-            self._refuse_batch_over_budget(ids, walked)
+            olds = [self._ledger.held(sid) for sid in ids]
+            self._refuse_batch_over_budget(ids, walked, olds)
         except BaseException:
             self._ledger.undo_growth(self._ledger.growth(walked))
             raise
         before = {sid: self._table.get(sid) for sid in ids}
         order = list(self._table)
+        # The parked bytes of the records the batch replaces are held until it is stored
+        # whole: a refusal puts those records back, and their bytes must still be there.
+        parking = self._parking
+        replaced = [
+            obj for r in before.values() if r is not None for obj in parked_objects(r).values()
+        ]
+        parking.replacing = tuple(replaced)
         try:
             for (session_id, state), values in zip(pairs, walked, strict=True):
                 self._put_locked(session_id, state, touch=True, keep=ids, values=values)
@@ -539,10 +568,17 @@ class SessionStateManager(Generic[SessionT]):
                 if session_id in self._table:
                     self._table.move_to_end(session_id)
             raise
+        finally:
+            parking.replacing = ()
+            parking.abandon(replaced)  # what no stored record holds any more
 
-    def _refuse_batch_over_budget(self, ids: list[Hashable], walked: list[Values]) -> None:
+    def _refuse_batch_over_budget(
+        self, ids: list[Hashable], walked: list[Values], olds: Sequence[Values] = ()
+    ) -> None:
         # Refuse a batch whose records together (each storage once) exceed a device's whole
         # budget: storing it would evict or park every other session and still not fit.
+        # `olds`: the records the members held (stored put by put: while a member is put, the
+        # members after it still hold theirs), so a batch refused midway evicts no one.
         policy = self._policy
         if policy is None:
             return
@@ -557,6 +593,21 @@ class SessionStateManager(Generic[SessionT]):
                     f"budget for {device}."
                 )
                 self._refuse(ids[0], SessionAdmissionError(msg))
+        for k in range(len(olds) - 1) if any(olds[1:]) else ():
+            held = [*walked[: k + 1], *olds[k + 1 :]]
+            peak = count_entries(entry for values in held for entry in entries_of(values))
+            for device, budget in policy.max_bytes.items():
+                if peak.get(device, 0) > budget:
+                    msg = (
+                        f"Cannot store the batch {ids!r}: while {ids[k]!r} is stored, the "
+                        "batch's new records up to it and the records the members after it "
+                        f"still hold come to {peak[device]} bytes on {device}, more than the "
+                        f"whole budget of {budget} bytes there (`max_bytes`); storing it "
+                        "would evict or park every other session and still not fit. List "
+                        "the sessions it replaces first, store a smaller batch, or raise the "
+                        f"budget for {device}."
+                    )
+                    self._refuse(ids[0], SessionAdmissionError(msg))
 
     def _batch_ids(self, session_ids: Sequence[Hashable], method: str) -> list[Hashable]:
         ids = list(session_ids)
@@ -780,10 +831,19 @@ class SessionStateManager(Generic[SessionT]):
                         SessionEvent("fork", branch_id, 0, reason=f"of {source_id!r}")
                     )
                 if records[0] is not state:
-                    # The source's record with its own split key: only the key changed, for
-                    # one of the same size (held alone), so no room to make and nothing to
-                    # park; a prefetch of the source stays reserved.
-                    self._ledger.set(source_id, self._ledger.values_for(source_id, records[0]))
+                    # The source's record with its own split key: only the key changed, but
+                    # its new key is held alone (the old one may be a branch's now), so its
+                    # room is made as a put's, never parking a branch; nothing of the source
+                    # is parked and a prefetch of it stays reserved.
+                    values = self._ledger.values_for(source_id, records[0])
+                    grown = self._ledger.growth((values,))
+                    previous = self._ledger.set(source_id, values)
+                    try:
+                        self._make_room(source_id, {}, added)
+                    except BaseException:
+                        self._ledger.set(source_id, previous)
+                        self._ledger.undo_growth(grown)
+                        raise
                     self._set_record(source_id, records[0])
                     self._record_versions(source_id, records[0])
             except BaseException:
@@ -791,6 +851,7 @@ class SessionStateManager(Generic[SessionT]):
                     self._forget(branch_id)
                 raise
             self._forks += len(added)
+            self._families = True
 
     def _admit_branches(self, source_id: Hashable, n: int) -> None:
         # A fork's room in the cap, checked before anything changes.
@@ -850,9 +911,10 @@ class SessionStateManager(Generic[SessionT]):
         started), ``reparks`` (parks that took a kept copy back, see
         ``keep_parked_copies``), ``nbytes_reparked`` (the bytes they did not copy), and
         ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
-        objects). Once `fork` made a branch: ``forks`` (branches made) and
-        ``shared_sessions`` (sessions holding a resident storage another session holds too:
-        a family's members until they let its history go).
+        objects). Always: ``forks`` (branches `fork` made) and ``shared_sessions`` (sessions
+        holding a resident storage another session holds too: a family's members, forked or
+        restored with `restore_many`, until they let its history go; counted once a family
+        was made, 0 before, so records shared by hand before any are not counted).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
         block once; parking an object moves its handles' blocks to the tier with it (the pool
@@ -860,7 +922,7 @@ class SessionStateManager(Generic[SessionT]):
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
-         'total_nbytes': 0}
+         'total_nbytes': 0, 'forks': 0, 'shared_sessions': 0}
         """
         with self._lock:
             return self._stats_locked()[0]
@@ -880,9 +942,10 @@ class SessionStateManager(Generic[SessionT]):
             out[f"nbytes:{device}"] = nbytes
         for device, nbytes in self._ledger.engine_totals().items():
             out[f"engine_nbytes:{device}"] = nbytes
-        if self._forks:
-            out["forks"] = self._forks
-            out["shared_sessions"] = self._sharing_sessions()
+        out["forks"] = self._forks
+        # The count walks every session's storages: done once a family was made (a fork,
+        # a family restore), 0 before (a worker reads `stats()` at every step).
+        out["shared_sessions"] = self._sharing_sessions() if self._families else 0
         if self._policy is not None:
             for device in sorted(self._policy.max_bytes):
                 out[f"max_bytes:{device}"] = self._policy.max_bytes[device]
@@ -1194,7 +1257,8 @@ class SessionStateManager(Generic[SessionT]):
         blocks (then their prefetches); the byte budget makes its room as `get` and `put`
         do. ``fn`` runs inside every pool's ``transaction()`` (where a pool has one), so a
         step that fails gives back what it took and leaves the stored record, or its
-        absence, exactly as it was.
+        absence, exactly as it was, and the LRU order too (the session becomes the most
+        recently used when the step publishes).
 
         Args:
             session_id: The session.
@@ -1225,7 +1289,7 @@ class SessionStateManager(Generic[SessionT]):
         check_session_id(session_id)
         try:
             self._make_step_room((session_id,))
-            state = None if begin else self.get(session_id)
+            state = None if begin else self._read(session_id, touch=False)
             if state is None:
                 if begin is False:
                     raise SessionStateLostError(
@@ -1262,10 +1326,11 @@ class SessionStateManager(Generic[SessionT]):
         `step` for a batch: the room for every session's step is made at once (in each pool,
         the blocks all their steps can take, parking least recently used sessions outside
         the batch; the byte budget as `get_many` and `put_many` make it), the records are
-        read with `get_many` (a session not held starts from ``new()``, unless ``begin`` is
-        False), ``fn`` runs once inside every pool's transaction, and its records are stored
-        with `put_many`. All or nothing: a step or a store that fails gives back what the
-        step took and leaves every session of the batch as it was.
+        read as `get_many` reads them (a session not held starts from ``new()``, unless
+        ``begin`` is False), ``fn`` runs once inside every pool's transaction, and its records
+        are stored with `put_many`, which makes them the most recently used. All or nothing: a
+        step or a store that fails gives back what the step took and leaves every session of
+        the batch as it was, and the LRU order too.
 
         Args:
             session_ids: The sessions, each once; ``fn`` gets their records in this order.
@@ -1299,7 +1364,8 @@ class SessionStateManager(Generic[SessionT]):
             if begin is False and len(held) < len(ids):
                 missing = next(sid for sid in ids if sid not in held)
                 raise SessionStateLostError(lost(missing) if lost is not None else _lost(missing))
-            records = dict(zip(held, self.get_many(held), strict=True)) if held else {}
+            read = self._read_many(held, touch=False) if held else []
+            records = dict(zip(held, read, strict=True))
             states = [records[sid] if sid in records else new() for sid in ids]
             with self._transactions(), span("sessionstate::step_many"):
                 stepped, outs = fn(states)
@@ -1635,6 +1701,7 @@ class SessionStateManager(Generic[SessionT]):
                 self._refuse(ids[0], SessionAdmissionError(msg))
             pairs = [(sid, cast(SessionT, state)) for sid, state in zip(ids, records, strict=True)]
             self._store_batch(pairs, ids)
+            self._families = True
         return {sid: cast(SessionT, state) for sid, state in zip(ids, records, strict=True)}
 
     # -- under the lock -------------------------------------------------------------------------
@@ -1845,6 +1912,7 @@ class SessionStateManager(Generic[SessionT]):
         parking = self._parking
         if not parking.is_parked(session_id):
             return state
+        holders = self._holders(session_id)
         try:
             need = parking.check(session_id)
         except BaseException:
@@ -1852,13 +1920,25 @@ class SessionStateManager(Generic[SessionT]):
             raise
         parking.unreserve(session_id)  # a prefetch's bytes: charged as the session's now
         try:
-            self._make_room(session_id, need)
+            self._make_room(session_id, need, holders)
             new = self._unpark(session_id, state)
         except BaseException:
             parking.discard(session_id)
             raise
         self._store_unparked(session_id, new)
         return new
+
+    def _holders(self, session_id: Hashable) -> list[Hashable]:
+        # The sessions holding the objects `session_id`'s unpark hands back (charged nothing
+        # for them): kept resident while room is made for it, so the objects stay alive.
+        back = {id(obj) for obj in self._parking.handed_back(session_id).values()}
+        if not back:
+            return []
+        return [
+            sid
+            for sid, record in self._table.items()
+            if sid != session_id and not back.isdisjoint(map(id, record.objects.values()))
+        ]
 
     def _store_unparked(self, session_id: Hashable, state: SessionT) -> None:
         # ``state``, just unparked, stored for ``session_id``: the table, the ledger (its
@@ -1949,12 +2029,18 @@ class SessionStateManager(Generic[SessionT]):
         if len(session_ids) > 1:
             named, label, fix = list(session_ids), "Batch", "step a smaller batch, or "
         if pool.blocks_for_step(0) == 0:  # the pool says nothing of a step: no room was made
+            # The free blocks are counted after the step gave its own back: more than the
+            # failing append found, so the message says when each was counted.
+            blocks = "block" if needed == 1 else "blocks"
+            build = "Step a smaller batch, or build" if len(session_ids) > 1 else "Build"
             msg = (
                 f"{label} {named!r}: KV pool {pool.name!r} ran out of blocks during the step "
-                f"({needed} needed, {pool.free_blocks} free). The pool declares no "
-                "`step_tokens`, so the manager made no room before the step: it parks other "
-                "sessions' KV only for a pool that says what a step takes. Build the pool with "
-                "`step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+                f"(an append needed {needed} free {blocks} and found fewer; "
+                f"{pool.free_blocks} free now that the step gave its blocks back). The pool "
+                "declares no `step_tokens`, so the manager made no room before the step: it "
+                "parks other sessions' KV only for a pool that says what a step takes. "
+                f"{build} the pool with `step_tokens` (and `window_tokens` for a windowed "
+                "cache), or with more blocks."
             )
             return KVPoolExhaustedError(msg, pool=pool, needed=needed)
         return kv_shortfall(
@@ -2048,6 +2134,33 @@ class SessionStateManager(Generic[SessionT]):
 
 
 _NO_DEVICES: frozenset[Hashable] = frozenset()
+
+
+class _Lock:
+    """The manager's re-entrant lock, under which `on_event` callbacks run: what one raises
+    beyond `Exception` (a KeyboardInterrupt) is held by the reporter until the outermost
+    holder lets go, when the manager's state is whole again, and raised then."""
+
+    __slots__ = ("_depth", "_lock", "_reporter")
+
+    def __init__(self, lock: Any, reporter: Reporter) -> None:
+        self._lock = lock
+        self._reporter = reporter
+        self._depth = 0
+        reporter.defer = True  # the manager emits under its lock only
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if self._depth or self._reporter.deferred is None:
+            self._lock.release()
+            return
+        raised, self._reporter.deferred = self._reporter.deferred, None
+        self._lock.release()
+        raise raised
 
 
 def _not_held(subject: str, missing: object = None, *, then: str = "") -> str:
