@@ -1260,13 +1260,7 @@ MUTANTS = (
         "a restored block written past its restored tokens is parked under its content for "
         "all of them, so an unpark takes another block of the content for its own tokens",
         "sessionstate/_kv/_pool.py",
-        (
-            (
-                "pool._content[block] if pool._valid[block] < 0 or fill <= pool._valid[block] "
-                "else 0",
-                "pool._content[block]",
-            ),
-        ),
+        (("                    if self._valid[block] >= 0:\n", "                    if False:\n"),),
         ("tests/kv/test_kv_family_park.py",),
     ),
     Mutant(
@@ -1353,6 +1347,17 @@ MUTANTS = (
             ),
         ),
         ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "kv-parks-with-the-rest",
+        "a record holding K/V parks its other objects into the K/V handle (never shared), so "
+        "every sibling parks a shared history again",
+        "sessionstate/_manager/_parking.py",
+        (("    if held is None or len(names) < 2:\n", "    if True:\n"),),
+        (
+            "tests/manager/test_fork.py::"
+            "test_a_kv_familys_other_objects_park_once_and_come_back_shared",
+        ),
     ),
 )
 
