@@ -1359,6 +1359,37 @@ MUTANTS = (
             "test_a_kv_familys_other_objects_park_once_and_come_back_shared",
         ),
     ),
+    Mutant(
+        "stack-copies-an-equal-view",
+        "stack keeps a leaf unbatched only when it is the very same tensor in every record, "
+        "copying a storage every record reaches through its own equal view",
+        "sessionstate/_batch.py",
+        (
+            (
+                "            and leaf.untyped_storage()._cdata == storage\n",
+                "            and False\n",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::"
+            "test_a_storage_every_record_reaches_through_its_own_equal_view_stays_shared",
+        ),
+    ),
+    Mutant(
+        "stack-groups-views-by-offset-only",
+        "stack groups the views of one storage when their offsets agree, whatever their strides",
+        "sessionstate/_batch.py",
+        (
+            (
+                "or (x.storage_offset(), x.stride()) != (y.storage_offset(), y.stride())",
+                "or x.storage_offset() != y.storage_offset()",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::"
+            "test_views_of_one_storage_are_grouped_only_when_offset_and_stride_agree",
+        ),
+    ),
 )
 
 
