@@ -1390,6 +1390,28 @@ MUTANTS = (
             "test_views_of_one_storage_are_grouped_only_when_offset_and_stride_agree",
         ),
     ),
+    Mutant(
+        "unstack-without-copies-copies",
+        "unstack(copy=False) gives each record a copy of its slice, not a view of the stack",
+        "sessionstate/_batch.py",
+        (
+            (
+                "                leaves.append(x[i])\n",
+                "                leaves.append(x[i].clone())\n",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::test_unstack_without_copies_gives_views_into_the_stacked_tensors",
+        ),
+    ),
+    Mutant(
+        "split-ignores-the-counter",
+        "RandomKey.split hashes the stream alone: a key split after draws gives the keys a split "
+        "before them gave",
+        "sessionstate/_random.py",
+        (('_hash(b"split", stream, counter, i)', '_hash(b"split", stream, 0, i)'),),
+        ("tests/core/test_random.py::test_a_split_depends_on_where_the_key_stands",),
+    ),
 )
 
 

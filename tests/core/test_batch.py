@@ -221,3 +221,32 @@ def test_views_of_one_storage_are_grouped_only_when_offset_and_stride_agree() ->
     for copy in (True, False):
         back = ss.unstack(ss.stack(records), copy=copy)
         assert all(ss.tree_equal(got, want) for got, want in zip(back, records, strict=True))
+
+
+def test_unstack_without_copies_gives_views_into_the_stacked_tensors() -> None:
+    # `copy=False`: each record's batched leaves are views of the batch's stacked storage
+    # (a base and its slice, stacked as their storage, too), not copies of it.
+    records = []
+    for i in range(3):
+        base = torch.arange(6.0) + 10 * i
+        records.append(
+            ss.SessionState(
+                attrs={"own": torch.full((2,), float(i)), "base": base, "part": base[2:]}
+            )
+        )
+    batch = ss.stack(records)
+    stacked = {
+        path: leaf.untyped_storage().data_ptr()
+        for path, leaf in zip(batch.paths, batch.leaves, strict=True)
+    }
+    for copy in (False, True):
+        back = ss.unstack(batch, copy=copy)
+        for got, want in zip(back, records, strict=True):
+            assert ss.tree_equal(got, want)
+            for key, path in (
+                ("own", "attrs['own']"),
+                ("base", "attrs['base']"),
+                ("part", "attrs['part']"),
+            ):
+                views = got.attrs[key].untyped_storage().data_ptr() == stacked[path]
+                assert views is not copy
