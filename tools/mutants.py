@@ -1412,6 +1412,22 @@ MUTANTS = (
         (('_hash(b"split", stream, counter, i)', '_hash(b"split", stream, 0, i)'),),
         ("tests/core/test_random.py::test_a_split_depends_on_where_the_key_stands",),
     ),
+    Mutant(
+        "kv-extended-holder-keeps-its-short-count",
+        "a live block an unpark extends to a sibling's longer tokens still holds the content "
+        "for its first tokens only, so a third sibling takes a fresh block",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                    self._filled[block] = self._valid[block] = valid = fill\n",
+                "                    self._filled[block] = valid = fill\n",
+            ),
+        ),
+        (
+            "tests/kv/test_kv_family_park.py::"
+            "test_the_third_sibling_reuses_the_block_the_longer_one_came_back_on",
+        ),
+    ),
 )
 
 
