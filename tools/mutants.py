@@ -1428,6 +1428,67 @@ MUTANTS = (
             "test_the_third_sibling_reuses_the_block_the_longer_one_came_back_on",
         ),
     ),
+    Mutant(
+        "stats-by-kind-last-reach-wins",
+        "session_stats counts a storage an object and an attribute share as the kind that "
+        "reaches it last (the attribute's), not the object's",
+        "sessionstate/_manager/_table.py",
+        (("kinds.setdefault(entry[1], kind)", "kinds[entry[1]] = kind"),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_storage_an_object_and_an_attribute_share_counts_as_the_objects",
+        ),
+    ),
+    Mutant(
+        "metrics-pool-blocks-as-free",
+        "the collector's pool_blocks gauge reads the pool's free blocks",
+        "sessionstate/metrics.py",
+        (('labels("pool", pool), total))', 'labels("pool", pool), nfree))'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-free-blocks-as-blocks",
+        "the collector's pool_free_blocks gauge reads the pool's blocks",
+        "sessionstate/metrics.py",
+        (('labels("pool", pool), nfree))', 'labels("pool", pool), total))'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-refusals-unread",
+        "the collector's refusals counter reads an event kind never emitted",
+        "sessionstate/metrics.py",
+        (('snap["events"].get("refuse", 0)', 'snap["events"].get("refused", 0)'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-reparks-as-parks",
+        "the collector's reparks counter reads the parks",
+        "sessionstate/metrics.py",
+        (('("reparks", stats.get("reparks", 0)', '("reparks", stats.get("parks", 0)'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-kept-as-parked",
+        "the collector's kept_bytes gauge reads the parked bytes",
+        "sessionstate/metrics.py",
+        (('        "nbytes_kept",\n', '        "nbytes_parked",\n'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
 )
 
 
