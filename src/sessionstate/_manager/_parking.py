@@ -17,6 +17,10 @@ reaches both, so the next round can keep theirs. A kept copy goes as soon as one
 objects is gone, when the session is parked again without it, dropped or evicted, and first
 when the host pool is full.
 
+A session's K/V objects are parked into a handle of their own, apart from its other objects
+(unless a storage reaches both): a handle holding K/V is never shared between fork siblings,
+and the objects beside it would otherwise be parked again by each of them.
+
 It also owns the host tier's `HostBufferPool` (when the manager is given its bytes) and the
 prefetches: a parked session whose handles are being restored in the background, with the
 bytes that restore makes resident reserved (charged to the budget) until the session is
