@@ -1260,13 +1260,7 @@ MUTANTS = (
         "a restored block written past its restored tokens is parked under its content for "
         "all of them, so an unpark takes another block of the content for its own tokens",
         "sessionstate/_kv/_pool.py",
-        (
-            (
-                "pool._content[block] if pool._valid[block] < 0 or fill <= pool._valid[block] "
-                "else 0",
-                "pool._content[block]",
-            ),
-        ),
+        (("                    if self._valid[block] >= 0:\n", "                    if False:\n"),),
         ("tests/kv/test_kv_family_park.py",),
     ),
     Mutant(
@@ -1712,6 +1706,147 @@ MUTANTS = (
         "sessionstate/_events.py",
         (("                if not self.defer:\n", "                if True:\n"),),
         ("tests/manager/test_observability.py",),
+    ),
+    Mutant(
+        "kv-parks-with-the-rest",
+        "a record holding K/V parks its other objects into the K/V handle (never shared), so "
+        "every sibling parks a shared history again",
+        "sessionstate/_manager/_parking.py",
+        (("    if held is None or len(names) < 2:\n", "    if True:\n"),),
+        (
+            "tests/manager/test_fork.py::"
+            "test_a_kv_familys_other_objects_park_once_and_come_back_shared",
+        ),
+    ),
+    Mutant(
+        "stack-copies-an-equal-view",
+        "stack keeps a leaf unbatched only when it is the very same tensor in every record, "
+        "copying a storage every record reaches through its own equal view",
+        "sessionstate/_batch.py",
+        (
+            (
+                "            and leaf.untyped_storage()._cdata == storage\n",
+                "            and False\n",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::"
+            "test_a_storage_every_record_reaches_through_its_own_equal_view_stays_shared",
+        ),
+    ),
+    Mutant(
+        "stack-groups-views-by-offset-only",
+        "stack groups the views of one storage when their offsets agree, whatever their strides",
+        "sessionstate/_batch.py",
+        (
+            (
+                "or (x.storage_offset(), x.stride()) != (y.storage_offset(), y.stride())",
+                "or x.storage_offset() != y.storage_offset()",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::"
+            "test_views_of_one_storage_are_grouped_only_when_offset_and_stride_agree",
+        ),
+    ),
+    Mutant(
+        "unstack-without-copies-copies",
+        "unstack(copy=False) gives each record a copy of its slice, not a view of the stack",
+        "sessionstate/_batch.py",
+        (
+            (
+                "                leaves.append(x[i])\n",
+                "                leaves.append(x[i].clone())\n",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::test_unstack_without_copies_gives_views_into_the_stacked_tensors",
+        ),
+    ),
+    Mutant(
+        "split-ignores-the-counter",
+        "RandomKey.split hashes the stream alone: a key split after draws gives the keys a split "
+        "before them gave",
+        "sessionstate/_random.py",
+        (('_hash(b"split", stream, counter, i)', '_hash(b"split", stream, 0, i)'),),
+        ("tests/core/test_random.py::test_a_split_depends_on_where_the_key_stands",),
+    ),
+    Mutant(
+        "kv-extended-holder-keeps-its-short-count",
+        "a live block an unpark extends to a sibling's longer tokens still holds the content "
+        "for its first tokens only, so a third sibling takes a fresh block",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                    self._filled[block] = self._valid[block] = valid = fill\n",
+                "                    self._filled[block] = valid = fill\n",
+            ),
+        ),
+        (
+            "tests/kv/test_kv_family_park.py::"
+            "test_the_third_sibling_reuses_the_block_the_longer_one_came_back_on",
+        ),
+    ),
+    Mutant(
+        "stats-by-kind-last-reach-wins",
+        "session_stats counts a storage an object and an attribute share as the kind that "
+        "reaches it last (the attribute's), not the object's",
+        "sessionstate/_manager/_table.py",
+        (("kinds.setdefault(entry[1], kind)", "kinds[entry[1]] = kind"),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_storage_an_object_and_an_attribute_share_counts_as_the_objects",
+        ),
+    ),
+    Mutant(
+        "metrics-pool-blocks-as-free",
+        "the collector's pool_blocks gauge reads the pool's free blocks",
+        "sessionstate/metrics.py",
+        (('labels("pool", pool), total))', 'labels("pool", pool), nfree))'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-free-blocks-as-blocks",
+        "the collector's pool_free_blocks gauge reads the pool's blocks",
+        "sessionstate/metrics.py",
+        (('labels("pool", pool), nfree))', 'labels("pool", pool), total))'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-refusals-unread",
+        "the collector's refusals counter reads an event kind never emitted",
+        "sessionstate/metrics.py",
+        (('snap["events"].get("refuse", 0)', 'snap["events"].get("refused", 0)'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-reparks-as-parks",
+        "the collector's reparks counter reads the parks",
+        "sessionstate/metrics.py",
+        (('("reparks", stats.get("reparks", 0)', '("reparks", stats.get("parks", 0)'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-kept-as-parked",
+        "the collector's kept_bytes gauge reads the parked bytes",
+        "sessionstate/metrics.py",
+        (('        "nbytes_kept",\n', '        "nbytes_parked",\n'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
     ),
 )
 

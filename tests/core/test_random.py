@@ -246,3 +246,15 @@ def test_a_key_through_a_snapshot_draws_the_same_bits(
     assert a.dtype == dtype
     assert torch.equal(a, b)
     assert ss.tree_equal(next_a, next_b)
+
+
+def test_a_split_depends_on_where_the_key_stands() -> None:
+    # Two forks of one session at different steps: the keys split after two draws differ
+    # from those split before them, and so does their noise.
+    key = RandomKey.seeded(7)
+    later = key.normal((3,))[1].normal((3,))[1]
+    assert later.counter == 2
+    before, after = key.split(2), later.split(2)
+    for a, b in zip(before, after, strict=True):
+        assert not torch.equal(a.view(), b.view())
+        assert _bits(a.normal((16,))[0]) != _bits(b.normal((16,))[0])

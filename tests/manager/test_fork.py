@@ -580,3 +580,51 @@ def test_a_branch_of_a_kv_parked_source_counts_its_unpark_as_kv() -> None:
     assert (m.stats()["unparks"], m.stats()["kv_unparks"]) == (1, 1)
     m.require("a")
     assert (m.stats()["unparks"], m.stats()["kv_unparks"]) == (2, 2)
+
+
+# -- reliability round 5 (issue 50) -----------------------------------------------------------
+
+
+def _kv_family(tier: str, tmp_path: Path) -> SessionStateManager[SessionState]:
+    # "a" and its branch "b" share a 4,000 B history; each grew its own K/V past the fork.
+    pool = KVPool(16, block_tokens=2, token_shape=(1,))
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 9000}, park_tier=tier, spool_dir=str(tmp_path / "spool"), pools=(pool,)
+    )
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(1000))
+    kv = KVCache().allocate().append(pool, torch.ones(3, 1))
+    m.put("a", SessionState(objects={"h": history, "kv": kv}))
+    del history, kv
+    m.fork("a", "b")
+    for i, sid in enumerate("ab"):
+        state = m.require(sid)
+        grown = state.object("kv", KVCache).append(pool, torch.full((1, 1), float(i)))
+        m.put(sid, state.with_object("kv", grown))
+    del state, grown
+    return m
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_kv_familys_other_objects_park_once_and_come_back_shared(
+    tier: str, tmp_path: Path
+) -> None:
+    m = _kv_family(tier, tmp_path)
+    expected = {sid: m.peek(sid, on_host=True) for sid in "ab"}
+    kv_bytes = 2 * (2 * 2 * 4)  # each branch's two blocks of 2 float tokens
+    m.put("x", _cache_record(1500, 1.0))  # 6,000 B: the family parks
+    assert [m.session_stats(sid)["parked"] for sid in "ab"] == [["h", "kv"]] * 2
+    # The history once on the tier, beside each branch's own K/V.
+    assert m.stats()[f"nbytes_parked:{tier}"] == 4000 + kv_bytes
+    assert m.stats()["kv_parks"] == 2
+    path = tmp_path / "family.safetensors"
+    m.snapshot_many(["a", "b"], path)
+    assert path.stat().st_size < 2 * 4000  # the history written once
+    assert m.drop("x")
+    back = {sid: m.require(sid) for sid in "ab"}
+    for sid in "ab":
+        assert tree_equal(back[sid], expected[sid])
+    assert back["a"].object("h") is back["b"].object("h")
+    # The history once, and the three blocks the family held (one shared).
+    assert m.stats()["total_nbytes"] == 4000 + 3 * 8
+    assert m.stats()["kv_unparks"] == 2
+    assert_stats_equal_a_recount(m)

@@ -435,3 +435,53 @@ def test_a_callback_raising_beyond_exception_leaves_the_manager_whole(
     s = m.stats()
     assert (s["unparks"], s["parked_sessions"], s["nbytes:cpu"]) == (1, 1, 64)
     assert_stats_equal_a_recount(m)
+
+
+# -- reliability round 5 (issue 50) -----------------------------------------------------------
+
+
+def test_a_storage_an_object_and_an_attribute_share_counts_as_the_objects() -> None:
+    # `x` is an attribute and, through a view, the object's tensor too: the object's bytes.
+    base = torch.zeros(8)
+    cache = TensorCache(name="c").allocate().commit(base)
+    m = SessionStateManager()
+    m.put("a", SessionState(objects={"c": cache}, attrs={"x": base[2:], "own": torch.ones(2)}))
+    kinds = m.session_stats("a")["nbytes_by_kind"]
+    assert kinds == {"engine": {}, "objects": {"cpu": 8 * 4}, "attrs": {"cpu": 2 * 4}}
+
+
+def test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says() -> None:
+    pool = KVPool(8, block_tokens=2, token_shape=(1,), name="kv")
+    m = SessionStateManager(
+        max_sessions=3, on_full="refuse", max_bytes={"cpu": 500}, park_tier="host", pools=(pool,)
+    )
+    registry = CollectorRegistry()
+    registry.register(SessionStateCollector(m))
+    kv = KVCache().allocate().append(pool, torch.ones(3, 1))  # 2 blocks of 8
+    m.put("kv", SessionState(objects={"kv": kv}))
+    del kv
+    for sid, n in (("a", 100), ("b", 60)):  # 400 and 240 bytes: "b" parks "a"
+        cache = TensorCache(name="c").allocate().commit(torch.full((n,), float(ord(sid))))
+        m.put(sid, SessionState(objects={"c": cache}))
+    del cache
+    m.get("a")  # unparks "a" (its copy kept) and parks "b"
+    m.get("b")  # parks "a" again, taking its kept copy back
+    m.get("a")
+    m.get("kv")  # its blocks taken again, whatever the budget parked
+    refused = 0
+    for sid in "cd":
+        with pytest.raises(SessionAdmissionError):
+            m.put(sid, SessionState())
+        refused += 1
+    got = _samples(prometheus_client.generate_latest(registry).decode())
+    stats = m.stats()
+    assert stats["reparks"] >= 1
+    assert stats["nbytes_kept:host"] == 400  # "a"'s copy, beside "b" parked (240)
+    assert stats["nbytes_parked:host"] == 240
+    assert got[("sessionstate_pool_blocks", (("pool", "kv"),))] == pool.num_blocks == 8
+    assert got[("sessionstate_pool_free_blocks", (("pool", "kv"),))] == pool.free_blocks == 6
+    assert got[("sessionstate_refusals_total", ())] == refused == 2
+    assert got[("sessionstate_reparks_total", ())] == stats["reparks"]
+    for tier in ("host", "disk"):
+        kept = got[("sessionstate_kept_bytes", (("tier", tier),))]
+        assert kept == stats[f"nbytes_kept:{tier}"]

@@ -17,6 +17,10 @@ reaches both, so the next round can keep theirs. A kept copy goes as soon as one
 objects is gone, when the session is parked again without it, dropped or evicted, and first
 when the host pool is full.
 
+A session's K/V objects are parked into a handle of their own, apart from its other objects
+(unless a storage reaches both): a handle holding K/V is never shared between fork siblings,
+and the objects beside it would otherwise be parked again by each of them.
+
 It also owns the host tier's `HostBufferPool` (when the manager is given its bytes) and the
 prefetches: a parked session whose handles are being restored in the background, with the
 bytes that restore makes resident reserved (charged to the budget) until the session is
@@ -45,6 +49,7 @@ from sessionstate._storage import (
     SpoolDir,
     Tier,
     is_engine_leaf,
+    is_offloadable,
     reclaim_spool,
 )
 from sessionstate._tree import tree_leaves
@@ -264,6 +269,9 @@ class Parking:
             ):
                 self._release(handle)
         copied = [name for name in names if name not in reused and name not in apart]
+        # K/V apart from the rest: a handle holding K/V is never shared, so the other objects
+        # parked with it would be parked again by every sibling.
+        kv_group, copied = _kv_apart(state, copied, held)
         new: _S = state
         made: list[tuple[list[str], list[ParkedBytes]]] = []  # per park, its names and handles
         spilled = False
@@ -272,7 +280,7 @@ class Parking:
         # the ones this park takes back (a sibling may keep the same handle).
         self._taking = frozenset(taken)
         try:
-            for group in (copied, apart):
+            for group in (kv_group, copied, apart):
                 if group:
                     new, spill = self._park_on_tier(session_id, new, group, names)
                     spilled = spilled or spill
@@ -1034,6 +1042,35 @@ def _versions(obj: StateObject, item: Any = None) -> tuple[int, ...] | None:
         elif is_engine_leaf(leaf):
             return None
     return tuple(out)
+
+
+def _kv_apart(
+    state: SessionState, names: list[str], held: Mapping[ValueKey, Any] | None
+) -> tuple[list[str], list[str]]:
+    """``names`` split into the objects holding K/V and the others, when both are there and
+    no storage (or engine block) reaches both; else nothing set apart and ``names``.
+
+    The K/V objects are the library's (`KVCache`, `EncodeOnceKV`) and any holding a leaf that
+    parking offloads (a `KVHandle`). The storages are read from ``held`` (the ledger's
+    values): unknown or out of date, nothing is split.
+    """
+    if held is None or len(names) < 2:
+        return [], names
+    objects = state.objects
+    kv: list[str] = []
+    rest: list[str] = []
+    entries: dict[bool, set[Any]] = {True: set(), False: set()}
+    for name in names:
+        item = held.get(("o", name))
+        obj = objects[name]
+        if item is None or item.value is not obj:
+            return [], names
+        holds_kv = isinstance(obj, _KV_OBJECTS) or any(is_offloadable(x) for x in item.leaves)
+        (kv if holds_kv else rest).append(name)
+        entries[holds_kv].update(entry[1] for entry in item.entries)
+    if not kv or not rest or not entries[True].isdisjoint(entries[False]):
+        return [], names
+    return kv, rest
 
 
 def _unchanged(
