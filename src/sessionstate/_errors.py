@@ -102,3 +102,11 @@ def reason(exc: BaseException, /) -> str:
     """
     text = str(exc).rstrip().removesuffix(".")
     return text or type(exc).__name__
+
+
+class RecompileLimitError(RuntimeError):
+    """A compiled step met more input structures than its bound (`sessionstate.compile`)."""
+
+
+class DonatedRecordError(RuntimeError):
+    """A record given to a donating compiled step was used again (`sessionstate.compile`)."""
