@@ -54,12 +54,12 @@ __all__ = [
     "record",
     "register_record",
     "static_field",
+    "traceable_init",
     "tree_equal",
     "tree_flatten",
     "tree_flatten_with_keys",
     "tree_leaves",
     "tree_map",
-    "traceable_init",
     "tree_unflatten",
 ]
 

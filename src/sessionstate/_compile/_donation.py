@@ -92,8 +92,9 @@ def donatable_paths(root: object, own: int, others: Iterable[object] = ()) -> tu
     """The key paths (``torch.utils._pytree.keystr``) of ``root``'s donatable tensor leaves.
 
     ``own`` counts the references to ``root`` the calling frames hold (this function's own
-    parameter aside) besides the one reference a donating call consumes. ``others`` are the call's other arguments: a tensor
-    of theirs that shares a storage with a leaf keeps that leaf from being donated.
+    parameter aside) besides the one reference a donating call consumes. ``others`` are
+    the call's other arguments: a tensor of theirs that shares a storage with a leaf keeps
+    that leaf from being donated.
     """
     objs, inside, children = _walk(root)
     # Besides `own`: this frame's `root`, and the caller's reference a donating call consumes.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -32,9 +33,7 @@ _O = TypeVar("_O")
 DEFAULT_MAX_STRUCTURES = 8
 
 
-def _write_into(
-    old: Any, new: Any, out: Any, donated: frozenset[str]
-) -> tuple[Any, Any]:
+def _write_into(old: Any, new: Any, out: Any, donated: frozenset[str]) -> tuple[Any, Any]:
     """``new`` with each leaf at a donated path of ``old`` written into that old tensor.
 
     Runs inside the traced graph. A written tensor is replaced by the old one it was written
@@ -60,6 +59,7 @@ def _write_into(
             and leaf.device == target.device
         )
         if fits and leaf is not target:
+            assert target is not None  # (for mypy: `fits` says so)
             writes.append((target, leaf))
         leaves.append(target if fits else leaf)
         replaced.append(fits)
@@ -160,7 +160,12 @@ class CompiledStep(Generic[_S, _O]):
         self._lock = threading.Lock()
         self._given: weakref.WeakSet[Any] = weakref.WeakSet()
         self._own = _calibrate()
-        self._compiled = torch.compile(_run, fullgraph=True, **compile_kwargs)
+        # A code object of its own: dynamo keeps its compiled graphs, and counts recompiles
+        # against its limit, per code object, so compiled steps must not share `_run`'s.
+        run = types.FunctionType(
+            _run.__code__.replace(co_name=f"_run_{id(self):x}"), _run.__globals__, "_run"
+        )
+        self._compiled = torch.compile(run, fullgraph=True, **compile_kwargs)
 
     def __repr__(self) -> str:
         name = getattr(self.step, "__qualname__", repr(self.step))
@@ -185,7 +190,10 @@ class CompiledStep(Generic[_S, _O]):
                 self._seen.add(key)
                 self.structures = len(self._seen)
             before = counters["stats"]["unique_graphs"]
-            result = self._compiled(self.step, donated, state, args, kwargs)
+            # Our bound is the one that speaks: dynamo's own may not fall back to eager first.
+            limit = max(torch._dynamo.config.recompile_limit, 2 * self.max_structures + 2)
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                result = self._compiled(self.step, donated, state, args, kwargs)
             compiled = counters["stats"]["unique_graphs"] - before
         if compiled:
             self.compiles += compiled
@@ -226,7 +234,7 @@ class CompiledStep(Generic[_S, _O]):
         )
 
 
-def compile(  # noqa: A001  (the name JAX and torch use)
+def compile(
     step: Callable[..., tuple[_S, _O]],
     /,
     *,
