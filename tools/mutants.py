@@ -1354,6 +1354,38 @@ MUTANTS = (
         ),
         ("tests/manager/test_kept_copies.py",),
     ),
+    Mutant(
+        "donate-ignores-holders",
+        "a donating compiled step writes into a record, object or tensor held elsewhere",
+        "sessionstate/_compile/_donation.py",
+        (("        if outside > 0:\n", "        if False:\n"),),
+        ("tests/compile/test_compile.py",),
+    ),
+    Mutant(
+        "donate-moved-leaf-not-cloned",
+        "a donating compiled step writes a ring's chunk over the one moving into its place "
+        "without keeping its value first",
+        "sessionstate/_compile/_step.py",
+        (
+            (
+                "    pending = [(target, keep(value)) for target, value in writes]\n",
+                "    pending = list(writes)\n",
+            ),
+        ),
+        ("tests/compile/test_compile.py",),
+    ),
+    Mutant(
+        "compile-structure-bound-off",
+        "a compiled step compiles for any number of input structures",
+        "sessionstate/_compile/_step.py",
+        (
+            (
+                "                if len(self._seen) >= self.max_structures:\n",
+                "                if False:\n",
+            ),
+        ),
+        ("tests/compile/test_compile.py",),
+    ),
 )
 
 
