@@ -1363,7 +1363,7 @@ MUTANTS = (
     ),
     Mutant(
         "donate-moved-leaf-not-cloned",
-        "a donating compiled step writes a ring's chunk over the one moving into its place "
+        "a donating compiled step writes a leaf over one that moves into another's place "
         "without keeping its value first",
         "sessionstate/_compile/_step.py",
         (

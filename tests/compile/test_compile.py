@@ -152,6 +152,29 @@ def test_donation_keeps_every_address_from_step_two_and_stays_bit_identical(back
     assert fast.structures == 3
 
 
+def swap_step(state: Session, x: torch.Tensor) -> tuple[Session, torch.Tensor]:
+    """Two cache tensors trade places: each write's source is the other's target."""
+    a, b = state.object("feat", TensorCache).view()
+    state = state.update_object("feat", lambda c: c.commit((b, a)))
+    return state, x
+
+
+def swap_session() -> Session:
+    pair = (torch.zeros(2), torch.ones(2))
+    return Session(objects={"feat": TensorCache(name="feat").allocate().commit(pair)})
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_donated_leaves_that_trade_places_keep_their_values(backend: str) -> None:
+    fast = ss.compile(swap_step, backend=backend, donate=True)
+    compiled, eager = swap_session(), swap_session()
+    for x in _inputs(4):
+        compiled, _ = fast(compiled, x)
+        eager, _ = swap_step(eager, x)
+        assert _same(compiled, eager)
+    assert fast.donated >= 3
+
+
 def test_a_record_held_elsewhere_is_copied_never_written() -> None:
     fast = ss.compile(rich_step, backend="aot_eager", donate=True)
     state = rich_session()
