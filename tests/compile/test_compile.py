@@ -121,6 +121,17 @@ def test_a_new_structure_compiles_once_and_a_counter_does_not_recompile() -> Non
     assert state.steps == 10
 
 
+def test_gathered_kv_is_one_structure_however_long_it_runs() -> None:
+    fast = ss.compile(kv_step, backend="aot_eager")
+    state = kv_session()
+    for x in _inputs(12, (1, 2)):
+        state, _ = fast(state, x)
+    # An opaque leaf counts by its type: a new `GatheredKV` each step is not a new structure.
+    # The two: `steps` unset (its default), then set.
+    assert fast.structures == 2
+    assert state.steps == 12
+
+
 def test_the_structure_bound_raises_rather_than_falls_back() -> None:
     fast = ss.compile(readme_step, backend="aot_eager", max_structures=2)
     state = readme_session()

@@ -90,23 +90,24 @@ def _run(
 def _structure(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a new compile is keyed on: treespec (static fields included) and leaf kinds.
 
-    Tensors by shape, dtype and device; ints and floats by type (dynamo makes a changing one
-    dynamic after one recompile: a step counter is not a new structure); other leaves by value.
+    Tensors by shape, dtype and device; strings, bytes, bools and None by value; anything else
+    by type: ints and floats (dynamo makes a changing one dynamic after one recompile, so a
+    step counter is not a new structure) and opaque leaves (a `GatheredKV`, a `KVHandle`),
+    whose contents dynamo guards on itself.
     """
     leaves, spec = tree_flatten((state, args, kwargs))
     kinds: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             kinds.append((tuple(leaf.shape), leaf.dtype, leaf.device))
-        elif type(leaf) in (int, float):
-            kinds.append(type(leaf))
+        elif type(leaf) in _BY_VALUE:
+            kinds.append((type(leaf), leaf))
         else:
-            try:
-                hash(leaf)
-                kinds.append((type(leaf), leaf))
-            except TypeError:
-                kinds.append((type(leaf), id(leaf)))
+            kinds.append(type(leaf))
     return spec, tuple(kinds)
+
+
+_BY_VALUE = frozenset({str, bytes, bool, type(None)})
 
 
 def _calibrate() -> int:
