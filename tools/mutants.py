@@ -1848,6 +1848,38 @@ MUTANTS = (
             "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
         ),
     ),
+    Mutant(
+        "donate-ignores-holders",
+        "a donating compiled step writes into a record, object or tensor held elsewhere",
+        "sessionstate/_compile/_donation.py",
+        (("        if outside > 0:\n", "        if False:\n"),),
+        ("tests/compile/test_compile.py",),
+    ),
+    Mutant(
+        "donate-moved-leaf-not-cloned",
+        "a donating compiled step writes a leaf over one that moves into another's place "
+        "without keeping its value first",
+        "sessionstate/_compile/_step.py",
+        (
+            (
+                "    pending = [(target, keep(value)) for target, value in writes]\n",
+                "    pending = list(writes)\n",
+            ),
+        ),
+        ("tests/compile/test_compile.py",),
+    ),
+    Mutant(
+        "compile-structure-bound-off",
+        "a compiled step compiles for any number of input structures",
+        "sessionstate/_compile/_step.py",
+        (
+            (
+                "                if len(self._seen) >= self.max_structures:\n",
+                "                if False:\n",
+            ),
+        ),
+        ("tests/compile/test_compile.py",),
+    ),
 )
 
 

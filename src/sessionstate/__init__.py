@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from sessionstate._batch import stack as stack
     from sessionstate._batch import unstack as unstack
     from sessionstate._batch import vmap as vmap
+    from sessionstate._compile import CompiledStep as CompiledStep
+    from sessionstate._compile import compile as compile
     from sessionstate._config import OmniDiffusionConfig as OmniDiffusionConfig
     from sessionstate._config import SessionStateSettings as SessionStateSettings
     from sessionstate._config import resolve_session_state_config as resolve_session_state_config
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from sessionstate._env import ENV_MAX_SESSIONS as ENV_MAX_SESSIONS
     from sessionstate._env import ENV_ON_FULL as ENV_ON_FULL
     from sessionstate._errors import BudgetTextError as BudgetTextError
+    from sessionstate._errors import DonatedRecordError as DonatedRecordError
     from sessionstate._errors import HostPoolFullError as HostPoolFullError
     from sessionstate._errors import ImmutabilityViolationError as ImmutabilityViolationError
     from sessionstate._errors import ImmutableRecordError as ImmutableRecordError
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from sessionstate._errors import NotAllocatedError as NotAllocatedError
     from sessionstate._errors import ParkedError as ParkedError
     from sessionstate._errors import ParkingError as ParkingError
+    from sessionstate._errors import RecompileLimitError as RecompileLimitError
     from sessionstate._errors import SessionAdmissionError as SessionAdmissionError
     from sessionstate._errors import SessionStateLostError as SessionStateLostError
     from sessionstate._errors import SnapshotError as SnapshotError
@@ -123,6 +127,11 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "unstack",
         "vmap",
     ),
+    # -- compiled steps: a whole step under torch.compile, donation -----------------------
+    "sessionstate._compile": (
+        "CompiledStep",
+        "compile",
+    ),
     # -- sessions and state objects ------------------------------------------------------
     "sessionstate._session": (
         "SessionAttr",
@@ -197,6 +206,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     # -- errors --------------------------------------------------------------------------
     "sessionstate._errors": (
         "BudgetTextError",
+        "DonatedRecordError",
         "HostPoolFullError",
         "ImmutabilityViolationError",
         "ImmutableRecordError",
@@ -206,6 +216,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "NotAllocatedError",
         "ParkedError",
         "ParkingError",
+        "RecompileLimitError",
         "SessionAdmissionError",
         "SessionStateLostError",
         "SnapshotError",

@@ -98,6 +98,10 @@ def note_derived(new: object, base: object, dropped: int, leaves: Sequence[Any],
     >>> noted_derivation(bigger).base() is buf, noted_derivation(bigger).dropped
     (True, 0)
     """
+    if torch.compiler.is_compiling():
+        # A traced step's records are rebuilt after the graph runs: a note taken while
+        # tracing would name the tracer's objects, and a missing note only costs a walk.
+        return
     _DERIVED[new] = Derivation(weakref.ref(base), dropped, leaves)
 
 

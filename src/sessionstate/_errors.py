@@ -128,3 +128,11 @@ class BudgetTextError(ValueError):
         super().__init__(message)
         self.rule = rule
         self.part = part
+
+
+class RecompileLimitError(RuntimeError):
+    """A compiled step met more input structures than its bound (`sessionstate.compile`)."""
+
+
+class DonatedRecordError(RuntimeError):
+    """A record given to a donating compiled step was used again (`sessionstate.compile`)."""

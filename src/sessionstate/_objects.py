@@ -573,6 +573,7 @@ class TensorCache(SingleValueObject[Any]):
         ({'k': tensor([0.])}, True)
         """
         self._require_allocated("commit to")
-        if contents is self.contents:
+        # (dynamo cannot trace `is` between two tuples; a traced commit builds a new cache)
+        if not torch.compiler.is_compiling() and contents is self.contents:
             return self
         return attrs.evolve(self, contents=contents)

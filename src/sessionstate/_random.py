@@ -53,6 +53,40 @@ def _key_tensor(stream: int, counter: int, device: torch.device | None = None) -
     return torch.tensor([_signed(stream), _signed(counter)], dtype=torch.int64, device=device)
 
 
+@torch.library.custom_op("sessionstate::key_normals", mutates_args=())
+def _key_normals(
+    key: torch.Tensor, sizes: list[int], ranks: list[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """The next key (on the host), then standard normals of the shapes ``sizes`` holds (each
+    ``ranks[i]`` long), drawn in order from one host generator seeded by ``key``.
+
+    One opaque operator, so a compiled step draws exactly as an eager one does: dynamo cannot
+    trace the key's words into a seed (they are data), and need not.
+    """
+    stream, counter = (word & _MASK for word in key.tolist())
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(_hash(b"draw", stream, counter))
+    out = [_key_tensor(stream, counter + 1)]
+    start = 0
+    for rank in ranks:
+        shape = tuple(sizes[start : start + rank])
+        start += rank
+        out.append(torch.randn(shape, generator=gen, dtype=dtype))
+    return out
+
+
+@_key_normals.register_fake
+def _key_normals_fake(
+    key: torch.Tensor, sizes: list[int], ranks: list[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    out = [torch.empty(2, dtype=torch.int64)]
+    start = 0
+    for rank in ranks:
+        out.append(torch.empty(tuple(sizes[start : start + rank]), dtype=dtype))
+        start += rank
+    return out
+
+
 def _check_key(instance: RandomKey, attribute: object, value: object) -> None:
     if value is None:
         return
@@ -252,12 +286,46 @@ class RandomKey(StateObject):
         >>> noise.dtype, tuple(noise.shape), nxt.counter
         (torch.bfloat16, (2, 3), 1)
         """
-        gen, nxt = self.generator()
+        (noise,), nxt = self.normals((shape,), dtype=dtype, device=device)
+        return noise, nxt
+
+    def normals(
+        self,
+        shapes: Sequence[Sequence[int]],
+        /,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], RandomKey]:
+        """Standard normal noise of each of ``shapes``, drawn in order from one host generator
+        (as `generator` then one ``torch.randn`` per shape), moved to ``device``, and the next
+        key.
+
+        Traces under `torch.compile` (one opaque operator draws), where `generator` cannot.
+        On the ``meta`` device nothing is drawn and the key still advances.
+
+        Raises:
+            NotAllocatedError: if the key is not allocated.
+
+        >>> (a, b), nxt = RandomKey.seeded(0).normals([(2,), (1, 3)])
+        >>> gen, _ = RandomKey.seeded(0).generator()
+        >>> torch.equal(a, torch.randn(2, generator=gen)), tuple(b.shape), nxt.counter
+        (True, (1, 3), 1)
+        """
         target = torch.device(device) if device is not None else torch.device("cpu")
-        if target.type == "meta":
-            return torch.empty(tuple(shape), dtype=dtype, device="meta"), nxt
-        noise = torch.randn(tuple(shape), generator=gen, dtype=dtype)
-        return noise.to(target), nxt
+        self._require_allocated("draw from")
+        assert self.key is not None
+        if target.type == "meta" or self.key.device.type == "meta":  # shapes only
+            gen, nxt = self.generator()
+            if target.type == "meta":
+                return tuple(torch.empty(tuple(s), dtype=dtype, device="meta") for s in shapes), nxt
+            draws = (torch.randn(tuple(s), generator=gen, dtype=dtype) for s in shapes)
+            return tuple(t.to(target) for t in draws), nxt
+        sizes = [int(n) for shape in shapes for n in shape]
+        ranks = [len(shape) for shape in shapes]
+        out = torch.ops.sessionstate.key_normals(self.key, sizes, ranks, dtype)
+        key = out[0] if self.key.device.type == "cpu" else out[0].to(self.key.device)
+        return tuple(t.to(target) for t in out[1:]), attrs.evolve(self, key=key)
 
     def split(self, n: int = 2, /) -> tuple[RandomKey, ...]:
         """``n`` new keys, each its own stream; this key stays valid and draws apart from them.

@@ -13,7 +13,7 @@ import torch
 from sessionstate._accounting import ByteCounter, nbytes_by_device
 from sessionstate._checks import check_count, describe
 from sessionstate._errors import MissingKeyError, reason
-from sessionstate._frozen import IMMUTABLE_LEAVES, freeze
+from sessionstate._frozen import IMMUTABLE_LEAVES, FrozenDict, freeze
 from sessionstate._random import RandomKey
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import HostBufferPool, ParkedBytes, Tier, park_tree
@@ -182,9 +182,11 @@ class SessionState:
             return f"state = state.with_attrs(...) with one of {sorted(declared)}"
         return f"state = state.with_attrs({name}=...)"
 
-    __session_attrs__: ClassVar[Mapping[str, SessionAttr[Any]]] = MappingProxyType({})
+    # Read-only as `FrozenDict`s, not `MappingProxyType`s: dynamo refuses to read a mapping
+    # proxy once a traced step has written any dict, and every transition builds one.
+    __session_attrs__: ClassVar[Mapping[str, SessionAttr[Any]]] = FrozenDict()
     # Declared defaults that hold a tensor: stored in every record that leaves them unset.
-    __tensor_defaults__: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    __tensor_defaults__: ClassVar[Mapping[str, Any]] = FrozenDict()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -202,8 +204,8 @@ class SessionState:
                         where = f"{cls.__name__}.{name}"
                         value.default = freeze(value.convert(value.default), where)
                     declared[name] = value
-        cls.__session_attrs__ = MappingProxyType(declared)
-        cls.__tensor_defaults__ = MappingProxyType(
+        cls.__session_attrs__ = FrozenDict(declared)
+        cls.__tensor_defaults__ = FrozenDict(
             {
                 name: a.default
                 for name, a in declared.items()
@@ -365,9 +367,10 @@ class SessionState:
                 _check_object(name, obj, f"with_attrs({name}=...)")
                 new_objects[name] = obj
         new_attrs = _set_attrs(type(self), self._attrs, values) if values else self._attrs
-        # Only the names given can clash; a clash is reported over the whole record.
-        if not new_objects.keys().isdisjoint(values) or (
-            objects and not new_attrs.keys().isdisjoint(objects)
+        # Only the names given can clash; a clash is reported over the whole record. (`any`
+        # rather than `keys().isdisjoint`, which dynamo cannot trace inside a compiled step.)
+        if any(name in new_objects for name in values) or (
+            objects and any(name in new_attrs for name in objects)
         ):
             _check_disjoint(new_objects, new_attrs)
         return self._replace(new_objects, new_attrs)

@@ -17,10 +17,18 @@ Where this module leans on attrs and optree beyond their documented use, and why
   the registry, not the marker, to know whether a class is registered). optree has no public
   way to register such a subclass, and registering records by hand with
   `optree.register_pytree_node` would change every treespec, snapshots included.
+- Construction under `torch.compile`. The ``__init__`` attrs generates for a frozen slotted
+  class sets fields through ``object.__setattr__.__get__(self)``, a bound slot wrapper that
+  dynamo cannot trace, so a step that builds a record (``attrs.evolve``, a commit) would break
+  the graph. `traceable_init` swaps that one name in the generated method's own globals (attrs
+  gives each class its own) for a function that returns the same bound setter when eager and
+  a traceable ``functools.partial`` while compiling, and drops the globals' ``__name__`` (else
+  dynamo would look the name up in the class's module). attrs has no option for this.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 import typing
@@ -46,6 +54,7 @@ __all__ = [
     "record",
     "register_record",
     "static_field",
+    "traceable_init",
     "tree_equal",
     "tree_flatten",
     "tree_flatten_with_keys",
@@ -104,6 +113,39 @@ def static_field(**kwargs: Any) -> Any:
     return optree_attrs.field(pytree_node=False, **kwargs)
 
 
+_OBJECT_SETATTR_GET = object.__setattr__.__get__
+
+
+def _setattr_get(instance: object) -> Callable[[str, object], None]:
+    # What attrs's generated `__init__` calls to get its field setter (see the module docstring).
+    if torch.compiler.is_compiling():
+        return functools.partial(object.__setattr__, instance)
+    return _OBJECT_SETATTR_GET(instance)  # type: ignore[no-any-return]
+
+
+def traceable_init(cls: _C) -> _C:
+    """Let `torch.compile` trace the ``__init__`` attrs generated for ``cls`` (frozen, slotted).
+
+    `register_record` calls this; call it for a frozen attrs class that is not a record but is
+    built inside a compiled step. A class without such an ``__init__`` is returned unchanged.
+
+    >>> import attrs
+    >>> @attrs.frozen
+    ... class Pair:
+    ...     a: int
+    >>> traceable_init(Pair)(1).a
+    1
+    """
+    init = cls.__dict__.get("__init__")
+    globs = getattr(init, "__globals__", None)
+    if globs is not None and "_cached_setattr_get" in globs and globs is not globals():
+        globs["_cached_setattr_get"] = _setattr_get
+        # Without a module name dynamo guards on this dict itself, rather than looking the
+        # setter up in the class's module, which has no such name.
+        globs.pop("__name__", None)
+    return cls
+
+
 def _is_registered_with_optree(cls: type) -> bool:
     # Ask the registry itself: attrs copies a class's `__dict__` (optree's marker included)
     # when it rebuilds a slotted subclass, so the marker alone would vouch for a new class.
@@ -149,6 +191,7 @@ def register_record(cls: _C) -> _C:
         if cls.__setattr__ is _ATTRS_FROZEN_SETATTR:
             cls.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
             cls.__delattr__ = _refuse_deletion  # type: ignore[method-assign,assignment]
+        traceable_init(cls)
     if cls not in torch_pytree.SUPPORTED_NODES:
         _register_with_torch(cls)
     return cls

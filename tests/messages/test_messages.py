@@ -1051,3 +1051,51 @@ def test_keep_branch_refuses_the_session_as_its_own_branch() -> None:
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         keep_branch(Cosmos3Pipeline(Cosmos3Config.preset("tiny")), "s", "s")
+
+
+# --- _compile -------------------------------------------------------------------------------
+
+
+def _ring_step(state: SessionState, x: torch.Tensor) -> tuple[SessionState, torch.Tensor]:
+    state = state.update_object("r", lambda r: r.commit(x))
+    return state, x
+
+
+def test_compiled_step_structure_bound() -> None:
+    fast = ss.compile(_ring_step, backend="aot_eager", max_structures=1)
+    state = SessionState(objects={"r": LatentBuffer(dim=0).allocate(maxlen=2)})
+    state, _ = fast(state, torch.ones(1))
+    msg = (
+        "`_ring_step` met a new input structure after compiling for 1 (`max_structures=1`). "
+        "Each new treespec, static field, tensor shape, dtype or device compiles once, as "
+        "`jax.jit` retraces; a value that changes every step (a str attribute, a growing "
+        "shape) recompiles every step. Make it a tensor or keep it out of the record, or "
+        "raise `max_structures`."
+    )
+    with pytest.raises(ss.RecompileLimitError, match=_exact(msg)):
+        fast(state, torch.ones(1))
+
+
+def test_compiled_step_max_structures_checked() -> None:
+    msg = (
+        "`max_structures` must be a positive int, got 0 (int); it bounds the input "
+        "structures a compiled step compiles for."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        ss.compile(_ring_step, max_structures=0)
+
+
+def test_compiled_step_donated_record_used_again() -> None:
+    fast = ss.compile(_ring_step, backend="aot_eager", donate=True)
+    state = SessionState(objects={"r": LatentBuffer(dim=0).allocate(maxlen=2)})
+    for _ in range(3):
+        state, _ = fast(state, torch.ones(1))
+    new, _ = fast(state, torch.ones(1))
+    msg = (
+        f"This `SessionState` was donated to an earlier call of {fast!r}, which wrote its "
+        "successor into its tensors; step from the record that call returned, or compile "
+        "with `donate=False` to keep every record."
+    )
+    with pytest.raises(ss.DonatedRecordError, match=_exact(msg)):
+        fast(state, torch.ones(1))
+    del new

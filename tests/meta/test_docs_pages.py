@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,10 @@ def test_the_page_runs_as_written(
     assert any(re.search(r"^\s*assert ", b, flags=re.M) for b in blocks), (
         f"{name}'s code asserts nothing; end it with an assert of what it shows."
     )
-    namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    # A module of its own, as a reader's script is: `torch.compile` looks globals up by module.
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
+    sys.modules[module.__name__] = module
+    namespace: dict[str, Any] = module.__dict__
     for block in blocks:  # one script: each block sees what the ones above it defined
         exec(compile(block, str(page), "exec"), namespace)
 

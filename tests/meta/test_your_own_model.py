@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import types
 import unittest
 from typing import Any
 
@@ -17,7 +19,10 @@ PAGE = ROOT / "docs" / "your-own-model.md"
 def _run_page() -> dict[str, Any]:
     blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), flags=re.S)
     assert len(blocks) >= 5
-    namespace: dict[str, Any] = {"__name__": "your_own_model"}
+    # A module of its own, as a reader's script is: `torch.compile` looks globals up by module.
+    module = types.ModuleType("your_own_model")
+    sys.modules["your_own_model"] = module
+    namespace: dict[str, Any] = module.__dict__
     for block in blocks:  # one script: each block sees what the ones above it defined
         exec(compile(block, str(PAGE), "exec"), namespace)
     return namespace

@@ -24,11 +24,12 @@ from sessionstate._checks import check_window
 from sessionstate._kv._pool import KVHandle, KVPool
 from sessionstate._protocols import Derivation
 from sessionstate._stateobject import SingleValueObject
-from sessionstate._tree import field, register_record, static_field
+from sessionstate._tree import field, register_record, static_field, traceable_init
 
 __all__ = ["GatheredKV", "KVCache"]
 
 
+@traceable_init
 @attrs.frozen(eq=False)
 class GatheredKV:
     """A session's KV tokens gathered out of its pool, standing in for its handle in a batch.

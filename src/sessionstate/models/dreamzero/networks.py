@@ -337,7 +337,7 @@ class DreamZeroNetworks:
     def noise(self, key: RandomKey) -> tuple[Noise, RandomKey]:
         """A block's starting noise, drawn from the session's ``key``, and the next key.
 
-        Both tensors come from one host generator seeded by the key (`RandomKey.generator`):
+        Both tensors come from one host generator seeded by the key (`RandomKey.normals`):
         the video latents' noise, then the actions'. A pure function of the key.
 
         >>> from sessionstate import RandomKey
@@ -349,11 +349,9 @@ class DreamZeroNetworks:
         """
         cfg = self.cfg
         shape = (1, cfg.vae_z_dim, cfg.num_frame_per_block, cfg.latent_height, cfg.latent_width)
-        generator, key = key.generator()
-        latents = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
-        actions = torch.randn(
-            (1, cfg.action_horizon, cfg.action_dim), generator=generator, dtype=self.dtype
-        ).to(self.device)
+        (latents, actions), key = key.normals(
+            (shape, (1, cfg.action_horizon, cfg.action_dim)), dtype=self.dtype, device=self.device
+        )
         return (latents, actions), key
 
     @torch.no_grad()
