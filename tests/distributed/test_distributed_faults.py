@@ -72,17 +72,29 @@ _IN_TRANSIT = {
 
 
 class FaultyWorker(SessionWorker):
-    """Sleeps at, or corrupts, the armed stage (the fence arguments pass through untouched)."""
+    """Sleeps at, corrupts, dies at, or kills another worker at the armed stage (the fence
+    arguments pass through untouched)."""
 
     fault: str | None = None
     delay: float = 0.0
+    victim: Any = None
 
-    def arm(self, fault: str | None, delay: float = 0.0) -> None:
-        self.fault, self.delay = fault, delay
+    def arm(self, fault: str | None, delay: float = 0.0, victim: Any = None) -> None:
+        self.fault, self.delay, self.victim = fault, delay, victim
 
     def _pause(self, stage: str) -> None:
         if self.fault == stage:
             time.sleep(self.delay)
+        elif self.fault == f"die-{stage}":
+            sys.exit(1)  # the actor's process ends: the router sees a lost worker
+        elif self.fault == f"kill-{stage}":  # another worker dies first (`victim`, by `arm`)
+            ray.kill(self.victim)
+            for _ in range(200):
+                try:
+                    ray.get(self.victim.stats.remote(), timeout=60)
+                except ray.exceptions.RayActorError:
+                    return
+                time.sleep(0.05)
 
     def step(self, session_id: str, inputs: Any, **fence: Any) -> Any:
         self._pause("step")
@@ -106,6 +118,16 @@ class FaultyWorker(SessionWorker):
     def drop_session(self, session_id: str, **fence: Any) -> bool:
         self._pause("drop")
         return super().drop_session(session_id, **fence)
+
+    def export_family(self, session_ids: Any, **fence: Any) -> tuple[SnapshotParts, str]:
+        self._pause("export")
+        return super().export_family(session_ids, **fence)
+
+    def import_family(self, session_ids: Any, data: SnapshotParts, **fence: Any) -> Any:
+        self._pause("import")
+        ack = super().import_family(session_ids, data, **fence)
+        self._pause("acknowledge")  # stored; the acknowledgement is late
+        return ack
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +197,68 @@ def test_a_migration_timing_out_at_any_stage_leaves_exactly_one_owner_with_its_r
     assert _holders(toy, sid) == [owner]
     assert toy.drop(sid)
     assert _holders(toy, sid) == []
+
+
+def _forked(router: Router, name: str, size: int) -> list[str]:
+    # A source stepped three times and one branch: a family of two sharing the payload.
+    ids = [name, f"{name}-b"]
+    for i in range(3):
+        assert router.step(ids[0], size) == i + 1
+    router.fork(ids[0], ids[1])
+    return ids
+
+
+def _whole_on(router: Router, ids: list[str], owner: str, size: int) -> None:
+    # Each member is held by `owner` alone, at the router's epoch (the other workers hold
+    # it at none), and shares the payload with the other member.
+    held = {name: set(s.nbytes_by_session) for name, s in router.stats().items()}
+    assert [name for name in held if not held[name].isdisjoint(ids)] == [owner]
+    assert set(ids) <= held[owner]
+    for sid in ids:
+        assert router.owner(sid) == owner
+        for name in router.workers:
+            epoch = _get(router.handle(name).epoch.remote(sid))
+            assert epoch == (router.epoch(sid) if name == owner else None), (sid, name)
+        stats = _get(router.handle(owner).session_stats.remote(sid))
+        assert stats["shared_with"] == [m for m in ids if m != sid]
+        assert stats["nbytes_shared"]["cpu"] >= 4 * size  # the float32 payload, once
+
+
+@pytest.mark.parametrize("stage", ["export", "import", "acknowledge", "drop"])
+def test_a_family_migration_timing_out_at_any_stage_leaves_it_whole_on_one_side(
+    toy: Router, stage: str
+) -> None:
+    ids = _forked(toy, f"family-slow-{stage}", 64)
+    source, destination = toy.owner(ids[0]), _other(toy, ids[0])
+    epochs = [toy.epoch(sid) for sid in ids]
+    slow = source if stage in ("export", "drop") else destination
+    with armed(toy, slow, stage, delay=DELAY, timeout=SHORT):
+        if stage == "drop":
+            # The acknowledgement was terminal: the source's late drops are no failure.
+            assert toy.migrate_many(ids, destination).destination == destination
+        else:
+            operation = "export_family" if stage == "export" else "import_family"
+            shown = "export" if stage == "export" else "import"
+            msg = (
+                f"Migrating the family {ids!r} from {source!r} to {destination!r} failed at "
+                f"the {shown} stage ({slow!r} did not answer `{operation}` within {SHORT:g} "
+                f"s); the sessions stay on {source!r} with their records intact. Retry, or "
+                "pick another destination."
+            )
+            with pytest.raises(MigrationError, match=re.escape(msg)):
+                toy.migrate_many(ids, destination)
+    owner = destination if stage == "drop" else source
+    _whole_on(toy, ids, owner, 64)
+    now = [toy.epoch(sid) for sid in ids]
+    if stage == "drop":  # each moved to an epoch of its own, never one used before
+        assert len(set(now)) == len(ids)
+        assert set(now).isdisjoint(epochs)
+    else:
+        assert now == epochs
+    assert [toy.step(sid, 64) for sid in ids] == [4, 4]  # each record intact and usable
+    for sid in ids:
+        assert toy.drop(sid)
+    assert not any(set(ids) & set(s.nbytes_by_session) for s in toy.stats().values())
 
 
 def test_a_timed_out_step_raises_a_library_error_and_is_counted_when_it_completes(
