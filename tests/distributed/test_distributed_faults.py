@@ -423,3 +423,68 @@ def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
         assert router.workers == []
     finally:
         router.shutdown()
+
+
+def test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost(
+    cluster: None,
+) -> None:
+    router = Router(CounterPipeline, workers=4, worker_class=FaultyWorker, timeout=60)
+    try:
+        destination = "worker-3"
+        families = {}
+        for stage, home in (("export", "worker-0"), ("import", "worker-1"), ("drop", "worker-2")):
+            sid = f"gone-{stage}"
+            if stage == "export":
+                router.set_snapshot_every(sid, 1)  # the source restores; its branch has none
+            families[stage] = ids = _forked(router, sid, 16)
+            if router.owner(sid) != home:
+                router.migrate_many(ids, home)
+
+        # The source dies exporting: nothing reached the destination, and the message says
+        # what became of each member (no "records intact").
+        ids = families["export"]
+        _get(router.handle("worker-0").arm.remote("die-export"))
+        msg = (
+            f"Migrating the family {ids!r} from 'worker-0' to {destination!r} failed at the "
+            f"export stage (worker 'worker-0' died); 'worker-0' was lost: {ids[:1]!r} were "
+            "restored from their snapshots (the next call for each raises "
+            f"`SessionRestoredError`); {ids[1:]!r} were lost with it (the next call for each "
+            "raises `SessionStateLostError`; call `drop` on the router to start them again)."
+        )
+        with pytest.raises(MigrationError, match=re.escape(msg)):
+            router.migrate_many(ids, destination)
+        assert "worker-0" not in router.workers
+        with pytest.raises(SessionRestoredError) as notice:
+            router.step(ids[0], 16)
+        assert (notice.value.steps_kept, notice.value.steps_lost) == (3, 0)
+        assert router.step(ids[0], 16) == 4  # no step applied twice
+        with pytest.raises(
+            SessionStateLostError, match=re.escape(f"Session {ids[1]!r} was lost with worker")
+        ):
+            router.step(ids[1], 16)
+        assert router.drop(ids[0])
+        assert router.drop(ids[1])
+
+        # The source dies once its export is sent, before the import (the destination kills
+        # it first), or while it drops its copies: the family is the destination's, whole.
+        for stage, source, armed_on in (
+            ("import", "worker-1", destination),
+            ("drop", "worker-2", "worker-2"),
+        ):
+            ids = families[stage]
+            epochs = [router.epoch(sid) for sid in ids]
+            fault, victim = (
+                ("kill-import", router.handle(source)) if stage == "import" else ("die-drop", None)
+            )
+            _get(router.handle(armed_on).arm.remote(fault, 0.0, victim))
+            record = router.migrate_many(ids, destination)
+            if armed_on == destination:
+                _get(router.handle(destination).arm.remote(None))
+            assert (record.source, record.destination) == (source, destination)
+            assert source not in router.workers
+            _whole_on(router, ids, destination, 16)
+            assert set(router.epoch(sid) for sid in ids).isdisjoint(epochs)
+            assert [router.step(sid, 16) for sid in ids] == [4, 4]
+        assert router.workers == [destination]
+    finally:
+        router.shutdown()
