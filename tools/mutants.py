@@ -1958,6 +1958,23 @@ MUTANTS = (
             "test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost",
         ),
     ),
+    Mutant(
+        "restored-member-stays-in-family",
+        "a session restored after its worker was lost stays listed in its family",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "                # Restored alone, from its own snapshot: it shares nothing with "
+                "its family.\n"
+                "                self._part(sid)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_faults.py::"
+            "test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost",
+        ),
+    ),
 )
 
 

@@ -442,28 +442,37 @@ def test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_
 
         # The source dies exporting: nothing reached the destination, and the message says
         # what became of each member (no "records intact").
-        ids = families["export"]
+        # A second branch, stepped once: it has a snapshot of its own, the first has none.
+        ids = [*families["export"], "gone-export-c"]
+        router.fork(ids[0], ids[2])
+        assert router.step(ids[2], 16) == 4
+        restored, lost = [ids[0], ids[2]], [ids[1]]
+        assert {frozenset(f) for f in router.families()} >= {frozenset(ids)}
         _get(router.handle("worker-0").arm.remote("die-export"))
         msg = (
             f"Migrating the family {ids!r} from 'worker-0' to {destination!r} failed at the "
-            f"export stage (worker 'worker-0' died); 'worker-0' was lost: {ids[:1]!r} were "
+            f"export stage (worker 'worker-0' died); 'worker-0' was lost: {restored!r} were "
             "restored from their snapshots (the next call for each raises "
-            f"`SessionRestoredError`); {ids[1:]!r} were lost with it (the next call for each "
+            f"`SessionRestoredError`); {lost!r} were lost with it (the next call for each "
             "raises `SessionStateLostError`; call `drop` on the router to start them again)."
         )
         with pytest.raises(MigrationError, match=re.escape(msg)):
             router.migrate_many(ids, destination)
         assert "worker-0" not in router.workers
-        with pytest.raises(SessionRestoredError) as notice:
-            router.step(ids[0], 16)
-        assert (notice.value.steps_kept, notice.value.steps_lost) == (3, 0)
-        assert router.step(ids[0], 16) == 4  # no step applied twice
+        # Each was restored alone, from its own snapshot: they share nothing, and are no
+        # longer a family (a family shares its storages on one worker).
+        assert all(set(f).isdisjoint(ids) for f in router.families())
+        for sid, kept in zip(restored, (3, 4), strict=True):
+            with pytest.raises(SessionRestoredError) as notice:
+                router.step(sid, 16)
+            assert (notice.value.steps_kept, notice.value.steps_lost) == (kept, 0)
+            assert router.step(sid, 16) == kept + 1  # no step applied twice
         with pytest.raises(
             SessionStateLostError, match=re.escape(f"Session {ids[1]!r} was lost with worker")
         ):
             router.step(ids[1], 16)
-        assert router.drop(ids[0])
-        assert router.drop(ids[1])
+        for sid in ids:
+            assert router.drop(sid)
 
         # The source dies once its export is sent, before the import (the destination kills
         # it first), or while it drops its copies: the family is the destination's, whole.
