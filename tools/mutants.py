@@ -1880,6 +1880,101 @@ MUTANTS = (
         ),
         ("tests/compile/test_compile.py",),
     ),
+    Mutant(
+        "family-late-drop-fails",
+        "a family migration whose source drops its copies late fails after the switch",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "                except WorkerTimeoutError:\n"
+                "                    pass  # it runs there in order; the copy is handed off and "
+                "fenced until then\n"
+                "                except _WorkerLostError as lost:\n"
+                "                    self._worker_lost(lost.worker)\n"
+                "                    break\n",
+                "                except _WorkerLostError as lost:\n"
+                "                    self._worker_lost(lost.worker)\n"
+                "                    break\n",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_faults.py::"
+            "test_a_family_migration_timing_out_at_any_stage_leaves_it_whole_on_one_side",
+        ),
+    ),
+    Mutant(
+        "abort-drop-timeout-escapes",
+        "undoing a migration's import lets a drop timeout escape, skipping the source's reclaim",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "                except _WorkerLostError:\n"
+                "                    dead.add(destination)\n"
+                "                except Exception:\n"
+                "                    pass  # a copy left behind is fenced: no call the router "
+                "sends can reach it\n",
+                "                except _WorkerLostError:\n"
+                "                    dead.add(destination)\n",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_faults.py::"
+            "test_a_family_migration_timing_out_at_any_stage_leaves_it_whole_on_one_side",
+        ),
+    ),
+    Mutant(
+        "family-lost-source-drop-raises",
+        "a family migration fails after its switch when the source dies dropping its copies",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "                except _WorkerLostError as lost:\n"
+                "                    self._worker_lost(lost.worker)\n"
+                "                    break\n",
+                "                except _WorkerLostError as lost:\n"
+                "                    self._worker_lost(lost.worker)\n"
+                "                    raise lost.error from None\n",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_faults.py::"
+            "test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost",
+        ),
+    ),
+    Mutant(
+        "family-outcome-claims-intact",
+        "a failed family migration from a dead source says the records stay intact",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "        # Where a family's sessions are after their failed migration.\n"
+                "        if not lost:\n",
+                "        # Where a family's sessions are after their failed migration.\n"
+                "        if True:\n",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_faults.py::"
+            "test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost",
+        ),
+    ),
+    Mutant(
+        "restored-member-stays-in-family",
+        "a session restored after its worker was lost stays listed in its family",
+        "sessionstate/distributed/_router.py",
+        (
+            (
+                "                # Restored alone, from its own snapshot: it shares nothing with "
+                "its family.\n"
+                "                self._part(sid)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/distributed/test_distributed_faults.py::"
+            "test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost",
+        ),
+    ),
 )
 
 

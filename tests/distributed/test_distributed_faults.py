@@ -72,17 +72,29 @@ _IN_TRANSIT = {
 
 
 class FaultyWorker(SessionWorker):
-    """Sleeps at, or corrupts, the armed stage (the fence arguments pass through untouched)."""
+    """Sleeps at, corrupts, dies at, or kills another worker at the armed stage (the fence
+    arguments pass through untouched)."""
 
     fault: str | None = None
     delay: float = 0.0
+    victim: Any = None
 
-    def arm(self, fault: str | None, delay: float = 0.0) -> None:
-        self.fault, self.delay = fault, delay
+    def arm(self, fault: str | None, delay: float = 0.0, victim: Any = None) -> None:
+        self.fault, self.delay, self.victim = fault, delay, victim
 
     def _pause(self, stage: str) -> None:
         if self.fault == stage:
             time.sleep(self.delay)
+        elif self.fault == f"die-{stage}":
+            sys.exit(1)  # the actor's process ends: the router sees a lost worker
+        elif self.fault == f"kill-{stage}":  # another worker dies first (`victim`, by `arm`)
+            ray.kill(self.victim)
+            for _ in range(200):
+                try:
+                    ray.get(self.victim.stats.remote(), timeout=60)
+                except ray.exceptions.RayActorError:
+                    return
+                time.sleep(0.05)
 
     def step(self, session_id: str, inputs: Any, **fence: Any) -> Any:
         self._pause("step")
@@ -106,6 +118,16 @@ class FaultyWorker(SessionWorker):
     def drop_session(self, session_id: str, **fence: Any) -> bool:
         self._pause("drop")
         return super().drop_session(session_id, **fence)
+
+    def export_family(self, session_ids: Any, **fence: Any) -> tuple[SnapshotParts, str]:
+        self._pause("export")
+        return super().export_family(session_ids, **fence)
+
+    def import_family(self, session_ids: Any, data: SnapshotParts, **fence: Any) -> Any:
+        self._pause("import")
+        ack = super().import_family(session_ids, data, **fence)
+        self._pause("acknowledge")  # stored; the acknowledgement is late
+        return ack
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +197,68 @@ def test_a_migration_timing_out_at_any_stage_leaves_exactly_one_owner_with_its_r
     assert _holders(toy, sid) == [owner]
     assert toy.drop(sid)
     assert _holders(toy, sid) == []
+
+
+def _forked(router: Router, name: str, size: int) -> list[str]:
+    # A source stepped three times and one branch: a family of two sharing the payload.
+    ids = [name, f"{name}-b"]
+    for i in range(3):
+        assert router.step(ids[0], size) == i + 1
+    router.fork(ids[0], ids[1])
+    return ids
+
+
+def _whole_on(router: Router, ids: list[str], owner: str, size: int) -> None:
+    # Each member is held by `owner` alone, at the router's epoch (the other workers hold
+    # it at none), and shares the payload with the other member.
+    held = {name: set(s.nbytes_by_session) for name, s in router.stats().items()}
+    assert [name for name in held if not held[name].isdisjoint(ids)] == [owner]
+    assert set(ids) <= held[owner]
+    for sid in ids:
+        assert router.owner(sid) == owner
+        for name in router.workers:
+            epoch = _get(router.handle(name).epoch.remote(sid))
+            assert epoch == (router.epoch(sid) if name == owner else None), (sid, name)
+        stats = _get(router.handle(owner).session_stats.remote(sid))
+        assert stats["shared_with"] == [m for m in ids if m != sid]
+        assert stats["nbytes_shared"]["cpu"] >= 4 * size  # the float32 payload, once
+
+
+@pytest.mark.parametrize("stage", ["export", "import", "acknowledge", "drop"])
+def test_a_family_migration_timing_out_at_any_stage_leaves_it_whole_on_one_side(
+    toy: Router, stage: str
+) -> None:
+    ids = _forked(toy, f"family-slow-{stage}", 64)
+    source, destination = toy.owner(ids[0]), _other(toy, ids[0])
+    epochs = [toy.epoch(sid) for sid in ids]
+    slow = source if stage in ("export", "drop") else destination
+    with armed(toy, slow, stage, delay=DELAY, timeout=SHORT):
+        if stage == "drop":
+            # The acknowledgement was terminal: the source's late drops are no failure.
+            assert toy.migrate_many(ids, destination).destination == destination
+        else:
+            operation = "export_family" if stage == "export" else "import_family"
+            shown = "export" if stage == "export" else "import"
+            msg = (
+                f"Migrating the family {ids!r} from {source!r} to {destination!r} failed at "
+                f"the {shown} stage ({slow!r} did not answer `{operation}` within {SHORT:g} "
+                f"s); the sessions stay on {source!r} with their records intact. Retry, or "
+                "pick another destination."
+            )
+            with pytest.raises(MigrationError, match=re.escape(msg)):
+                toy.migrate_many(ids, destination)
+    owner = destination if stage == "drop" else source
+    _whole_on(toy, ids, owner, 64)
+    now = [toy.epoch(sid) for sid in ids]
+    if stage == "drop":  # each moved to an epoch of its own, never one used before
+        assert len(set(now)) == len(ids)
+        assert set(now).isdisjoint(epochs)
+    else:
+        assert now == epochs
+    assert [toy.step(sid, 64) for sid in ids] == [4, 4]  # each record intact and usable
+    for sid in ids:
+        assert toy.drop(sid)
+    assert not any(set(ids) & set(s.nbytes_by_session) for s in toy.stats().values())
 
 
 def test_a_timed_out_step_raises_a_library_error_and_is_counted_when_it_completes(
@@ -337,5 +421,79 @@ def test_dead_sources_and_the_last_worker_lost_never_claim_an_intact_record(
                 router.step(sid, 16)
         assert router.owners() == {}
         assert router.workers == []
+    finally:
+        router.shutdown()
+
+
+def test_a_family_whose_source_dies_mid_migration_is_on_the_destination_or_said_lost(
+    cluster: None,
+) -> None:
+    router = Router(CounterPipeline, workers=4, worker_class=FaultyWorker, timeout=60)
+    try:
+        destination = "worker-3"
+        families = {}
+        for stage, home in (("export", "worker-0"), ("import", "worker-1"), ("drop", "worker-2")):
+            sid = f"gone-{stage}"
+            if stage == "export":
+                router.set_snapshot_every(sid, 1)  # the source restores; its branch has none
+            families[stage] = ids = _forked(router, sid, 16)
+            if router.owner(sid) != home:
+                router.migrate_many(ids, home)
+
+        # The source dies exporting: nothing reached the destination, and the message says
+        # what became of each member (no "records intact").
+        # A second branch, stepped once: it has a snapshot of its own, the first has none.
+        ids = [*families["export"], "gone-export-c"]
+        router.fork(ids[0], ids[2])
+        assert router.step(ids[2], 16) == 4
+        restored, lost = [ids[0], ids[2]], [ids[1]]
+        assert {frozenset(f) for f in router.families()} >= {frozenset(ids)}
+        _get(router.handle("worker-0").arm.remote("die-export"))
+        msg = (
+            f"Migrating the family {ids!r} from 'worker-0' to {destination!r} failed at the "
+            f"export stage (worker 'worker-0' died); 'worker-0' was lost: {restored!r} were "
+            "restored from their snapshots (the next call for each raises "
+            f"`SessionRestoredError`); {lost!r} were lost with it (the next call for each "
+            "raises `SessionStateLostError`; call `drop` on the router to start them again)."
+        )
+        with pytest.raises(MigrationError, match=re.escape(msg)):
+            router.migrate_many(ids, destination)
+        assert "worker-0" not in router.workers
+        # Each was restored alone, from its own snapshot: they share nothing, and are no
+        # longer a family (a family shares its storages on one worker).
+        assert all(set(f).isdisjoint(ids) for f in router.families())
+        for sid, kept in zip(restored, (3, 4), strict=True):
+            with pytest.raises(SessionRestoredError) as notice:
+                router.step(sid, 16)
+            assert (notice.value.steps_kept, notice.value.steps_lost) == (kept, 0)
+            assert router.step(sid, 16) == kept + 1  # no step applied twice
+        with pytest.raises(
+            SessionStateLostError, match=re.escape(f"Session {ids[1]!r} was lost with worker")
+        ):
+            router.step(ids[1], 16)
+        for sid in ids:
+            assert router.drop(sid)
+
+        # The source dies once its export is sent, before the import (the destination kills
+        # it first), or while it drops its copies: the family is the destination's, whole.
+        for stage, source, armed_on in (
+            ("import", "worker-1", destination),
+            ("drop", "worker-2", "worker-2"),
+        ):
+            ids = families[stage]
+            epochs = [router.epoch(sid) for sid in ids]
+            fault, victim = (
+                ("kill-import", router.handle(source)) if stage == "import" else ("die-drop", None)
+            )
+            _get(router.handle(armed_on).arm.remote(fault, 0.0, victim))
+            record = router.migrate_many(ids, destination)
+            if armed_on == destination:
+                _get(router.handle(destination).arm.remote(None))
+            assert (record.source, record.destination) == (source, destination)
+            assert source not in router.workers
+            _whole_on(router, ids, destination, 16)
+            assert set(router.epoch(sid) for sid in ids).isdisjoint(epochs)
+            assert [router.step(sid, 16) for sid in ids] == [4, 4]
+        assert router.workers == [destination]
     finally:
         router.shutdown()

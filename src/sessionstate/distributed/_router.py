@@ -892,6 +892,8 @@ class Router:
                     )
                     continue
                 self._restore(sid, session, worker)
+                # Restored alone, from its own snapshot: it shares nothing with its family.
+                self._part(sid)
 
     def _lose(self, session_id: Hashable, msg: str) -> None:
         del self._sessions[session_id]
@@ -914,7 +916,9 @@ class Router:
 
     def families(self) -> list[set[Hashable]]:
         """The families of sessions: each a set of sessions forked from one another (by
-        `fork`) and neither dropped, lost nor moved apart since; each lives on one worker.
+        `fork`) and neither dropped, lost, restored nor moved apart since; each lives on one
+        worker. A member restored after its worker was lost leaves its family: it comes back
+        from its own snapshot, sharing nothing.
 
         `rebalance` moves a family whole; `migrate` of one member parts it from the others.
         """
