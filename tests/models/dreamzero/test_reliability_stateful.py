@@ -20,6 +20,7 @@ within a few seconds per example.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -113,6 +114,11 @@ def _one_intra_op_thread() -> Iterator[None]:
         yield
 
 
+def _fail(state: SessionState) -> tuple[SessionState, None]:
+    msg = "the shadow's stand-in for the injected fault"
+    raise InjectedFaultError(msg)
+
+
 class FaultFuzzMachine(RuleBasedStateMachine):
     """A faulted managed pipeline against an unfaulted shadow advanced on success only."""
 
@@ -185,9 +191,11 @@ class FaultFuzzMachine(RuleBasedStateMachine):
             # Nothing was published: the same object, bit-identical, or still nothing.
             assert peek(manager, sid) is before
             assert tree_equal(before, clone)
-            # The model: the failed step made only its lookup.
+            # The model: the failed step made only its lookup (a hit or a miss), and left the
+            # LRU order as it was, as a step that fails does on the shadow manager too.
             assert self.shadow.manager is not None
-            self.shadow.manager.get(sid)
+            with contextlib.suppress(InjectedFaultError):
+                self.shadow.manager.step(sid, _fail, new=SessionState)
             return
         finally:
             self.fault = None
