@@ -43,12 +43,7 @@ MUTANTS = (
         "lock-removed",
         "the manager's lock is a no-op",
         "sessionstate/_manager/_table.py",
-        (
-            (
-                "self._lock = threading.RLock()",
-                'self._lock = __import__("contextlib").nullcontext()',
-            ),
-        ),
+        (("self.lock = threading.RLock()", 'self.lock = __import__("contextlib").nullcontext()'),),
         ("tests/manager/test_manager_threads.py",),
     ),
     Mutant(
@@ -68,12 +63,11 @@ MUTANTS = (
     Mutant(
         "put-stores-before-validating",
         "put stores the record before checking it",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "        _check_state(state, session_id)\n",
-                "        self._table[session_id] = state\n"
-                "        _check_state(state, session_id)\n",
+                "    check_state(state, session_id)\n",
+                "    t.records[session_id] = state\n    check_state(state, session_id)\n",
             ),
         ),
         ("tests/manager/test_manager.py",),
@@ -343,7 +337,7 @@ MUTANTS = (
     Mutant(
         "sharing-counts-own-aliases",
         "stats()'s shared_sessions counts a session that reaches a storage only itself holds",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_observe.py",
         (
             (
                 "count += any(references(identity) > n for identity, n in own.items())",
@@ -358,8 +352,8 @@ MUTANTS = (
     Mutant(
         "batch-evicts-before-the-budget-check",
         "a batch the budget cannot hold evicts others before it is refused",
-        "sessionstate/_manager/_table.py",
-        (("            if totals.get(device, 0) > budget:", "            if False:"),),
+        "sessionstate/_manager/_access.py",
+        (("        if totals.get(device, 0) > budget:", "        if False:"),),
         ("tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",),
     ),
     Mutant(
@@ -402,12 +396,12 @@ MUTANTS = (
     Mutant(
         "refused-batch-keeps-its-ledger",
         "a batch of held sessions refused by the budget leaves the ledger moved",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            ledger.set_many(zip(ids, replaced, strict=True))\n"
-                "            ledger.undo_growth(grown)\n",
-                "            ledger.undo_growth(grown)\n",
+                "        ledger.set_many(zip(ids, replaced, strict=True))\n"
+                "        ledger.undo_growth(grown)\n",
+                "        ledger.undo_growth(grown)\n",
             ),
         ),
         (
@@ -432,12 +426,11 @@ MUTANTS = (
     Mutant(
         "refused-put-keeps-its-growth",
         "a put refused after its walk leaves its new chunks in the stored buffer's backing",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            self._ledger.undo_growth(grown)\n"
-                "            self._parking.storing = ()",
-                "            self._parking.storing = ()",
+                "        t.ledger.undo_growth(grown)\n        t.parking.storing = ()",
+                "        t.parking.storing = ()",
             ),
         ),
         (
@@ -448,13 +441,8 @@ MUTANTS = (
     Mutant(
         "refused-batch-keeps-its-growth",
         "a batch refused after its walk leaves its new chunks in the stored buffers' backings",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "            ledger.undo_growth(grown)\n            raise",
-                "            raise",
-            ),
-        ),
+        "sessionstate/_manager/_access.py",
+        (("        ledger.undo_growth(grown)\n        raise", "        raise"),),
         (
             "tests/manager/test_ledger_fast_paths.py::"
             "test_a_refused_put_keeps_none_of_its_new_chunks_alive",
@@ -605,8 +593,8 @@ MUTANTS = (
         "step-never-checks-what-it-read",
         "a managed step that wrote into the record it read is published unseen (the guard "
         "records the versions anew)",
-        "sessionstate/_manager/_table.py",
-        (("                self._verify_read(session_id, read)\n", ""),),
+        "sessionstate/_manager/_stepping.py",
+        (("            t.verify_read(session_id, read)\n", ""),),
         ("tests/manager/test_step_many_adversarial.py",),
     ),
     Mutant(
@@ -735,11 +723,11 @@ MUTANTS = (
         "manager-never-makes-step-room",
         "the manager steps a session without parking other sessions' blocks when a pool it "
         "was given runs short",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "            if pool.free_blocks >= most * len(session_ids) + later:\n",
-                "            if True:\n",
+                "        if pool.free_blocks >= most * len(session_ids) + later:\n",
+                "        if True:\n",
             ),
         ),
         (
@@ -750,12 +738,12 @@ MUTANTS = (
     Mutant(
         "prefetch-ignores-budget",
         "a prefetch starts whether or not its bytes fit under max_bytes",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_prefetch.py",
         (
             (
-                "                if self._policy.over(self._ledger, extra):\n"
-                "                    parking.count_dropped_prefetch()\n",
-                "                if False:\n                    parking.count_dropped_prefetch()\n",
+                "            if t.policy.over(t.ledger, extra):\n"
+                "                parking.count_dropped_prefetch()\n",
+                "            if False:\n                parking.count_dropped_prefetch()\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
@@ -987,11 +975,11 @@ MUTANTS = (
     Mutant(
         "failed-prefetch-keeps-its-charge",
         "a get whose parked bytes fail their check leaves the session's prefetch reserved",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "            parking.discard(session_id)  # a failed prefetch's charge goes too\n",
-                "            pass\n",
+                "        parking.discard(session_id)  # a failed prefetch's charge goes too\n",
+                "        pass\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
@@ -1000,25 +988,15 @@ MUTANTS = (
         "reading-parked-state-takes-device-room",
         "peek(on_host=True), and so snapshot and export, unpark a parked session onto its "
         "devices and pools instead of reading it in host memory",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "            return state.unpark_on_host()\n",
-                "            return state.unpark()\n",
-            ),
-        ),
+        "sessionstate/_manager/_access.py",
+        (("        return state.unpark_on_host()\n", "        return state.unpark()\n"),),
         ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
         "get-makes-no-kv-room",
         "a get of a parked session whose KV pool is short raises instead of parking others' KV",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "                if pool is None or id(pool) in tried:\n",
-                "                if True:\n",
-            ),
-        ),
+        "sessionstate/_manager/_room.py",
+        (("            if pool is None or id(pool) in tried:\n", "            if True:\n"),),
         ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
@@ -1094,7 +1072,7 @@ MUTANTS = (
     Mutant(
         "fork-shares-the-random-key",
         "a fork hands every branch the source's random key instead of splitting it",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_family.py",
         (
             (
                 "records = (state,) * n if share_random else state.split_random(n)",
@@ -1183,26 +1161,21 @@ MUTANTS = (
         "room-scan-asks-every-parked-session",
         "a scan for room asks every other session what it could park, at every get, those "
         "with nothing left to park included",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "            if idle.get(other, _NO_DEVICES) >= devices:\n",
-                "            if False:\n",
-            ),
-        ),
+        "sessionstate/_manager/_room.py",
+        (("        if idle.get(other, NO_DEVICES) >= devices:\n", "        if False:\n"),),
         ("tests/manager/test_budget_incremental.py",),
     ),
     Mutant(
         "room-scan-forgets-an-unpark",
         "an unparked session stays known as holding nothing to park, so it is never parked "
         "again for room",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "        self._set_record(session_id, state)\n"
-                "        self._ledger.set(session_id, self._ledger.values_for(session_id, state))",
-                "        self._table[session_id] = state\n"
-                "        self._ledger.set(session_id, self._ledger.values_for(session_id, state))",
+                "    t.set_record(session_id, state)\n"
+                "    t.ledger.set(session_id, t.ledger.values_for(session_id, state))",
+                "    t.records[session_id] = state\n"
+                "    t.ledger.set(session_id, t.ledger.values_for(session_id, state))",
             ),
         ),
         ("tests/manager/test_budget_incremental.py", "tests/manager/test_budget_stateful.py"),
@@ -1211,12 +1184,12 @@ MUTANTS = (
         "room-maker-asks-every-session",
         "making a step's pool room asks every other session what it could free, at every "
         "step, those whose K/V is parked included",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "                if remembered is not None and remembered in idle.get(other, "
-                "_NO_DEVICES):\n",
-                "                if False:\n",
+                "            if remembered is not None and remembered in idle.get(other, "
+                "NO_DEVICES):\n",
+                "            if False:\n",
             ),
         ),
         ("tests/manager/test_room_maker.py",),
