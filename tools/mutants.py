@@ -337,14 +337,15 @@ MUTANTS = (
     Mutant(
         "sharing-counts-own-aliases",
         "stats()'s shared_sessions counts a session that reaches a storage only itself holds",
-        "sessionstate/_manager/_observe.py",
+        "sessionstate/_manager/_decide.py",
         (
             (
-                "count += any(references(identity) > n for identity, n in own.items())",
-                "count += any(references(identity) >= n for identity, n in own.items())",
+                "return any(references.get(identity, 0) > n for identity, n in own.items())",
+                "return any(references.get(identity, 0) >= n for identity, n in own.items())",
             ),
         ),
         (
+            "tests/manager/test_decide.py",
             "tests/manager/test_observability.py::"
             "test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go",
         ),
@@ -352,9 +353,12 @@ MUTANTS = (
     Mutant(
         "batch-evicts-before-the-budget-check",
         "a batch the budget cannot hold evicts others before it is refused",
-        "sessionstate/_manager/_access.py",
-        (("        if totals.get(device, 0) > budget:", "        if False:"),),
-        ("tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",),
+        "sessionstate/_manager/_decide.py",
+        (("        if totals.get(device, 0) > nbytes:", "        if False:"),),
+        (
+            "tests/manager/test_decide.py",
+            "tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",
+        ),
     ),
     Mutant(
         "put-walks-no-changed-value",
@@ -723,14 +727,15 @@ MUTANTS = (
         "manager-never-makes-step-room",
         "the manager steps a session without parking other sessions' blocks when a pool it "
         "was given runs short",
-        "sessionstate/_manager/_room.py",
+        "sessionstate/_manager/_decide.py",
         (
             (
-                "        if pool.free_blocks >= most * len(session_ids) + later:\n",
-                "        if True:\n",
+                "    return free >= per_step * sessions + prefetching * (session_blocks or 0)",
+                "    return True",
             ),
         ),
         (
+            "tests/manager/test_decide.py",
             "tests/models/dreamzero/test_kv_park_dreamzero.py",
             "tests/models/dreamzero/test_pool_pressure_record.py",
         ),
@@ -1326,6 +1331,20 @@ MUTANTS = (
             ),
         ),
         ("tests/manager/test_kept_copies.py",),
+    ),
+    Mutant(
+        "fork-refusal-forgets-the-source",
+        "the cap is thought to hold as many branches as places, the source's included",
+        "sessionstate/_manager/_decide.py",
+        (("    if branches <= cap - 1 and", "    if branches <= cap and"),),
+        ("tests/manager/test_decide.py", "tests/manager/test_fork.py"),
+    ),
+    Mutant(
+        "batch-fits-counts-held-places-as-free",
+        "with on_full='refuse' a batch's new sessions may take places other sessions hold",
+        "sessionstate/_manager/_decide.py",
+        (("fresh <= cap - held)", "fresh <= cap)"),),
+        ("tests/manager/test_decide.py", "tests/manager/test_get_put_many.py"),
     ),
 )
 

@@ -11,6 +11,7 @@ delegates to the room that does the job, over one `Table`:
 - ``_stepping``: `step` and `step_many`, the pools' transactions, the read check.
 - ``_observe``: `stats`, `session_stats`, `metrics_snapshot`, events.
 - ``_prefetch``: background unparks and their room.
+- ``_decide``: the decisions as pure functions of plain data, tested without a manager.
 
 The parts: `SessionLedger` (``_ledger``: what the stored records hold, per device, kept up to
 date by the values that changed), `BudgetPolicy` (``_policy``: the byte budget's decisions; it

@@ -19,6 +19,7 @@ from sessionstate._errors import (
     SessionStateLostError,
     reason,
 )
+from sessionstate._manager import _decide as decide
 from sessionstate._manager._ledger import Values, entries_of
 from sessionstate._manager._parking import parked_objects
 from sessionstate._manager._room import make_room, resident, store_unparked, unpark
@@ -262,8 +263,7 @@ def batch_fits(t: Table[SessionT], ids: list[Hashable]) -> bool:
     # Whether the cap holds the batch: no larger than the cap, and with
     # `on_full="refuse"` no more new sessions than free places.
     fresh = sum(sid not in t.records for sid in ids)
-    room = t.max_sessions - len(t.records)
-    return len(ids) <= t.max_sessions and (t.on_full != "refuse" or fresh <= room)
+    return decide.batch_fits(len(ids), fresh, len(t.records), t.max_sessions, t.on_full)
 
 
 def store_batch(
@@ -344,16 +344,16 @@ def refuse_batch_over_budget(t: Table[SessionT], ids: list[Hashable], walked: li
     if policy is None:
         return
     totals = count_entries(entry for values in walked for entry in entries_of(values))
-    for device, budget in policy.max_bytes.items():
-        if totals.get(device, 0) > budget:
-            msg = (
-                f"Cannot store the batch {ids!r}: together it holds {totals[device]} "
-                f"bytes on {device}, more than the whole budget of {budget} bytes "
-                "there (`max_bytes`); storing it would evict or park every other "
-                "session and still not fit. Store a smaller batch, or raise the "
-                f"budget for {device}."
-            )
-            t.refuse(ids[0], SessionAdmissionError(msg))
+    device = decide.over_whole_budget(totals, policy.max_bytes)
+    if device is not None:
+        msg = (
+            f"Cannot store the batch {ids!r}: together it holds {totals[device]} "
+            f"bytes on {device}, more than the whole budget of {policy.max_bytes[device]} "
+            "bytes there (`max_bytes`); storing it would evict or park every other "
+            "session and still not fit. Store a smaller batch, or raise the "
+            f"budget for {device}."
+        )
+        t.refuse(ids[0], SessionAdmissionError(msg))
 
 
 def check_state(state: object, session_id: Hashable) -> None:

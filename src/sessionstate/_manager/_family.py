@@ -22,6 +22,7 @@ from sessionstate._errors import (
     SnapshotError,
 )
 from sessionstate._events import SessionEvent
+from sessionstate._manager import _decide as decide
 from sessionstate._manager._access import (
     batch_fits,
     peek,
@@ -114,13 +115,9 @@ def fork(
 
 def admit_branches(t: Table[SessionT], source_id: Hashable, n: int) -> None:
     # A fork's room in the cap, checked before anything changes.
-    free = t.max_sessions - len(t.records)
-    if n <= t.max_sessions - 1 and (t.on_full != "refuse" or n <= free):
+    why = decide.fork_refusal(n, len(t.records), t.max_sessions, t.on_full)
+    if why is None:
         return
-    if n > t.max_sessions - 1:
-        why = f"the cap (max_sessions={t.max_sessions}) leaves {t.max_sessions - 1}"
-    else:
-        why = f"`on_full='refuse'` and the cap leaves {free} free"
     msg = (
         f"Cannot fork session {source_id!r} into {n} branches: {why} beside the source. "
         "Fork into fewer branches, drop finished sessions, or raise `max_sessions`."

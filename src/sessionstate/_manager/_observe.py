@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from sessionstate._accounting import EngineBlock
 from sessionstate._checks import check_session_id as check_session_id
 from sessionstate._errors import SessionStateLostError
 from sessionstate._events import SessionEvent
+from sessionstate._manager import _decide as decide
 from sessionstate._manager._ledger import entries_of
 from sessionstate._manager._table import SessionT, Table, not_held
 
@@ -69,7 +69,7 @@ def sharing_sessions(t: Table[SessionT]) -> int:
         for entry in entries_of(t.ledger.held(session_id)):
             own[entry[1]] = own.get(entry[1], 0) + 1
         references = t.ledger.references
-        count += any(references(identity) > n for identity, n in own.items())
+        count += decide.shares(own, {identity: references(identity) for identity in own})
     return count
 
 
@@ -81,29 +81,12 @@ def session_stats(t: Table[SessionT], session_id: Hashable, /) -> dict[str, Any]
             msg = not_held(f"No stats for session {session_id!r}")
             raise SessionStateLostError(msg)
         seen = t.storages_of(session_id)
-        own: dict[Hashable, int] = {}  # references from this session's own leaves
-        kinds: dict[Hashable, str] = {}  # the kind of value that reaches it first
-        for key, item in t.ledger.held(session_id).items():
-            kind = "objects" if key[0] == "o" else "attrs"
-            for entry in item.entries:
-                own[entry[1]] = own.get(entry[1], 0) + 1
-                kinds.setdefault(entry[1], kind)
-        nbytes: dict[str, int] = {}
-        engine: dict[str, int] = {}
-        shared: dict[str, int] = {}
-        by_kind: dict[str, dict[str, int]] = {"engine": {}, "objects": {}, "attrs": {}}
-        shared_ids: set[Hashable] = set()
-        for device, identity, _, size, _ in seen.values():
-            nbytes[device] = nbytes.get(device, 0) + size
-            kind = kinds[identity]
-            if isinstance(identity, EngineBlock):
-                engine[device] = engine.get(device, 0) + size
-                kind = "engine"
-            part = by_kind[kind]
-            part[device] = part.get(device, 0) + size
-            if t.ledger.references(identity) > own[identity]:  # another session's too
-                shared[device] = shared.get(device, 0) + size
-                shared_ids.add(identity)
+        values = [
+            ("objects" if key[0] == "o" else "attrs", item.entries)
+            for key, item in t.ledger.held(session_id).items()
+        ]
+        references = {identity: t.ledger.references(identity) for identity in seen}
+        nbytes, engine, shared, by_kind, shared_ids = decide.footprint(values, references)
         sharers = [
             other
             for other in t.records

@@ -20,6 +20,7 @@ from sessionstate._errors import (
     KVPoolExhaustedError,
     ParkingError,
 )
+from sessionstate._manager import _decide as decide
 from sessionstate._manager._policy import objects_to_park
 from sessionstate._manager._table import NO_DEVICES, SessionT, Table
 from sessionstate._protocols import EnginePool, StorageEntry
@@ -231,8 +232,10 @@ def make_step_room(t: Table[SessionT], session_ids: Sequence[Hashable]) -> None:
         # pressure wait for them, so the free blocks counted are the ones the steps find.
         with t.lock:
             running = t.parking.pending_all(besides=session_ids)
-        later = len({id(h) for h in running}) * (pool.session_blocks or 0)
-        if pool.free_blocks >= most * len(session_ids) + later:
+        prefetching = len({id(h) for h in running})
+        if decide.step_room_ready(
+            pool.free_blocks, most, len(session_ids), prefetching, pool.session_blocks
+        ):
             continue
         for handle in running:
             handle.wait_prefetch()
