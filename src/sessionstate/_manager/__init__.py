@@ -16,7 +16,8 @@ delegates to the room that does the job, over one `Table`:
 The parts: `SessionLedger` (``_ledger``: what the stored records hold, per device, kept up to
 date by the values that changed), `BudgetPolicy` (``_policy``: the byte budget's decisions; it
 changes nothing), `Parking` (``_parking``: the tier, the spool directory, the handles it made,
-their counts) and `ImmutabilityGuard` (``_guard``: stored tensors' version counters).
+their counts), `ImmutabilityGuard` (``_guard``: stored tensors' version counters) and the
+`Reporter` (``_events``: what the manager reports as it works, `SessionEvent` and timings).
 """
 
 from sessionstate._manager._face import SessionStateManager

@@ -16,8 +16,8 @@ from typing import Any, Generic
 import torch
 from typing_extensions import TypeVar
 
-from sessionstate._events import EventHook, SessionEvent
 from sessionstate._manager import _access, _family, _observe, _prefetch, _room, _stepping
+from sessionstate._manager._events import EventHook, SessionEvent
 from sessionstate._manager._parking import HostPoolFull
 from sessionstate._manager._policy import OnFull
 from sessionstate._manager._table import DEFAULT_MAX_SESSIONS, SessionT, Table

@@ -21,7 +21,6 @@ from sessionstate._errors import (
     SessionStateLostError,
     SnapshotError,
 )
-from sessionstate._events import SessionEvent
 from sessionstate._manager import _decide as decide
 from sessionstate._manager._access import (
     batch_fits,
@@ -31,6 +30,7 @@ from sessionstate._manager._access import (
     read_parked,
     store_batch,
 )
+from sessionstate._manager._events import SessionEvent
 from sessionstate._manager._table import SessionT, Table, batch_ids, not_held
 from sessionstate._session import SessionState
 from sessionstate._storage import (

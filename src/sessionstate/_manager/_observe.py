@@ -11,8 +11,8 @@ from typing import Any
 
 from sessionstate._checks import check_session_id as check_session_id
 from sessionstate._errors import SessionStateLostError
-from sessionstate._events import SessionEvent
 from sessionstate._manager import _decide as decide
+from sessionstate._manager._events import SessionEvent
 from sessionstate._manager._ledger import entries_of
 from sessionstate._manager._table import SessionT, Table, not_held
 

@@ -34,8 +34,8 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError, reason
-from sessionstate._events import Reporter, SessionEvent, span
 from sessionstate._kv import EncodeOnceKV, KVCache
+from sessionstate._manager._events import Reporter, SessionEvent, span
 from sessionstate._session import SessionState, ValueKey
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import (

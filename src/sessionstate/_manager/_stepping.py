@@ -18,9 +18,9 @@ from sessionstate._errors import (
     KVPoolExhaustedError,
     SessionStateLostError,
 )
-from sessionstate._events import span
 from sessionstate._kv._pool import kv_shortfall
 from sessionstate._manager._access import get, get_many, put, put_many
+from sessionstate._manager._events import span
 from sessionstate._manager._room import make_step_room, step_blocks
 from sessionstate._manager._table import SessionT, Table, batch_ids
 from sessionstate._protocols import EnginePool

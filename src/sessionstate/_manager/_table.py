@@ -34,7 +34,7 @@ from sessionstate._checks import (
 )
 from sessionstate._checks import check_session_id as check_session_id
 from sessionstate._errors import SessionAdmissionError
-from sessionstate._events import EventHook, Reporter, SessionEvent
+from sessionstate._manager._events import EventHook, Reporter, SessionEvent
 from sessionstate._manager._guard import ImmutabilityGuard
 from sessionstate._manager._ledger import SessionLedger, entries_of
 from sessionstate._manager._parking import HostPoolFull, Parking
