@@ -1,4 +1,4 @@
-"""The manager's parking part: its tier, its spool directory, the handles it made, their counts.
+"""One idea, what the manager holds parked: its tier, spool directory, handles and counts.
 
 `Parking` carries out what the budget policy decided: it parks a session's objects on the
 tier, checks a parked session's bytes before the manager makes room for them, unparks, and
