@@ -626,8 +626,8 @@ MUTANTS = (
         "sessionstate/models/cosmos3/_bespoke.py",
         (
             (
-                "            max_sessions,\n            on_full,\n",
-                '            max_sessions,\n            "evict",\n',
+                "                max_sessions,\n                on_full,\n",
+                '                max_sessions,\n                "evict",\n',
             ),
         ),
         ("tests/models/test_two_model_contract.py",),
