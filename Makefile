@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 # first run that is torch and diffusers, minutes of download: say so, and show pip's progress.
 $(VENV)/.installed-models: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "make demo: installing torch (the CPU build pinned in constraints.txt) and the models extra (diffusers, rich) into $(VENV); a few minutes on the first run"
+	@echo "make demo: installing torch (the version constraints.txt pins; the build already in $(VENV), else the one pip picks for this platform) and the models extra (diffusers, rich) into $(VENV); a few minutes on the first run"
 	$(PY) -m pip install --progress-bar on --disable-pip-version-check -c constraints.txt -e '.[models]'
 	touch $@
 

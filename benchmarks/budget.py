@@ -42,9 +42,13 @@ with the time spent waiting for a core, the CPU-time one much less.
    pipeline's ``forward``, four pipelines stepped in turns: unbudgeted, under a budget that
    holds two sessions at their largest (the others parked, KV included, and unparked on their
    turn), the same copying every park (``keep_parked_copies=False``), and the same with
-   ``prefetch(next, make_room=True)`` before each step. The budget
-   never evicts: the run fails if it does (evicted sessions would start over and the paths
-   would stop doing the same work). Target: budgeted within 1.15x of unbudgeted.
+   ``prefetch(next, make_room=True)`` before each step. Then the schedule known (issue 53,
+   3d): the manager told the next six steps' sessions with ``expect`` before each step,
+   without prefetch (Belady's parking alone, whose parks are counted against LRU's) and
+   with it (the next sessions restored in the background while the step runs). Each timed
+   step includes its ``expect`` or ``prefetch`` call. The budget never evicts: the run fails
+   if it does (evicted sessions would start over and the paths would stop doing the same
+   work). Target: the schedule known, with prefetch, within 1.15x of unbudgeted.
 6. ``many_sessions``: N small sessions (a cache of four 256-byte tensors and a ring buffer)
    under a budget that holds two and a half, stepped in turn with `get` and `put` (a commit
    to the ring): each `get` parks the least recently used resident session and unparks its
@@ -420,8 +424,9 @@ def put_check(sessions: int, repeats: int) -> dict[str, Any]:
 
 
 def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
-    """Median step time of a round robin of DreamZero tiny sessions, three pipelines in turns:
-    unbudgeted, under a budget of two sessions, and the same with the next one prefetched."""
+    """Median step time of a round robin of DreamZero tiny sessions, pipelines in turns:
+    unbudgeted, under a budget of two sessions, the same with the next one prefetched, and
+    with the schedule given to the manager (`expect`), without and with prefetch."""
     from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
     from sessionstate.models.dreamzero.episode import scripted_episode
 
@@ -456,10 +461,14 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         "budgeted": pipeline(budget),
         "budgeted_copying": pipeline(budget, keep=False),
         "budgeted_prefetch": pipeline(budget),
+        "schedule_parking": pipeline(budget),
+        "schedule_prefetch": pipeline(budget),
     }
+    order = [sid for sid, _ in episode]
     names = list(pipes)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    told: dict[str, list[float]] = {"schedule_parking": [], "schedule_prefetch": []}
     for i, (sid, obs) in enumerate(episode):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
@@ -467,6 +476,11 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
             start, start_cpu = time.perf_counter(), time.process_time()
             if name == "budgeted_prefetch" and i + 1 < len(episode):
                 pipe.prefetch(episode[i + 1][0], make_room=True)
+            elif name.startswith("schedule_"):  # this step's session first, then the next five
+                manager = pipe._managed.manager  # type: ignore[union-attr]
+                manager.expect(order[i : i + sessions], prefetch=name == "schedule_prefetch")
+                if i >= sessions:
+                    told[name].append(time.perf_counter() - start)
             pipe.forward(obs, sid)
             if i >= sessions:  # the first round starts the sessions: not timed
                 times[name].append(time.perf_counter() - start)
@@ -481,7 +495,11 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         raise RuntimeError(msg)
     medians = {name: statistics.median(t) for name, t in times.items()}
     cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
+    # Belady's gain is in the steps that do not swap (one in five): a median step swaps, the
+    # mean shows them.
+    means = {name: statistics.fmean(t) for name, t in times.items()}
     fetched = stats["budgeted_prefetch"]
+    scheduled = stats["schedule_prefetch"]
     return {
         "sessions": sessions,
         "rounds": rounds,
@@ -503,6 +521,20 @@ def round_robin(sessions: int, rounds: int) -> dict[str, Any]:
         "prefetches": fetched.get("prefetches", 0),
         "prefetch_hits": fetched.get("prefetch_hits", 0),
         "prefetches_dropped": fetched.get("prefetches_dropped", 0),
+        "schedule_parking_step_ms": medians["schedule_parking"] * 1e3,
+        "schedule_prefetch_step_ms": medians["schedule_prefetch"] * 1e3,
+        "schedule_parking_over_unbudgeted": medians["schedule_parking"] / medians["unbudgeted"],
+        "schedule_prefetch_over_unbudgeted": medians["schedule_prefetch"] / medians["unbudgeted"],
+        "schedule_prefetch_over_unbudgeted_cpu": cpu["schedule_prefetch"] / cpu["unbudgeted"],
+        "mean_over_unbudgeted": {
+            name: means[name] / means["unbudgeted"] for name in names if name != "unbudgeted"
+        },
+        "expect_ms": {name: statistics.median(t) * 1e3 for name, t in told.items()},
+        "schedule_parking_parks": stats["schedule_parking"].get("parks", 0),
+        "schedule_prefetch_parks": scheduled.get("parks", 0),
+        "scheduled_prefetches": scheduled.get("scheduled_prefetches", 0),
+        "schedule_prefetch_hits": scheduled.get("prefetch_hits", 0),
+        "schedule_prefetches_dropped": scheduled.get("prefetches_dropped", 0),
     }
 
 

@@ -195,6 +195,8 @@ def render_plans(plans: list[dict[str, Any]]) -> str:
         "|---|--:|--:|",
         f"| KV window (engine) | {b(s['kv_nbytes'])} | |",
         f"| parkable state objects | {b(s['parkable_nbytes'])} | |",
+        f"| unparkable state objects (the random key; stay when parked) "
+        f"| {b(s['unparkable_nbytes'])} | |",
         f"| attributes (stay on the device when parked) | {b(s['attrs_nbytes'])} | |",
         f"| kept on the host anyway | | {b(s['host_kept_nbytes'])} |",
         f"| **resident** | **{b(s['device_nbytes'])}** | {b(s['host_kept_nbytes'])} |",

@@ -43,7 +43,12 @@ MUTANTS = (
         "lock-removed",
         "the manager's lock is a no-op",
         "sessionstate/_manager/_table.py",
-        (("self.lock = threading.RLock()", 'self.lock = __import__("contextlib").nullcontext()'),),
+        (
+            (
+                "self.lock = _Lock(threading.RLock(), self.reporter)",
+                'self.lock = __import__("contextlib").nullcontext()',
+            ),
+        ),
         ("tests/manager/test_manager_threads.py",),
     ),
     Mutant(
@@ -746,9 +751,8 @@ MUTANTS = (
         "sessionstate/_manager/_prefetch.py",
         (
             (
-                "            if t.policy.over(t.ledger, extra):\n"
-                "                parking.count_dropped_prefetch()\n",
-                "            if False:\n                parking.count_dropped_prefetch()\n",
+                "        if t.policy.over(t.ledger, extra):\n            if sooner is None:\n",
+                "        if False:\n            if sooner is None:\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
@@ -1099,7 +1103,7 @@ MUTANTS = (
         "sessionstate/models/_kit.py",
         (
             (
-                "    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:",
+                "    if share_random or not isinstance(key, RandomKey):",
                 "    if True:",
             ),
         ),
@@ -1238,13 +1242,7 @@ MUTANTS = (
         "a restored block written past its restored tokens is parked under its content for "
         "all of them, so an unpark takes another block of the content for its own tokens",
         "sessionstate/_kv/_pool.py",
-        (
-            (
-                "pool._content[block] if pool._valid[block] < 0 or fill <= pool._valid[block] "
-                "else 0",
-                "pool._content[block]",
-            ),
-        ),
+        (("                    if self._valid[block] >= 0:\n", "                    if False:\n"),),
         ("tests/kv/test_kv_family_park.py",),
     ),
     Mutant(
@@ -1345,6 +1343,491 @@ MUTANTS = (
         "sessionstate/_manager/_decide.py",
         (("fresh <= cap - held)", "fresh <= cap)"),),
         ("tests/manager/test_decide.py", "tests/manager/test_get_put_many.py"),
+    ),
+    Mutant(
+        "serving-restore-ignores-room",
+        "on the simulated clock a restore starts before the park that made its room is done",
+        "sessionstate/serving/_sim.py",
+        (
+            (
+                "                    earliest = max(room, self._park_end.get(sid, 0.0))\n"
+                "                    self._ready[sid] = self._copy(",
+                "                    earliest = max(now, self._park_end.get(sid, 0.0))\n"
+                "                    self._ready[sid] = self._copy(",
+            ),
+        ),
+        ("tests/serving/test_server.py",),
+    ),
+    Mutant(
+        "serving-admission-ignores-copies",
+        "admission by deadline counts steps only, not the swaps of sessions beyond the resident",
+        "sessionstate/serving/_admission.py",
+        (
+            (
+                "        return self.compute_s(n) + 2 * self.copy_s(n) <= budget + 1e-12\n",
+                "        return self.compute_s(n) <= budget + 1e-12\n",
+            ),
+        ),
+        ("tests/messages/test_messages_serving.py", "tests/serving/test_plan_vs_harness.py"),
+    ),
+    Mutant(
+        "serving-late-chunk-slips",
+        "a late chunk moves the next chunk's deadline (deadlines slip instead of staying put)",
+        "sessionstate/serving/_server.py",
+        (
+            (
+                "        return self.t0 + self.k * period\n",
+                "        return max(self.t0 + self.k * period, self.last_done + period)\n",
+            ),
+        ),
+        ("tests/serving/test_server.py",),
+    ),
+    Mutant(
+        "plan-parks-the-random-key",
+        "the capacity plan counts an unparkable state object (the random key) as parked",
+        "sessionstate/cli/_plan.py",
+        (
+            (
+                'elif row["bucket"] == "object" and row.get("parkable", True):',
+                'elif row["bucket"] == "object":',
+            ),
+        ),
+        (
+            "tests/cli/test_cli_plan.py::"
+            "test_the_plan_counts_a_budgeted_managers_parked_session_exactly",
+        ),
+    ),
+    Mutant(
+        "trace-main-thread-only",
+        "`ab --trace` profiles only the thread that starts the profiler (no prefetch worker)",
+        "sessionstate/cli/_ab.py",
+        (("experimental_config=all_threads_config(),", "experimental_config=None,"),),
+        ("tests/cli/test_cli.py::test_ab_trace_writes_both_paths_with_the_librarys_ranges",),
+    ),
+    Mutant(
+        "span-thread-flag-only",
+        "a library range is recorded only where torch's thread-local profiler flag is on",
+        "sessionstate/_manager/_events.py",
+        (
+            (
+                "_profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:",
+                "_profiler_enabled():",
+            ),
+        ),
+        ("tests/manager/test_observability.py::test_parks_unparks_and_steps_are_profiler_ranges",),
+    ),
+    Mutant(
+        "split-skips-an-empty-key",
+        "a record whose random key is not allocated yet forks into branches that draw alike",
+        "sessionstate/_session.py",
+        (
+            (
+                "            if isinstance(obj, RandomKey):\n",
+                "            if isinstance(obj, RandomKey) and obj.is_allocated:\n",
+            ),
+        ),
+        (
+            "tests/storage/test_golden_snapshots.py::"
+            "test_a_keyless_golden_session_forked_before_its_first_step_draws_apart",
+        ),
+    ),
+    Mutant(
+        "cli-budget-count-only",
+        "`ab --max-bytes` takes a byte count only, not the device=count form",
+        "sessionstate/cli/_common.py",
+        (("        type=budget,\n", "        type=nbytes,\n"),),
+        ("tests/cli/test_cli_arguments.py",),
+    ),
+    Mutant(
+        "keep-branch-splits-the-key",
+        "the kept branch gets a split of its random key, not its own",
+        "sessionstate/models/planning.py",
+        (
+            (
+                "pipe.fork(branch_id, session_id, share_random=True)",
+                "pipe.fork(branch_id, session_id)",
+            ),
+        ),
+        (
+            "tests/cli/test_cli_rollout.py::"
+            "test_keep_branch_gives_a_hand_made_branch_the_sessions_id",
+        ),
+    ),
+    Mutant(
+        "piped-tables-80-columns",
+        "a command's tables fit rich's default 80 columns when stdout is not a terminal",
+        "sessionstate/cli/_common.py",
+        (("    return Console(width=PIPED_WIDTH)\n", "    return console\n"),),
+        ("tests/cli/test_cli_inspect.py::test_piped_tables_print_every_header_and_cell_whole",),
+    ),
+    Mutant(
+        "inspect-root-counts-without-kv",
+        "inspect's root structure counts tensors without the K/V leaves' (two counts)",
+        "sessionstate/_storage/_inspect.py",
+        (
+            (
+                '"root": _structure(tree, views, depth=0, leaves=leaves),',
+                '"root": _structure(tree, views, depth=0),',
+            ),
+        ),
+        (
+            "tests/cli/test_cli_inspect.py::"
+            "test_a_family_file_is_shown_per_session_with_one_tensor_count",
+        ),
+    ),
+    Mutant(
+        "belady-order-reversed",
+        "under a schedule, room-making parks the session used soonest first",
+        "sessionstate/_manager/_schedule.py",
+        (("        reverse=True,\n", "        reverse=False,\n"),),
+        ("tests/manager/test_schedule.py", "tests/manager/test_expect.py"),
+    ),
+    Mutant(
+        "schedule-ignored",
+        "`expect`'s schedule is kept but room-making stays least recently used first",
+        "sessionstate/_manager/_room.py",
+        (("    return park_order(list(t.records), t.schedule)\n", "    return list(t.records)\n"),),
+        ("tests/manager/test_expect.py",),
+    ),
+    Mutant(
+        "scheduled-prefetch-parks-sooner",
+        "a prefetch `expect` starts may park a session the schedule uses sooner",
+        "sessionstate/_manager/_prefetch.py",
+        (
+            (
+                "            if not start_prefetch(t, session_id, True, sooner):\n",
+                "            if not start_prefetch(t, session_id, True, {session_id}):\n",
+            ),
+        ),
+        ("tests/manager/test_expect.py",),
+    ),
+    Mutant(
+        "scheduled-prefetch-over-budget",
+        "a prefetch `expect` starts skips the budget check",
+        "sessionstate/_manager/_prefetch.py",
+        (
+            (
+                "        if t.policy.over(t.ledger, extra):\n",
+                "        if sooner is None and t.policy.over(t.ledger, extra):\n",
+            ),
+        ),
+        ("tests/manager/test_expect.py",),
+    ),
+    Mutant(
+        "prefetch-plan-past-a-new-session",
+        "`expect`'s prefetch plan goes on past a session not held yet",
+        "sessionstate/_manager/_schedule.py",
+        (
+            (
+                "        if session_id not in held:\n            break\n",
+                "        if session_id not in held:\n            continue\n",
+            ),
+        ),
+        ("tests/manager/test_schedule.py",),
+    ),
+    Mutant(
+        "refused-batch-releases-replaced-parked-bytes",
+        "a batch store releases the parked bytes of the records it replaces before it is "
+        "stored whole, so a refusal puts back a parked record whose bytes are gone",
+        "sessionstate/_manager/_parking.py",
+        (("            or any(obj.handle is handle for obj in self.replacing)\n", ""),),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "refused-get-many-keeps-prefetched-restore",
+        "a get_many the budget refuses keeps what check read and a prefetch restored, "
+        "charged to nobody",
+        "sessionstate/_manager/_access.py",
+        (
+            (
+                "                for session_id in parked:  # what `check` read",
+                "                for session_id in ():  # what `check` read",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "fork-source-key-without-room",
+        "a fork gives the source its new split key without making room for it",
+        "sessionstate/_manager/_family.py",
+        (
+            (
+                "                    make_room(t, source_id, {}, added)\n",
+                "                    pass\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "unpark-charges-handed-back-bytes",
+        "an unpark charges the parked bytes of objects a resident sibling hands back",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "        back = {id(parked[name].handle) for name in self.handed_back(session_id)}"
+                "\n",
+                "        back: set[int] = set()\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "batch-counts-shared-parked-bytes-per-member",
+        "get_many charges a parked handle its members share once per member",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            if counted is not None and id(handle) in counted:\n"
+                "                continue\n",
+                "",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "failed-step-moves-lru",
+        "a step's read makes its sessions the most recently used before the step publishes, "
+        "so a failed or refused step reorders the LRU",
+        "sessionstate/_manager/_access.py",
+        (
+            (
+                "        if touch:\n            t.records.move_to_end(session_id)\n",
+                "        t.records.move_to_end(session_id)\n",
+            ),
+            (
+                "        if touch:\n            for session_id in ids:\n",
+                "        if True:\n            for session_id in ids:\n",
+            ),
+        ),
+        ("tests/manager/test_step_many.py",),
+    ),
+    Mutant(
+        "put-many-leaves-lru",
+        "put_many of held, resident sessions leaves them where they were in the LRU order",
+        "sessionstate/_manager/_access.py",
+        (
+            (
+                "        table.move_to_end(session_id)\n"
+                "        parking.track(session_id, state, {})\n",
+                "        parking.track(session_id, state, {})\n",
+            ),
+        ),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "shared-sessions-only-after-a-fork",
+        "stats() reports shared_sessions only once a fork was made (a restored family reads 0 "
+        "on the gauge)",
+        "sessionstate/_manager/_family.py",
+        (
+            (
+                "        store_batch(t, pairs, ids)\n        t.families = True\n",
+                "        store_batch(t, pairs, ids)\n",
+            ),
+        ),
+        ("tests/manager/test_observability.py::test_a_restored_family_is_counted_as_sharing",),
+    ),
+    Mutant(
+        "batch-peak-not-checked",
+        "a batch that replaces held sessions is checked against the budget without the "
+        "records its later members still hold, so it evicts others and is refused midway",
+        "sessionstate/_manager/_access.py",
+        (("    for k in range(len(olds) - 1) if any(olds[1:]) else ():\n", "    for k in ():\n"),),
+        ("tests/manager/test_get_put_many.py",),
+    ),
+    Mutant(
+        "get-many-skips-guard",
+        "get_many hands out a batch without the immutability guard's check of each record",
+        "sessionstate/_manager/_access.py",
+        (
+            (
+                "        for session_id in ids:  # every record, before anything is parked or "
+                "unparked\n"
+                "            t.verify(session_id, t.records[session_id])\n",
+                "",
+            ),
+        ),
+        ("tests/manager/test_guard_batches.py",),
+    ),
+    Mutant(
+        "family-read-skips-guard",
+        "snapshot_many and peek_many read a family without the immutability guard's check",
+        "sessionstate/_manager/_family.py",
+        (
+            (
+                "            t.verify(session_id, state)\n            if state.parked:\n",
+                "            if state.parked:\n",
+            ),
+        ),
+        ("tests/manager/test_guard_batches.py",),
+    ),
+    Mutant(
+        "fork-forgets-parked-kv",
+        "fork does not tell parking that a branch of a K/V-parked source holds parked K/V",
+        "sessionstate/_manager/_parking.py",
+        (
+            (
+                "            self._kv_parked.add(branch_id)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/manager/test_fork.py",),
+    ),
+    Mutant(
+        "first-pool-transaction-only",
+        "a step runs inside the first pool's transaction only, so a failed step keeps the "
+        "blocks it took from the others",
+        "sessionstate/_manager/_stepping.py",
+        (("    for transaction in opened:\n", "    for transaction in opened[:1]:\n"),),
+        ("tests/manager/test_step_many.py",),
+    ),
+    Mutant(
+        "callback-interrupt-raised-mid-work",
+        "a KeyboardInterrupt an on_event callback raises escapes at once, mid-unpark",
+        "sessionstate/_manager/_events.py",
+        (("                if not self.defer:\n", "                if True:\n"),),
+        ("tests/manager/test_observability.py",),
+    ),
+    Mutant(
+        "kv-parks-with-the-rest",
+        "a record holding K/V parks its other objects into the K/V handle (never shared), so "
+        "every sibling parks a shared history again",
+        "sessionstate/_manager/_parking.py",
+        (("    if held is None or len(names) < 2:\n", "    if True:\n"),),
+        (
+            "tests/manager/test_fork.py::"
+            "test_a_kv_familys_other_objects_park_once_and_come_back_shared",
+        ),
+    ),
+    Mutant(
+        "stack-copies-an-equal-view",
+        "stack keeps a leaf unbatched only when it is the very same tensor in every record, "
+        "copying a storage every record reaches through its own equal view",
+        "sessionstate/_batch.py",
+        (
+            (
+                "            and leaf.untyped_storage()._cdata == storage\n",
+                "            and False\n",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::"
+            "test_a_storage_every_record_reaches_through_its_own_equal_view_stays_shared",
+        ),
+    ),
+    Mutant(
+        "stack-groups-views-by-offset-only",
+        "stack groups the views of one storage when their offsets agree, whatever their strides",
+        "sessionstate/_batch.py",
+        (
+            (
+                "or (x.storage_offset(), x.stride()) != (y.storage_offset(), y.stride())",
+                "or x.storage_offset() != y.storage_offset()",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::"
+            "test_views_of_one_storage_are_grouped_only_when_offset_and_stride_agree",
+        ),
+    ),
+    Mutant(
+        "unstack-without-copies-copies",
+        "unstack(copy=False) gives each record a copy of its slice, not a view of the stack",
+        "sessionstate/_batch.py",
+        (
+            (
+                "                leaves.append(x[i])\n",
+                "                leaves.append(x[i].clone())\n",
+            ),
+        ),
+        (
+            "tests/core/test_batch.py::test_unstack_without_copies_gives_views_into_the_stacked_tensors",
+        ),
+    ),
+    Mutant(
+        "split-ignores-the-counter",
+        "RandomKey.split hashes the stream alone: a key split after draws gives the keys a split "
+        "before them gave",
+        "sessionstate/_random.py",
+        (('_hash(b"split", stream, counter, i)', '_hash(b"split", stream, 0, i)'),),
+        ("tests/core/test_random.py::test_a_split_depends_on_where_the_key_stands",),
+    ),
+    Mutant(
+        "kv-extended-holder-keeps-its-short-count",
+        "a live block an unpark extends to a sibling's longer tokens still holds the content "
+        "for its first tokens only, so a third sibling takes a fresh block",
+        "sessionstate/_kv/_pool.py",
+        (
+            (
+                "                    self._filled[block] = self._valid[block] = valid = fill\n",
+                "                    self._filled[block] = valid = fill\n",
+            ),
+        ),
+        (
+            "tests/kv/test_kv_family_park.py::"
+            "test_the_third_sibling_reuses_the_block_the_longer_one_came_back_on",
+        ),
+    ),
+    Mutant(
+        "stats-by-kind-last-reach-wins",
+        "session_stats counts a storage an object and an attribute share as the kind that "
+        "reaches it last (the attribute's), not the object's",
+        "sessionstate/_manager/_decide.py",
+        (("kinds.setdefault(entry[1], kind)", "kinds[entry[1]] = kind"),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_storage_an_object_and_an_attribute_share_counts_as_the_objects",
+        ),
+    ),
+    Mutant(
+        "metrics-pool-blocks-as-free",
+        "the collector's pool_blocks gauge reads the pool's free blocks",
+        "sessionstate/metrics.py",
+        (('labels("pool", pool), total))', 'labels("pool", pool), nfree))'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-free-blocks-as-blocks",
+        "the collector's pool_free_blocks gauge reads the pool's blocks",
+        "sessionstate/metrics.py",
+        (('labels("pool", pool), nfree))', 'labels("pool", pool), total))'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-refusals-unread",
+        "the collector's refusals counter reads an event kind never emitted",
+        "sessionstate/metrics.py",
+        (('snap["events"].get("refuse", 0)', 'snap["events"].get("refused", 0)'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-reparks-as-parks",
+        "the collector's reparks counter reads the parks",
+        "sessionstate/metrics.py",
+        (('("reparks", stats.get("reparks", 0)', '("reparks", stats.get("parks", 0)'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
+    ),
+    Mutant(
+        "metrics-kept-as-parked",
+        "the collector's kept_bytes gauge reads the parked bytes",
+        "sessionstate/metrics.py",
+        (('        "nbytes_kept",\n', '        "nbytes_parked",\n'),),
+        (
+            "tests/manager/test_observability.py::"
+            "test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says",
+        ),
     ),
 )
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from sessionstate._env import ENV_MAX_BYTES as ENV_MAX_BYTES
     from sessionstate._env import ENV_MAX_SESSIONS as ENV_MAX_SESSIONS
     from sessionstate._env import ENV_ON_FULL as ENV_ON_FULL
+    from sessionstate._errors import BudgetTextError as BudgetTextError
     from sessionstate._errors import HostPoolFullError as HostPoolFullError
     from sessionstate._errors import ImmutabilityViolationError as ImmutabilityViolationError
     from sessionstate._errors import ImmutableRecordError as ImmutableRecordError
@@ -195,6 +196,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     # -- errors --------------------------------------------------------------------------
     "sessionstate._errors": (
+        "BudgetTextError",
         "HostPoolFullError",
         "ImmutabilityViolationError",
         "ImmutableRecordError",

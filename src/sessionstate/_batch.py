@@ -1,10 +1,11 @@
 """Batches: many records of one structure stepped in one forward, the JAX way.
 
 `stack` gathers N records into a `Batch`: each tensor leaf stacked along a new leading
-dimension, except a leaf that is the same tensor in every record (what forks share), which
-stays one tensor, unbatched. `vmap` runs a pure step ``step(state, x) -> (state, out)`` over the
-batch with `torch.func.vmap`: inside, each example sees an ordinary record (its leaves at their
-per-example shapes, so the records' own checks hold), and the step is written for one session.
+dimension, except a leaf that is the same tensor in every record (what forks share), or the
+same view of one storage in every record, which stays one tensor, unbatched. `vmap` runs a
+pure step ``step(state, x) -> (state, out)`` over the batch with `torch.func.vmap`: inside,
+each example sees an ordinary record (its leaves at their per-example shapes, so the records'
+own checks hold), and the step is written for one session.
 `unstack` gives the N records back; what stayed unbatched is shared again.
 
 A batch keeps its leaves flat rather than as one stacked record: a record checks its leaves'
@@ -87,7 +88,8 @@ def stack(records: Sequence[R], /) -> Batch[R]:
     Records must have the same tree structure (classes, object names, static fields such as
     a ring's ``maxlen``) and, leaf by leaf, tensors of one shape, dtype and device, or equal
     non-tensor values. A tensor leaf that is the same tensor in every record (a fork's
-    history) stays one tensor, unbatched; the others are stacked (a copy). Leaves that are
+    history), or in every record a view of one storage with the same offset, shape and
+    stride, stays one tensor, unbatched; the others are stacked (a copy). Leaves that are
     views of one storage in each record (a slice beside its tensor, an alias), laid out
     alike in every record, are stacked as their storage, so `unstack` gives each record its
     views of one copy again: the records' sharing survives the batch.
@@ -390,7 +392,7 @@ def _stack_leaf(path: str, column: list[Any], *, stacked: bool = True) -> tuple[
                 )
                 raise ValueError(msg)
         return first, None
-    if all(leaf is first for leaf in column):
+    if _one_view(column):
         return first, None
     for i, leaf in enumerate(column[1:], start=1):
         if (
@@ -422,7 +424,7 @@ def _storage_groups(columns: list[list[Any]]) -> list[list[int]]:
         x = column[0]
         if (
             isinstance(x, torch.Tensor)
-            and not all(leaf is x for leaf in column)
+            and not _one_view(column)
             and all(isinstance(leaf, torch.Tensor) for leaf in column)
             and x.untyped_storage().nbytes() > 0
         ):
@@ -432,6 +434,39 @@ def _storage_groups(columns: list[list[Any]]) -> list[list[int]]:
         for members in by_storage.values()
         if len(members) > 1 and _laid_out_alike([columns[j] for j in members])
     ]
+
+
+def _one_view(column: list[Any]) -> bool:
+    # Whether every record holds one view of one storage: the very tensor (what forks share),
+    # or each its own tensor with the same storage, offset, shape, stride and dtype (a view a
+    # record made again). It stays one tensor for the batch, never copied.
+    first = column[0]
+    if not isinstance(first, torch.Tensor):
+        return False
+    storage = first.untyped_storage()._cdata
+    layout = _layout(first)
+    return all(
+        leaf is first
+        or (
+            isinstance(leaf, torch.Tensor)
+            and leaf.untyped_storage()._cdata == storage
+            and _layout(leaf) == layout
+        )
+        for leaf in column
+    )
+
+
+def _layout(x: torch.Tensor) -> tuple[Any, ...]:
+    # How a view reads its storage (the conjugate and negative bits too: a lazy `conj()`).
+    return (
+        x.storage_offset(),
+        x.shape,
+        x.stride(),
+        x.dtype,
+        x.device,
+        x.is_conj(),
+        x.is_neg(),
+    )
 
 
 def _stack_storage(columns: list[list[Any]], members: list[int], out: list[Any]) -> None:

@@ -102,3 +102,29 @@ def reason(exc: BaseException, /) -> str:
     """
     text = str(exc).rstrip().removesuffix(".")
     return text or type(exc).__name__
+
+
+class BudgetTextError(ValueError):
+    """A byte budget written as text that is not one (``"cpu=lots"``, ``"cuda=1GiB"``).
+
+    Raised wherever a budget is read from text, by one parser: `SessionStateManager`'s
+    ``max_bytes``, the deploy config's ``session_state_max_bytes`` and its environment
+    variable (which warns with it instead), and ``sessionstate ab --max-bytes``. A budget is
+    one byte count (``"24GiB"``) or ``device=count`` pairs (``"cuda:0=24GiB,cpu=8GiB"``).
+    ``rule`` names the rule broken: ``"device"`` (a key that is not a device as tensors report
+    it), ``"twice"`` (a device named again), ``"count"`` (not a byte count) or ``"zero"`` (a
+    count of 0 where a positive one is asked for); ``part`` is the text that breaks it. It is a
+    `ValueError`.
+
+    >>> import sessionstate as ss
+    >>> try:
+    ...     ss.SessionStateManager(max_bytes="cpu=lots")
+    ... except ss.BudgetTextError as error:
+    ...     print(error.rule, error.part)
+    count lots
+    """
+
+    def __init__(self, message: str, /, *, rule: str, part: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.part = part

@@ -91,9 +91,16 @@ class RandomKey(StateObject):
     bytes frees nothing, and a fork must read it. `reset` rewinds the counter to the stream's
     first draw; `evict` forgets the key (`allocate` again).
 
+    A key not allocated splits too (a record loaded from a file written before sessions held
+    keys, forked before its first step): each new key remembers which split it is
+    (``pending``), and `allocate` seeds it as that split of the seeded key, so branches draw
+    apart from the seed and their place in the fork, as splits of an allocated key do.
+
     Args:
         key: The key's two words (stream, counter), int64; None while not allocated.
         name: Used in error messages.
+        pending: While not allocated, the splits it was made by (each the index of the new
+            key it took), which `allocate` applies to the seeded key; empty otherwise.
 
     >>> key = RandomKey.seeded(0)
     >>> noise, key2 = key.normal((2,))
@@ -107,6 +114,7 @@ class RandomKey(StateObject):
 
     key: torch.Tensor | None = field(default=None, validator=_check_key)
     name: str = static_field(default="random_key", kw_only=True)
+    pending: tuple[int, ...] = static_field(default=(), kw_only=True, converter=tuple)
 
     parkable: ClassVar[bool] = False
 
@@ -146,10 +154,18 @@ class RandomKey(StateObject):
     def allocate(self, *, seed: int = 0) -> RandomKey:  # type: ignore[override]
         """Return a key seeded with ``seed`` (see `seeded`), keeping this one's name.
 
+        A key split while not allocated becomes that split of the seeded key.
+
         >>> RandomKey(name="noise").allocate(seed=3).view()
         tensor([3, 0])
+        >>> _, branch = RandomKey().split(2)
+        >>> torch.equal(branch.allocate(seed=3).view(), RandomKey.seeded(3).split(2)[1].view())
+        True
         """
-        return RandomKey.seeded(seed, name=self.name)
+        key = RandomKey.seeded(seed, name=self.name)
+        for i in self.pending:
+            key = key.split(i + 1)[i]
+        return key
 
     def commit(self, key: torch.Tensor, /) -> RandomKey:
         """Return a key holding ``key`` (two int64 words: stream, counter) instead.
@@ -195,7 +211,7 @@ class RandomKey(StateObject):
         >>> RandomKey.seeded(0).evict().is_allocated
         False
         """
-        return attrs.evolve(self, key=None)
+        return attrs.evolve(self, key=None, pending=())
 
     def generator(self) -> tuple[torch.Generator, RandomKey]:
         """A host `torch.Generator` seeded from this key, and the next key.
@@ -247,17 +263,21 @@ class RandomKey(StateObject):
         """``n`` new keys, each its own stream; this key stays valid and draws apart from them.
 
         A split of the same key gives the same keys (a split is a pure function), so split
-        once per fork and hand each branch its own.
+        once per fork and hand each branch its own. A key not allocated gives ``n`` keys not
+        allocated, each seeded by `allocate` as the same split of the seeded key.
 
         Raises:
             ValueError: if ``n`` is not a positive int.
-            NotAllocatedError: if the key is not allocated.
 
         >>> a, b = RandomKey.seeded(0).split(2)
         >>> a.counter, torch.equal(a.view(), b.view())
         (0, False)
+        >>> [k.pending for k in RandomKey().split(2)]
+        [(0,), (1,)]
         """
         n = check_count(n, "n", fix="; a split makes at least one key")
+        if self.key is None:
+            return tuple(attrs.evolve(self, pending=(*self.pending, i)) for i in range(n))
         stream, counter = self._words("split")
         return tuple(self._at(_hash(b"split", stream, counter, i), 0) for i in range(n))
 

@@ -292,9 +292,11 @@ class SessionState:
 
         Every `RandomKey` object is split (`RandomKey.split`); the ``i``-th record holds the
         ``i``-th key of each, and every other value is this record's own (nothing copied). A
-        record without an allocated key gives itself ``n`` times. A manager's `fork` splits
-        so: the source keeps the first record, each branch one of the others; to fork a record
-        by hand (``put(branch, record)``), split it first, or the branches draw the same noise.
+        record without a key gives itself ``n`` times; a key not allocated yet splits too, so
+        each record's key is seeded, at its first draw, as its split of the seeded key. A
+        manager's `fork` splits so: the source keeps the first record, each branch one of the
+        others; to fork a record by hand (``put(branch, record)``), split it first, or the
+        branches draw the same noise.
 
         Raises:
             ValueError: if ``n`` is not a positive int.
@@ -313,7 +315,7 @@ class SessionState:
         for name, obj in self._objects.items():
             if isinstance(obj, ParkedObject) and obj.kind == RandomKey.__name__:
                 obj.split(n)  # refused: a parked key says how to unpark it
-            if isinstance(obj, RandomKey) and obj.is_allocated:
+            if isinstance(obj, RandomKey):
                 splits[name] = obj.split(n)
         if not splits:
             return (self,) * n

@@ -47,8 +47,8 @@ def _prometheus() -> Any:
         import prometheus_client.core as core
     except ImportError as exc:
         msg = (
-            "Metrics need `prometheus_client`: install the extra, "
-            "`pip install 'sessionstate[metrics]'`."
+            "Metrics need `prometheus_client`: install the `metrics` extra from your clone, "
+            "`pip install -e '.[metrics]'` (no release of sessionstate is on PyPI yet)."
         )
         raise ImportError(msg) from exc
     return core

@@ -183,3 +183,20 @@ def test_ab_trace_writes_both_paths_with_the_librarys_ranges(tmp_path: Path) -> 
     assert not {n for n in ranges("bespoke path") if n.startswith("sessionstate::")}
     library = {"sessionstate::step", "sessionstate::park", "sessionstate::unpark"}
     assert library | {"step", "sessionstate::prefetch"} <= ranges("managed path")
+    # The prefetch worker's background restores sit on a track of their own, named for it.
+    pid = processes["managed path"]
+    named = {
+        e["tid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") == pid
+    }
+    workers = {tid for tid, name in named.items() if name == "sessionstate-prefetch"}
+    assert len(workers) == 1
+    by_tid: dict[Any, set[str]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") == pid:
+            by_tid.setdefault(e["tid"], set()).add(e["name"])
+    (worker,) = workers
+    steps = {tid for tid, names in by_tid.items() if "sessionstate::step" in names}
+    assert worker not in steps
+    assert {"aten::copy_", "aten::empty_strided"} & by_tid[worker]  # the restore's copies

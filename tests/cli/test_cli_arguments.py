@@ -103,3 +103,27 @@ def test_the_help_of_ab_and_sizes_names_every_model(capsys: pytest.CaptureFixtur
         entry = text.split(f" {command} ", 1)[1].split(f" {following} ", 1)[0]
         for spec in MODELS.values():
             assert spec.title in entry, (command, entry)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("2MiB", 2 * 2**20),
+        ("cpu=2MiB", {"cpu": 2 * 2**20}),
+        ("cuda:0=1GiB, cpu=2MiB", {"cuda:0": 2**30, "cpu": 2 * 2**20}),
+    ],
+)
+def test_ab_takes_a_budget_in_both_forms_the_environment_takes(
+    text: str, want: int | dict[str, int]
+) -> None:
+    from pathlib import Path
+
+    from sessionstate._config import parse_max_bytes
+    from sessionstate.cli._ab import episode_command, episode_parser
+
+    args = build_parser().parse_args(["ab", "--max-sessions", "4", "--max-bytes", text])
+    assert args.max_bytes == want == parse_max_bytes(text)  # the environment's reading
+    # Each path's child reads the same budget back.
+    cmd = episode_command(args, Path("out.pt"))
+    child = episode_parser().parse_args(cmd[cmd.index("_episode") + 1 :])
+    assert child.max_bytes == want

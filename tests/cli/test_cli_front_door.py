@@ -66,9 +66,9 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_internal_episode_command_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["nope"]) == 2
     assert capsys.readouterr().err == (
-        "sessionstate: error: argument {ab,sizes,plan,rollout,demo,inspect,cluster}: invalid "
-        "choice: 'nope' (choose from 'ab', 'sizes', 'plan', 'rollout', 'demo', 'inspect', "
-        "'cluster') (see "
+        "sessionstate: error: argument {ab,sizes,plan,rollout,demo,inspect,cluster,serve-bench}: "
+        "invalid choice: 'nope' (choose from 'ab', 'sizes', 'plan', 'rollout', 'demo', "
+        "'inspect', 'cluster', 'serve-bench') (see "
         "`sessionstate --help`)\n"
     )
 
@@ -86,8 +86,8 @@ def test_ab_without_the_models_extra_is_one_line() -> None:
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
         "sessionstate ab: error: `sessionstate ab` needs diffusers, which is not installed; "
-        'install the `models` extra: pip install "sessionstate[models]" '
-        '(from a clone: pip install -e ".[models]").'
+        'install the `models` extra from your clone: pip install -e ".[models]" '
+        "(no release is on PyPI yet)."
     ]
 
 

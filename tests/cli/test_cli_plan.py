@@ -55,16 +55,20 @@ def _expected(
 ) -> dict[str, Any]:
     """The plan recomputed: per-bucket sums, and the resident count by trying every one."""
     values = table["values"]
-    by = {"engine": 0, "object": 0, "attrs": 0}
+    by = {"engine": 0, "object": 0, "attrs": 0, "unparkable": 0}
     host_kept = 0
     for name, row in values.items():
+        assert row["parkable"] == (row["bucket"] != "attrs" and name != "random_key")
         if name in host_values:
             host_kept += row["managed_nbytes"]
-        else:
+        elif row["parkable"] or row["bucket"] == "attrs":
             by[row["bucket"]] += row["managed_nbytes"]
-    resident_bytes = by["engine"] + by["object"] + by["attrs"]
+        else:
+            by["unparkable"] += row["managed_nbytes"]
+    resident_bytes = by["engine"] + by["object"] + by["unparkable"] + by["attrs"]
     assert resident_bytes + host_kept == table["session_nbytes"]["managed"]  # nothing shared
     moved = by["engine"] + by["object"]
+    stays = by["unparkable"] + by["attrs"]
     headroom = kv[0] * kv[1] - by["engine"] if kv else 0
     avail = device - reserved - headroom
     alone = min(avail // resident_bytes, host // host_kept if host_kept else avail)
@@ -73,14 +77,16 @@ def _expected(
         return (host - r * host_kept) // (moved + host_kept)
 
     best = max(
-        (r for r in range(1, alone + 1) if r * resident_bytes + parked(r) * by["attrs"] <= avail),
+        (r for r in range(1, alone + 1) if r * resident_bytes + parked(r) * stays <= avail),
         default=1,
     )
-    room = (avail - best * resident_bytes) // by["attrs"]
+    room = (avail - best * resident_bytes) // stays
     return {
         "kv": by["engine"],
         "parkable": by["object"],
         "attrs": by["attrs"],
+        "unparkable": by["unparkable"],
+        "stays": stays,
         "host_kept": host_kept,
         "resident_bytes": resident_bytes,
         "parked_host": moved + host_kept,
@@ -98,6 +104,8 @@ def _check(plan: dict[str, Any], want: dict[str, Any]) -> None:
         "kv": s["kv_nbytes"],
         "parkable": s["parkable_nbytes"],
         "attrs": s["attrs_nbytes"],
+        "unparkable": s["unparkable_nbytes"],
+        "stays": s["parked_device_nbytes"],
         "host_kept": s["host_kept_nbytes"],
         "resident_bytes": s["device_nbytes"],
         "parked_host": s["parked_host_nbytes"],
@@ -112,7 +120,7 @@ def _check(plan: dict[str, Any], want: dict[str, Any]) -> None:
     assert plan["swap_out_s"] == plan["swap_in_s"]
     assert plan["device_used_nbytes"] <= plan["device_nbytes"]
     assert plan["host_used_nbytes"] <= plan["host_nbytes"]
-    assert s["parked_device_nbytes"] == want["attrs"]
+    assert s["parked_device_nbytes"] == want["attrs"] + want["unparkable"]
 
 
 @pytest.fixture(scope="module")
@@ -368,3 +376,36 @@ def test_plan_help_does_not_import_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [0, False, True]
+
+
+@pytest.mark.parametrize(("model", "steps"), [("dreamzero", 3), ("cosmos3", 2)])
+def test_the_plan_counts_a_budgeted_managers_parked_session_exactly(
+    model: str, steps: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A parked session holds on the device what the plan says, and on its tier the rest.
+
+    The plan is arithmetic over the size table; this runs the tiny pipeline for real under a
+    budget that holds one session, so the other is parked, and reads the manager's own
+    figures. The 16-byte random key is not parkable: it stays with the attributes.
+    """
+    from sessionstate import ENV_MAX_BYTES
+    from sessionstate.models._registry import get_model
+
+    argv = ["--model", model, "--preset", "tiny", "--steps", str(steps)]
+    argv += ["--device-bytes", "64MiB", "--host-bytes", "64MiB", "--bandwidth", "1MB/s"]
+    s = _plan_json(argv, capsys)["session"]
+    one = s["device_nbytes"] + s["host_kept_nbytes"]  # all on cpu here
+    spec = get_model(model)
+    cfg = spec.config_from_dict({"preset": "tiny"})
+    env = {ENV_ENABLE: "1", ENV_MAX_BYTES: f"cpu={one * 3 // 2}"}
+    pipe = spec.pipeline.load()(cfg, device="cpu", environ=env)
+    episode = spec.episode(cfg, steps=steps, sessions=2, seed=0, prompt_change_every=steps + 1)
+    for sid, inputs in episode:
+        pipe.forward(inputs, sid)
+    parked, resident = (pipe.session_stats(sid) for sid in pipe.session_ids())
+    assert not parked["resident"]
+    assert resident["resident"]
+    assert resident["nbytes"] == {"cpu": one}
+    assert parked["nbytes"] == {"cpu": s["parked_device_nbytes"]}
+    assert parked["nbytes_parked"] == {"host": s["parked_host_nbytes"]}
+    assert s["unparkable_nbytes"] == 16  # the random key

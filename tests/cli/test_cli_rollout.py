@@ -9,7 +9,7 @@ import torch
 
 from sessionstate.cli import main
 from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline, Cosmos3Request
-from sessionstate.models.planning import rollout
+from sessionstate.models.planning import keep_branch, rollout
 
 
 @pytest.mark.parametrize("model", ["cosmos3", "dreamzero"])
@@ -53,6 +53,32 @@ def test_rollout_keeps_the_best_branch_as_the_session() -> None:
     with pytest.raises(ValueError, match="one positive length"):
         rollout(pipe, "s", [[move(1.0)], []], lambda outs: 0.0)
     assert pipe.session_ids() == ["s"]
+
+
+@pytest.mark.parametrize("managed", ["0", "1"])
+def test_keep_branch_gives_a_hand_made_branch_the_sessions_id(managed: str) -> None:
+    import sessionstate as ss
+
+    cfg = Cosmos3Config.preset("tiny")
+    pipe = Cosmos3Pipeline(cfg, environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": managed})
+    request = Cosmos3Request(prompt="a red cube", control=torch.zeros(cfg.control_dim))
+    pipe.forward(request, "s")
+    pipe.fork("s", "left", "right")
+    pipe.forward(request, "right")
+    kept = pipe.session_values("right")
+    keep_branch(pipe, "right", "s")
+    assert pipe.session_ids() == ["left", "s"]
+    now = pipe.session_values("s")
+    assert ss.tree_equal(now, kept)  # the branch's state, its random key as it was (not split)
+    if managed == "1":  # nothing copied
+        ptrs = [
+            {t.untyped_storage().data_ptr() for t in ss.tree_leaves(v) if torch.is_tensor(t)}
+            for v in (now, kept)
+        ]
+        assert ptrs[0] == ptrs[1]
+    with pytest.raises(ss.SessionStateLostError):
+        keep_branch(pipe, "right", "s")
+    assert pipe.session_ids() == ["left", "s"]
 
 
 def test_sizes_says_what_forks_hold_against_deep_copies() -> None:

@@ -181,3 +181,72 @@ def test_unstack_of_a_stack_keeps_every_leaf_and_the_sharing(records: list[Any])
     # The batch holds what the records share once and each record's own storages once.
     own = ss.nbytes_by_device([r.attrs[k] for r in records for k in r.attrs])
     assert ss.nbytes_by_device(list(batch.leaves)) == own
+
+
+# -- reliability round 5 (issue 50) -----------------------------------------------------------
+
+
+def test_a_storage_every_record_reaches_through_its_own_equal_view_stays_shared() -> None:
+    # Each record holds a tensor object of its own, the same view of one history: it stays
+    # one tensor in the batch (no copy) and every record gets that storage back.
+    history = torch.arange(12.0)
+    records = [ss.SessionState(attrs={"h": history[2:10].view(2, 4)}) for _ in range(3)]
+    assert records[0].attrs["h"] is not records[1].attrs["h"]
+    batch = ss.stack(records)
+    assert batch.shared == 1
+    assert batch.dims == (None,)
+    assert batch.leaves[0].untyped_storage().data_ptr() == history.untyped_storage().data_ptr()
+    for copy in (True, False):
+        back = ss.unstack(batch, copy=copy)
+        for got, want in zip(back, records, strict=True):
+            assert ss.tree_equal(got, want)
+            leaf = got.attrs["h"]
+            assert leaf.untyped_storage().data_ptr() == history.untyped_storage().data_ptr()
+            assert (leaf.storage_offset(), leaf.stride()) == (2, (4, 1))
+    # A view at another offset, or with other strides, in one record is stacked (a copy).
+    for other in (history[:8].view(2, 4), history[2:10].view(4, 2).t()):
+        mixed = [*records[:2], ss.SessionState(attrs={"h": other})]
+        assert ss.stack(mixed).dims == (0,)
+        back = ss.unstack(ss.stack(mixed))
+        assert all(ss.tree_equal(a, b) for a, b in zip(back, mixed, strict=True))
+
+
+def test_views_of_one_storage_are_grouped_only_when_offset_and_stride_agree() -> None:
+    # Record 0 holds a matrix and its transpose; record 1 holds its own matrix twice. The
+    # records do not lay their storage out alike: each comes back with its own values (read
+    # through record 0's layout, record 1's `b` would be its transpose).
+    m = torch.arange(4.0).view(2, 2)
+    n = torch.arange(4.0, 8.0).view(2, 2)
+    records = [ss.SessionState(attrs={"a": m, "b": m.t()}), ss.SessionState(attrs={"a": n, "b": n})]
+    for copy in (True, False):
+        back = ss.unstack(ss.stack(records), copy=copy)
+        assert all(ss.tree_equal(got, want) for got, want in zip(back, records, strict=True))
+
+
+def test_unstack_without_copies_gives_views_into_the_stacked_tensors() -> None:
+    # `copy=False`: each record's batched leaves are views of the batch's stacked storage
+    # (a base and its slice, stacked as their storage, too), not copies of it.
+    records = []
+    for i in range(3):
+        base = torch.arange(6.0) + 10 * i
+        records.append(
+            ss.SessionState(
+                attrs={"own": torch.full((2,), float(i)), "base": base, "part": base[2:]}
+            )
+        )
+    batch = ss.stack(records)
+    stacked = {
+        path: leaf.untyped_storage().data_ptr()
+        for path, leaf in zip(batch.paths, batch.leaves, strict=True)
+    }
+    for copy in (False, True):
+        back = ss.unstack(batch, copy=copy)
+        for got, want in zip(back, records, strict=True):
+            assert ss.tree_equal(got, want)
+            for key, path in (
+                ("own", "attrs['own']"),
+                ("base", "attrs['base']"),
+                ("part", "attrs['part']"),
+            ):
+                views = got.attrs[key].untyped_storage().data_ptr() == stacked[path]
+                assert views is not copy

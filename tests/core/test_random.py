@@ -142,12 +142,31 @@ def test_split_random_splits_every_key_and_shares_everything_else() -> None:
     assert len(records) == 3
     for i, record in enumerate(records):
         assert record.attrs["x"] is x
-        assert record.object("off") is state.object("off")  # nothing to split
+        # A key not allocated yet is split too: seeded, it is the seeded key's split.
+        off = record.object("off", RandomKey)
+        assert not off.is_allocated
+        assert ss.tree_equal(off.allocate(seed=7), RandomKey.seeded(7).split(3)[i])
         for name in ("k1", "k2"):
             want = state.object(name, RandomKey).split(3)[i]
             assert ss.tree_equal(record.object(name), want)
     keyless = ss.SessionState(attrs={"x": x})
     assert keyless.split_random(2) == (keyless, keyless)
+
+
+def test_a_key_split_before_it_is_allocated_is_seeded_as_that_split() -> None:
+    # Splits of splits, and the key a step then draws from: as if seeded first.
+    grand = RandomKey(name="noise").split(2)[1].split(3)[2]
+    assert grand.pending == (1, 2)
+    assert grand.name == "noise"
+    assert ss.tree_equal(
+        grand.allocate(seed=5), RandomKey.seeded(5, name="noise").split(2)[1].split(3)[2]
+    )
+    assert ss.tree_equal(grand.evict().allocate(seed=5), RandomKey.seeded(5, name="noise"))
+    branches = [k.allocate(seed=5).normal((4,))[0] for k in RandomKey().split(3)]
+    assert not torch.equal(branches[0], branches[1])
+    assert not torch.equal(branches[1], branches[2])
+    loaded = ss.loads_state(ss.dumps_state(ss.SessionState(objects={"key": grand})))
+    assert ss.tree_equal(loaded.object("key"), grand)
 
 
 def test_a_parked_key_refuses_to_split() -> None:
@@ -227,3 +246,15 @@ def test_a_key_through_a_snapshot_draws_the_same_bits(
     assert a.dtype == dtype
     assert torch.equal(a, b)
     assert ss.tree_equal(next_a, next_b)
+
+
+def test_a_split_depends_on_where_the_key_stands() -> None:
+    # Two forks of one session at different steps: the keys split after two draws differ
+    # from those split before them, and so does their noise.
+    key = RandomKey.seeded(7)
+    later = key.normal((3,))[1].normal((3,))[1]
+    assert later.counter == 2
+    before, after = key.split(2), later.split(2)
+    for a, b in zip(before, after, strict=True):
+        assert not torch.equal(a.view(), b.view())
+        assert _bits(a.normal((16,))[0]) != _bits(b.normal((16,))[0])

@@ -232,3 +232,63 @@ def test_a_rollback_leaves_a_block_taken_again_since_as_its_new_holders_wrote_it
     q2 = pool.append(q, _tokens(100))  # past p's end: a copy on write, not in place
     assert p.read().tolist() == [1, 2, 3]
     assert q2.read().tolist() == [1, 2, 100]
+
+
+def test_a_restored_block_extended_in_place_is_shared_again_by_a_later_family() -> None:
+    # "a" parks and comes back on a fresh block, writes its third token in place there, and
+    # forks: the family holds that block once, and parked and read back it still does.
+    pool = KVPool(16, block_tokens=4, token_shape=(1,))
+    m = SessionStateManager(pools=(pool,))
+    kv = KVCache().allocate().append(pool, torch.arange(2.0).view(2, 1))
+    m.put("a", SessionState(objects={"kv": kv}))
+    del kv
+    assert m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    state = m.require("a")
+    grown = state.object("kv", KVCache).append(pool, torch.full((1, 1), 7.0))
+    assert grown.view().blocks == state.object("kv", KVCache).view().blocks  # in place
+    m.put("a", state.with_object("kv", grown))
+    del state, grown
+    m.fork("a", "b")
+    assert _held(pool) == 1
+    assert m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    back = [m.require(sid).object("kv", KVCache) for sid in "ab"]
+    assert [b.read().flatten().tolist() for b in back] == [[0.0, 1.0, 7.0]] * 2
+    assert _held(pool) == 1
+    assert back[0].view().blocks == back[1].view().blocks
+    assert pool.blocks_reused == 1
+
+
+@pytest.mark.parametrize("root_writes", [False, True])
+def test_the_third_sibling_reuses_the_block_the_longer_one_came_back_on(
+    root_writes: bool,
+) -> None:
+    # "root" reads 1 token of a block, its branch "a" 2 (its own written in place), and "c",
+    # a fork of "a", the same 2. Back in that order: "a" comes back on the longer block (the
+    # root's, extended; or a fresh one when the root wrote past its token first), which then
+    # holds the content for "c" to take back.
+    pool = KVPool(16, block_tokens=4, token_shape=(1,))
+    m = SessionStateManager(pools=(pool,))
+    kv = KVCache().allocate().append(pool, torch.ones(1, 1))
+    m.put("root", SessionState(objects={"kv": kv}))
+    del kv
+    m.fork("root", "a")
+    state = m.require("a")
+    m.put(
+        "a",
+        state.with_object("kv", state.object("kv", KVCache).append(pool, torch.full((1, 1), 2.0))),
+    )
+    del state
+    m.fork("a", "c")
+    assert _held(pool) == 1
+    assert m.park_until(lambda: pool.free_blocks == pool.num_blocks, frees=pool.owns_entry)
+    root = m.require("root")
+    if root_writes:
+        grown = root.object("kv", KVCache).append(pool, torch.full((1, 1), 9.0))  # in place
+        m.put("root", root.with_object("kv", grown))
+        del grown
+    del root
+    a, c = (m.require(sid).object("kv", KVCache) for sid in "ac")
+    assert a.read().flatten().tolist() == c.read().flatten().tolist() == [1.0, 2.0]
+    assert a.view().blocks == c.view().blocks
+    assert pool.blocks_reused == (1 if root_writes else 2)
+    assert _held(pool) == (2 if root_writes else 1)

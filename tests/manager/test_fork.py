@@ -511,3 +511,122 @@ def test_a_parked_source_forks_with_its_key_split_and_its_bytes_parked() -> None
     assert tree_equal(m.get("a"), keys[1])
     assert tree_equal(m.get("src"), keys[0])
     assert_stats_equal_a_recount(m)
+
+
+@pytest.mark.parametrize("on_full", ["refuse", "evict"])
+def test_the_sources_new_key_is_held_to_the_budget(on_full: str) -> None:
+    # "b" shares the source's record, key included; forking "a" again gives the source a
+    # new 16-byte key held alone: its room is made (parking "z"), or the fork is refused.
+    budget = 140 if on_full == "refuse" else 175
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": budget},
+        on_full=on_full,  # type: ignore[arg-type]
+    )
+    m.put("z", _cache_record(10, 2.0))
+    m.put("a", _cache_record(25, 1.0).with_object("key", RandomKey.seeded(0)))
+    m.fork("a", "b", share_random=True)
+    before = m.peek("a")
+    if on_full == "refuse":
+        with pytest.raises(SessionAdmissionError, match="Cannot make room for session 'a'"):
+            m.fork("a", "c")
+        assert "c" not in m
+        assert m.peek("a") is before
+        assert m.stats()["nbytes:cpu"] == 100 + 16
+    else:
+        m.fork("a", "c")
+        assert m.peek("z").parked == ("cache",)  # parked for the source's new key
+        assert m.stats()["nbytes:cpu"] == 100 + 3 * 16
+        assert m.stats()["evictions"] == 0
+    assert m.stats()["nbytes:cpu"] <= budget
+    assert_stats_equal_a_recount(m)
+
+
+def test_a_family_that_fits_the_budget_is_unparked_once(tmp_path: Path) -> None:
+    # A 4,000-byte history three forks share, under a 4,200-byte budget: reading a branch
+    # whose parked history a resident sibling holds costs nothing, so nobody is parked for it
+    # (the family was parked and read back member by member, one disk round trip a read).
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 4200}, park_tier="disk", spool_dir=tmp_path
+    )
+    m.put("a", _cache_record(1000, 1.0))
+    m.fork("a", "b", "c")
+    m.put("x", _cache_record(50, 2.0))
+    m.put("y", SessionState(attrs={"y": torch.zeros(50)}))  # parks the family's history
+    assert [m.peek(sid).parked for sid in "abcx"] == [("cache",)] * 3 + [()]
+    for sid in "abcabc":
+        m.require(sid)
+    assert [m.session_stats(sid)["resident"] for sid in "abc"] == [True] * 3
+    s = m.stats()
+    assert (s["unparks"], s["parks"], s["nbytes:cpu"]) == (3, 4, 4200)
+    history = {
+        m.peek(sid).object("cache", TensorCache).view().untyped_storage().data_ptr()
+        for sid in "abc"
+    }
+    assert len(history) == 1  # one history, shared again
+    assert_stats_equal_a_recount(m)
+
+
+def test_a_branch_of_a_kv_parked_source_counts_its_unpark_as_kv() -> None:
+    # The branch holds the source's parked K/V: its unpark moves K/V, counted in kv_unparks.
+    pool = KVPool(8, block_tokens=4, token_shape=(2,))
+    m: SessionStateManager[SessionState] = SessionStateManager(pools=(pool,))
+    handle = pool.append(pool.empty(), torch.arange(12.0).view(6, 2))
+    m.put("a", SessionState(objects={"kv": KVCache(name="kv").allocate().commit(handle)}))
+    del handle
+    assert m.park_until(lambda: pool.free_blocks == 8, frees=pool.owns_entry)
+    assert m.stats()["kv_parks"] == 1
+    m.fork("a", "b")
+    assert m.peek("b").parked == ("kv",)
+    b = m.require("b")
+    assert torch.equal(b.object("kv", KVCache).view().read(), torch.arange(12.0).view(6, 2))
+    assert (m.stats()["unparks"], m.stats()["kv_unparks"]) == (1, 1)
+    m.require("a")
+    assert (m.stats()["unparks"], m.stats()["kv_unparks"]) == (2, 2)
+
+
+# -- reliability round 5 (issue 50) -----------------------------------------------------------
+
+
+def _kv_family(tier: str, tmp_path: Path) -> SessionStateManager[SessionState]:
+    # "a" and its branch "b" share a 4,000 B history; each grew its own K/V past the fork.
+    pool = KVPool(16, block_tokens=2, token_shape=(1,))
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 9000}, park_tier=tier, spool_dir=str(tmp_path / "spool"), pools=(pool,)
+    )
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(1000))
+    kv = KVCache().allocate().append(pool, torch.ones(3, 1))
+    m.put("a", SessionState(objects={"h": history, "kv": kv}))
+    del history, kv
+    m.fork("a", "b")
+    for i, sid in enumerate("ab"):
+        state = m.require(sid)
+        grown = state.object("kv", KVCache).append(pool, torch.full((1, 1), float(i)))
+        m.put(sid, state.with_object("kv", grown))
+    del state, grown
+    return m
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_kv_familys_other_objects_park_once_and_come_back_shared(
+    tier: str, tmp_path: Path
+) -> None:
+    m = _kv_family(tier, tmp_path)
+    expected = {sid: m.peek(sid, on_host=True) for sid in "ab"}
+    kv_bytes = 2 * (2 * 2 * 4)  # each branch's two blocks of 2 float tokens
+    m.put("x", _cache_record(1500, 1.0))  # 6,000 B: the family parks
+    assert [m.session_stats(sid)["parked"] for sid in "ab"] == [["h", "kv"]] * 2
+    # The history once on the tier, beside each branch's own K/V.
+    assert m.stats()[f"nbytes_parked:{tier}"] == 4000 + kv_bytes
+    assert m.stats()["kv_parks"] == 2
+    path = tmp_path / "family.safetensors"
+    m.snapshot_many(["a", "b"], path)
+    assert path.stat().st_size < 2 * 4000  # the history written once
+    assert m.drop("x")
+    back = {sid: m.require(sid) for sid in "ab"}
+    for sid in "ab":
+        assert tree_equal(back[sid], expected[sid])
+    assert back["a"].object("h") is back["b"].object("h")
+    # The history once, and the three blocks the family held (one shared).
+    assert m.stats()["total_nbytes"] == 4000 + 3 * 8
+    assert m.stats()["kv_unparks"] == 2
+    assert_stats_equal_a_recount(m)

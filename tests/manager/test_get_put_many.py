@@ -7,6 +7,8 @@ sessions steps in one forward and is stored as if each had stepped alone.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -147,4 +149,136 @@ def test_a_batch_of_held_sessions_over_the_budget_is_refused_whole() -> None:
         assert m.peek(sid) is record
     assert_stats_equal_a_recount(m)
     m.put_many({"a": _record(3.0), "b": _record(4.0)})
+    assert_stats_equal_a_recount(m)
+
+
+def _small(fill: float) -> SessionState:
+    cache = TensorCache(name="cache").allocate().commit(torch.full((25,), fill))
+    return SessionState(objects={"cache": cache})
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("path", ["put_many", "step_many"])
+def test_a_refused_batch_keeps_a_parked_members_bytes(tier: str, path: str, tmp_path: Path) -> None:
+    # "A" is parked; the batch replaces it with a new record, then the budget refuses "N".
+    # Storing A's new record let go of its parked bytes, and the rollback put back a parked
+    # record whose bytes were gone.
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 300},
+        on_full="refuse",
+        park_tier=tier,  # type: ignore[arg-type]
+        spool_dir=tmp_path,
+    )
+    m.put("X", SessionState(attrs={"x": torch.zeros(37)}))  # 148 bytes nothing can park
+    m.put("A", _small(1.0))
+    m.put("C", _small(3.0))  # parks "A"
+    parked = m.peek("A")
+    assert parked.parked == ("cache",)
+    order = m.session_ids()
+
+    def store() -> None:
+        if path == "put_many":
+            m.put_many([("A", _small(2.0)), ("N", _small(4.0))])
+        else:
+            m.step_many(
+                ["A", "N"],
+                lambda states: ([_small(2.0), _small(4.0)], [None, None]),
+                new=SessionState,
+                begin=True,
+            )
+
+    with pytest.raises(SessionAdmissionError, match="Cannot make room for session 'N'"):
+        store()
+    assert m.peek("A") is parked
+    assert m.session_ids() == order
+    assert "N" not in m
+    assert tree_equal(m.require("A"), _small(1.0))  # its parked bytes are still there
+    assert_stats_equal_a_recount(m)
+    m.drop("X")
+    m.put_many([("A", _small(2.0)), ("N", _small(4.0))])  # stored, A's old bytes released
+    s = m.stats()
+    assert m.peek("C").parked == ("cache",)  # parked for A's unpark: the tier holds it alone
+    assert (s[f"nbytes_parked:{tier}"], s[f"nbytes_kept:{tier}"]) == (100, 0)
+    assert_stats_equal_a_recount(m)
+
+
+def test_a_refused_get_many_drops_a_prefetched_restore() -> None:
+    # As a refused `get` does: what the background restore took (pool blocks, bytes) goes
+    # with the reservation, so nothing is held that nobody is charged for.
+    pool = ss.KVPool(32, block_tokens=2, token_shape=(3,))
+
+    def record(seed: int) -> SessionState:
+        g = torch.Generator().manual_seed(seed)
+        kv = ss.KVCache().allocate().append(pool, torch.randn(5, 3, generator=g))
+        feat = TensorCache().allocate().commit(torch.randn(64, generator=g))
+        return SessionState(objects={"kv": kv, "feat": feat})
+
+    one = 64 * 4 + 3 * 2 * 3 * 4  # the features and three blocks of two tokens
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": one + one // 2}, on_full="refuse"
+    )
+    m.put("a", record(1))
+    m.put("b", record(2))  # parks "a"
+    assert m.prefetch("a", make_room=True)  # parks "b"
+    with pytest.raises(SessionAdmissionError, match="Cannot make room for session 'a'"):
+        m.get_many(["a", "b"])  # both cannot fit
+    assert pool.free_blocks == pool.num_blocks  # both parked, no restore holds a block
+    assert not m.session_stats("a")["prefetching"]
+    a = m.require("a")
+    assert torch.equal(a.object("feat", TensorCache).view(), record(1).object("feat").view())
+    assert_stats_equal_a_recount(m)
+
+
+def test_get_many_counts_the_parked_bytes_a_family_shares_once(tmp_path: Path) -> None:
+    # Three forks holding 400 parked bytes together and 8 bytes each: the batch needs 424
+    # bytes, not three times the history (1,224), and gets them by parking the other session.
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes={"cpu": 500}, park_tier="disk", spool_dir=tmp_path
+    )
+    m.put("a", _record(1.0).with_attrs(n=torch.zeros(2)))
+    m.fork("a", "b", "c")
+    for sid in ("b", "c"):
+        m.put(sid, m.require(sid).with_attrs(n=torch.ones(2)))
+    m.put("x", _small(2.0))  # parks the family's history
+    assert all(m.peek(sid).parked == ("cache",) for sid in "abc")
+    records = m.get_many(["a", "b", "c"])
+    assert len({id(r.object("cache")) for r in records}) == 1  # back shared
+    assert m.peek("x").parked == ("cache",)
+    s = m.stats()
+    assert s["nbytes:cpu"] == 424
+    assert s["evictions"] == 0
+    assert_stats_equal_a_recount(m)
+
+
+@pytest.mark.parametrize("budget", [None, 10_000])
+def test_put_many_of_held_sessions_makes_them_the_most_recently_used(budget: int | None) -> None:
+    # As `put` does, in the order given: the batch of held, resident sessions is stored in
+    # one move of the ledger, and a member parked (under the budget, "b") put by put.
+    m: SessionStateManager[SessionState] = SessionStateManager(
+        max_bytes=None if budget is None else {"cpu": budget}
+    )
+    for sid in "abcd":
+        m.put(sid, _record(float(ord(sid))))
+    m.put_many([("b", _record(1.0)), ("a", _record(2.0))])
+    assert m.session_ids() == ["c", "d", "b", "a"]
+    m.put_many({"c": _record(3.0)})
+    assert m.session_ids() == ["d", "b", "a", "c"]
+
+
+def test_a_batch_refused_midway_by_the_budget_evicts_nobody() -> None:
+    # Put by put, "n" is stored while "r" still holds its old 400 bytes: 900 bytes at the
+    # peak, over the whole budget of 800 whoever is evicted. Refused before "o" is evicted;
+    # listing "r" first brings the peak down to the batch itself.
+    m: SessionStateManager[SessionState] = SessionStateManager(max_bytes={"cpu": 800})
+    m.put("o", SessionState(attrs={"x": torch.zeros(25)}))
+    m.put("r", SessionState(attrs={"x": torch.zeros(100)}))
+    before = m.peek("r")
+    with pytest.raises(SessionAdmissionError, match="while 'n' is stored"):
+        m.put_many([("n", SessionState(attrs={"x": torch.zeros(125)})), ("r", _small(1.0))])
+    assert m.session_ids() == ["o", "r"]
+    assert m.peek("r") is before
+    assert m.stats()["evictions"] == 0
+    m.put_many([("r", _small(1.0)), ("n", SessionState(attrs={"x": torch.zeros(125)}))])
+    assert m.session_ids() == ["o", "r", "n"]
+    assert m.stats()["evictions"] == 0
     assert_stats_equal_a_recount(m)

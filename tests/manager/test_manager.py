@@ -329,6 +329,8 @@ def test_stats_keys_and_counters() -> None:
         "misses": 0,
         "evictions": 0,
         "total_nbytes": 0,
+        "forks": 0,
+        "shared_sessions": 0,
     }
     manager.get("a")  # miss
     manager.get_or_create("a", lambda: _state(16))  # miss, create
@@ -347,6 +349,8 @@ def test_stats_keys_and_counters() -> None:
         "evictions": 1,
         "total_nbytes": 12,
         "nbytes:cpu": 12,
+        "forks": 0,
+        "shared_sessions": 0,
     }
 
 

@@ -13,6 +13,7 @@ import logging
 import threading
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from sessionstate import (
 from sessionstate._manager._events import SessionEvent
 from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
 from sessionstate.models.dreamzero.episode import scripted_episode
-from tests.support import torch_threads
+from tests.support import assert_stats_equal_a_recount, torch_threads
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
@@ -198,8 +199,7 @@ def test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go() -> None:
     history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(64))
     m.put("a", SessionState(objects={"h": history}))
     m.put("x", SessionState(attrs={"y": torch.zeros(4)}))
-    assert scrape() == (0, 0)
-    assert "forks" not in m.stats()
+    assert scrape() == (0, 0) == (m.stats()["forks"], m.stats()["shared_sessions"])
     m.fork("a", "b", "c")
     stats = m.stats()
     assert (stats["forks"], stats["shared_sessions"]) == (2, 3)
@@ -210,6 +210,30 @@ def test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go() -> None:
     assert scrape() == (2, 2)
     m.drop("b")
     assert scrape() == (2, 0) == (m.stats()["forks"], m.stats()["shared_sessions"])
+
+
+def test_a_restored_family_is_counted_as_sharing(tmp_path: Path) -> None:
+    # `shared_sessions` is present from the start, and a family restored with `restore_many`
+    # (no `fork` here) is counted as `session_stats` reports it, in `stats()` and the gauge.
+    source = SessionStateManager()
+    history = LatentBuffer(name="h", dim=0).allocate().commit(torch.zeros(64))
+    source.put("a", SessionState(objects={"h": history}))
+    source.fork("a", "b", "c")
+    source.snapshot_many(["a", "b", "c"], tmp_path / "family.safetensors")
+    m = SessionStateManager()
+    registry = CollectorRegistry()
+    registry.register(SessionStateCollector(m))
+
+    def scrape() -> float:
+        got = _samples(prometheus_client.generate_latest(registry).decode())
+        return got[("sessionstate_shared_sessions", ())]
+
+    m.put("x", SessionState(attrs={"y": torch.zeros(4)}))
+    assert (m.stats()["forks"], m.stats()["shared_sessions"], scrape()) == (0, 0, 0)
+    m.restore_many(tmp_path / "family.safetensors")
+    sharing = [sid for sid in m.session_ids() if m.session_stats(sid)["shared_with"]]
+    assert sharing == ["a", "b", "c"]
+    assert (m.stats()["forks"], m.stats()["shared_sessions"], scrape()) == (0, 3, 3)
 
 
 def test_session_stats_of_forks_sum_to_the_totals_with_shared_bytes_once() -> None:
@@ -294,7 +318,10 @@ def test_a_failing_callback_never_fails_the_manager(caplog: pytest.LogCaptureFix
         SessionStateManager(on_event=1)  # type: ignore[arg-type]
 
 
-def test_parks_unparks_and_steps_are_profiler_ranges() -> None:
+@pytest.mark.parametrize("all_threads", [False, True])
+def test_parks_unparks_and_steps_are_profiler_ranges(all_threads: bool) -> None:
+    # A profiler that records every thread (`ab --trace`) leaves the thread's flag off.
+    config = torch.profiler._ExperimentalConfig(profile_all_threads=True) if all_threads else None
     pool = KVPool(4, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=2)
     m = SessionStateManager(pools=(pool,))
 
@@ -305,7 +332,8 @@ def test_parks_unparks_and_steps_are_profiler_ranges() -> None:
     def fresh() -> SessionState:
         return SessionState(objects={"kv": KVCache().allocate()})
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, experimental_config=config) as prof:
         for sid in "aba":
             m.step(sid, grow, new=fresh)
     names = {event.key for event in prof.key_averages()}
@@ -374,3 +402,86 @@ def test_evictions_warn_once_a_minute_with_a_count(
     )
     assert all(r.levelno == logging.WARNING for r in caplog.records)
     assert m.stats()["evictions"] == 6
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_a_callback_raising_beyond_exception_leaves_the_manager_whole(
+    raised: type[BaseException],
+) -> None:
+    # The callback raises during the unpark (and the parks it makes room with): the get
+    # finishes its work, then the interrupt propagates; nothing is left half done.
+    armed = False
+
+    def interrupt(event: SessionEvent) -> None:
+        if armed and event.kind == "unpark":
+            raise raised
+
+    def record(fill: float) -> SessionState:
+        return SessionState(objects={"c": TensorCache().allocate().commit(torch.full((16,), fill))})
+
+    m = SessionStateManager(max_bytes={"cpu": 100}, on_event=interrupt)
+    m.put("a", record(1.0))
+    m.put("b", record(2.0))  # parks "a"
+    assert m.peek("a").parked == ("c",)
+    armed = True
+    with pytest.raises(raised):
+        m.get("a")
+    armed = False
+    a = m.require("a")  # resident and readable: the unpark was whole
+    assert not a.parked
+    assert torch.equal(a.object("c", TensorCache).view(), torch.full((16,), 1.0))
+    assert m.session_stats("a")["resident"]
+    assert m.peek("b").parked == ("c",)
+    s = m.stats()
+    assert (s["unparks"], s["parked_sessions"], s["nbytes:cpu"]) == (1, 1, 64)
+    assert_stats_equal_a_recount(m)
+
+
+# -- reliability round 5 (issue 50) -----------------------------------------------------------
+
+
+def test_a_storage_an_object_and_an_attribute_share_counts_as_the_objects() -> None:
+    # `x` is an attribute and, through a view, the object's tensor too: the object's bytes.
+    base = torch.zeros(8)
+    cache = TensorCache(name="c").allocate().commit(base)
+    m = SessionStateManager()
+    m.put("a", SessionState(objects={"c": cache}, attrs={"x": base[2:], "own": torch.ones(2)}))
+    kinds = m.session_stats("a")["nbytes_by_kind"]
+    assert kinds == {"engine": {}, "objects": {"cpu": 8 * 4}, "attrs": {"cpu": 2 * 4}}
+
+
+def test_a_scrape_reads_the_pool_refusal_repark_and_kept_metrics_as_stats_says() -> None:
+    pool = KVPool(8, block_tokens=2, token_shape=(1,), name="kv")
+    m = SessionStateManager(
+        max_sessions=3, on_full="refuse", max_bytes={"cpu": 500}, park_tier="host", pools=(pool,)
+    )
+    registry = CollectorRegistry()
+    registry.register(SessionStateCollector(m))
+    kv = KVCache().allocate().append(pool, torch.ones(3, 1))  # 2 blocks of 8
+    m.put("kv", SessionState(objects={"kv": kv}))
+    del kv
+    for sid, n in (("a", 100), ("b", 60)):  # 400 and 240 bytes: "b" parks "a"
+        cache = TensorCache(name="c").allocate().commit(torch.full((n,), float(ord(sid))))
+        m.put(sid, SessionState(objects={"c": cache}))
+    del cache
+    m.get("a")  # unparks "a" (its copy kept) and parks "b"
+    m.get("b")  # parks "a" again, taking its kept copy back
+    m.get("a")
+    m.get("kv")  # its blocks taken again, whatever the budget parked
+    refused = 0
+    for sid in "cd":
+        with pytest.raises(SessionAdmissionError):
+            m.put(sid, SessionState())
+        refused += 1
+    got = _samples(prometheus_client.generate_latest(registry).decode())
+    stats = m.stats()
+    assert stats["reparks"] >= 1
+    assert stats["nbytes_kept:host"] == 400  # "a"'s copy, beside "b" parked (240)
+    assert stats["nbytes_parked:host"] == 240
+    assert got[("sessionstate_pool_blocks", (("pool", "kv"),))] == pool.num_blocks == 8
+    assert got[("sessionstate_pool_free_blocks", (("pool", "kv"),))] == pool.free_blocks == 6
+    assert got[("sessionstate_refusals_total", ())] == refused == 2
+    assert got[("sessionstate_reparks_total", ())] == stats["reparks"]
+    for tier in ("host", "disk"):
+        kept = got[("sessionstate_kept_bytes", (("tier", tier),))]
+        assert kept == stats[f"nbytes_kept:{tier}"]

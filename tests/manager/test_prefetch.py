@@ -206,8 +206,8 @@ def test_a_prefetch_whose_restore_fails_keeps_no_charge(tmp_path: Path) -> None:
     for sid in "abcd":
         m.put(sid, _record(pool, ord(sid)))
     assert m.peek("a").parked  # type: ignore[union-attr]
-    (path,) = tmp_path.rglob("*.safetensors")
-    path.write_bytes(b"garbage")
+    for path in tmp_path.rglob("*.safetensors"):  # a's K/V and its other objects: apart
+        path.write_bytes(b"garbage")
     assert m.prefetch("a", make_room=True)  # parks "b" for its room
     assert m.peek("b").parked  # type: ignore[union-attr]
     with pytest.raises(ParkingError):
@@ -249,8 +249,8 @@ def test_a_damaged_spool_file_fails_the_get_not_the_prefetch(tmp_path: Path) -> 
     m = _manager("disk", tmp_path, one + one // 2)
     m.put("a", _record(pool, 1))
     m.put("b", _record(pool, 2))
-    (path,) = [p for p in tmp_path.rglob("*.safetensors")]
-    path.write_bytes(b"garbage")
+    for path in tmp_path.rglob("*.safetensors"):  # a's K/V and its other objects: apart
+        path.write_bytes(b"garbage")
     assert m.prefetch("a", make_room=True)  # started; it fails in the background
     from sessionstate import ParkingError
 

@@ -140,3 +140,74 @@ def test_a_batch_over_the_byte_budget_is_refused_whole() -> None:
         m.step_many(["b", "c"], big, new=SessionState)
     assert m.session_ids() == ["a"]
     assert_stats_equal_a_recount(m)
+
+
+def test_a_failed_or_refused_step_leaves_the_lru_order_as_it_was() -> None:
+    # The `docs/batches.md` example: a failed batch left "a" the most recently used.
+    m = SessionStateManager(max_bytes={"cpu": 100}, on_full="refuse")
+
+    def count(states: list[SessionState]) -> tuple[list[SessionState], list[int]]:
+        new = [s.with_attrs(n=s.attrs.get("n", 0) + 1) for s in states]
+        return new, [s.attrs["n"] for s in new]
+
+    def fails(states: list[SessionState]) -> Any:
+        raise ZeroDivisionError
+
+    def big(states: list[SessionState]) -> tuple[list[SessionState], list[None]]:
+        return [s.with_attrs(x=torch.zeros(50)) for s in states], [None] * len(states)
+
+    assert m.step_many(["a", "b"], count, new=SessionState) == [1, 1]
+    with pytest.raises(ZeroDivisionError):
+        m.step_many(["a", "c"], fails, new=SessionState)
+    assert m.session_ids() == ["a", "b"]
+    with pytest.raises(ZeroDivisionError):
+        m.step("a", fails, new=SessionState)
+    assert m.session_ids() == ["a", "b"]
+    with pytest.raises(ss.SessionAdmissionError):
+        m.step_many(["a"], big, new=SessionState)  # 200 bytes: over the budget
+    assert m.session_ids() == ["a", "b"]
+    assert m.peek("a").attrs["n"] == 1
+    assert m.step("a", lambda s: (s, None), new=SessionState) is None
+    assert m.session_ids() == ["b", "a"]  # a step that publishes touches its session
+    assert m.step_many(["b"], count, new=SessionState) == [2]
+    assert m.session_ids() == ["a", "b"]
+
+
+def test_a_failed_step_gives_back_what_it_took_from_every_pool() -> None:
+    # Two pools, a cache in each; in the second, each step appends one token into a block of
+    # two. A failed step's append filled the partial block in place: given back, the next
+    # step fills it again in place, where a block left filled would be copied (one more).
+    pools = (_pool(16), KVPool(16, block_tokens=2, token_shape=(), name="second"))
+    m = SessionStateManager(pools=pools)
+
+    def fresh() -> SessionState:
+        return SessionState(objects={"kv": KVCache().allocate(), "kv2": KVCache().allocate()})
+
+    def grow(states: list[SessionState]) -> tuple[list[SessionState], list[None]]:
+        out = []
+        for s in states:
+            kv = s.object("kv", KVCache).append(pools[0], torch.ones(2), window=4)
+            kv2 = s.object("kv2", KVCache).append(pools[1], torch.ones(1))
+            out.append(s.with_values({"kv": kv, "kv2": kv2}))
+        return out, [None] * len(states)
+
+    def fails(states: list[SessionState]) -> Any:
+        grow(states)  # takes blocks of both pools, fills the second's in place, then fails
+        raise RuntimeError("the networks failed")
+
+    m.step_many(["a", "b"], grow, new=fresh)
+    before = {sid: m.peek(sid) for sid in "ab"}  # holding the records the steps continue
+    free = [pool.free_blocks for pool in pools]
+    for step in (
+        lambda: m.step_many(["a", "b", "c"], fails, new=fresh),
+        lambda: m.step("a", lambda s: fails([s]), new=fresh),
+    ):
+        with pytest.raises(RuntimeError, match="the networks failed"):
+            step()
+        assert [pool.free_blocks for pool in pools] == free
+        assert {sid: m.peek(sid) for sid in m.session_ids()} == before
+    m.step_many(["a", "b"], grow, new=fresh)
+    assert pools[1].free_blocks == free[1]  # both filled their own block in place
+    for sid in "ab":
+        assert m.peek(sid).object("kv2", KVCache).read().tolist() == [1.0, 1.0]
+    assert_stats_equal_a_recount(m)

@@ -317,8 +317,11 @@ def test_lost_session() -> None:
     assert str(info.value) == msg
 
 
-def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step() -> None:
-    pool = ss.KVPool(6, block_tokens=2, token_shape=(2,), name="p2")
+@pytest.mark.parametrize("blocks", [6, 7])
+def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step(blocks: int) -> None:
+    # With a block to spare, "b" took it and "c" found none: one free once the step gave
+    # "b"'s back, which the message says (it said "1 needed, 1 free").
+    pool = ss.KVPool(blocks, block_tokens=2, token_shape=(2,), name="p2")
     m: ss.SessionStateManager[ss.SessionState] = ss.SessionStateManager(pools=(pool,))
     for sid in "abc":
         cache = ss.KVCache(name="kv").allocate().append(pool, torch.ones(4, 2))
@@ -332,14 +335,44 @@ def test_a_step_out_of_blocks_of_a_pool_that_declares_no_step() -> None:
         return grown, [0] * len(states)
 
     msg = (
-        "Batch ['b', 'c']: KV pool 'p2' ran out of blocks during the step (1 needed, 0 free). "
-        "The pool declares no `step_tokens`, so the manager made no room before the step: it "
-        "parks other sessions' KV only for a pool that says what a step takes. Build the pool "
-        "with `step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+        "Batch ['b', 'c']: KV pool 'p2' ran out of blocks during the step (an append needed 1 "
+        f"free block and found fewer; {blocks - 6} free now that the step gave its blocks "
+        "back). The pool declares no `step_tokens`, so the manager made no room before the "
+        "step: it parks other sessions' KV only for a pool that says what a step takes. Step "
+        "a smaller batch, or build the pool with `step_tokens` (and `window_tokens` for a "
+        "windowed cache), or with more blocks."
     )
     with pytest.raises(ss.KVPoolExhaustedError, match=_exact(msg)):
         m.step_many(["b", "c"], grow, new=ss.SessionState)
-    assert pool.free_blocks == 0  # the three sessions' blocks, the step's given back
+    assert pool.free_blocks == blocks - 6  # the three sessions' blocks, the step's given back
+    msg = (
+        "Session 'a': KV pool 'p2' ran out of blocks during the step (an append needed 1 free "
+        f"block and found fewer; {blocks - 6} free now that the step gave its blocks back). The "
+        "pool declares no `step_tokens`, so the manager made no room before the step: it parks "
+        "other sessions' KV only for a pool that says what a step takes. Build the pool with "
+        "`step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+    )
+    if blocks == 6:
+        with pytest.raises(ss.KVPoolExhaustedError, match=_exact(msg)):
+            m.step("a", lambda s: (grow([s])[0][0], 0), new=ss.SessionState)
+
+
+def test_a_batch_over_the_budget_midway() -> None:
+    m = SessionStateManager(max_bytes={"cpu": 800})
+    m.put("r", SessionState(attrs={"x": torch.zeros(100)}))
+    batch = [
+        ("n", SessionState(attrs={"x": torch.zeros(125)})),
+        ("r", SessionState(attrs={"x": torch.zeros(10)})),
+    ]
+    msg = (
+        "Cannot store the batch ['n', 'r']: while 'n' is stored, the batch's new records up to "
+        "it and the records the members after it still hold come to 900 bytes on cpu, more "
+        "than the whole budget of 800 bytes there (`max_bytes`); storing it would evict or "
+        "park every other session and still not fit. List the sessions it replaces first, "
+        "store a smaller batch, or raise the budget for cpu."
+    )
+    with pytest.raises(ss.SessionAdmissionError, match=_exact(msg)):
+        m.put_many(batch)
 
 
 def test_refused_admission() -> None:
@@ -535,6 +568,19 @@ def test_the_host_pool_and_prefetch_arguments() -> None:
         SessionStateManager().prefetch("a", make_room=1)  # type: ignore[arg-type]
 
 
+def test_a_schedule_that_is_not_one() -> None:
+    msg = (
+        "`session_ids` must be a sequence of session ids in the order they run next, got "
+        "'ab' (str); pass a list, e.g. `expect(['a', 'b'])` (and `expect([])` to clear the "
+        "schedule)."
+    )
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionStateManager().expect("ab")
+    msg = "`prefetch` must be a bool (True or False), got 1 (int)."
+    with pytest.raises(TypeError, match=_exact(msg)):
+        SessionStateManager().expect(["a"], prefetch=1)  # type: ignore[arg-type]
+
+
 # --- coverage guard -------------------------------------------------------------------------
 
 CORE_MESSAGES = {
@@ -560,8 +606,9 @@ CORE_MESSAGES = {
     "_manager/_table.py": 2 + 1 + 1 + 2 + 2 + 1 + 1,
     # Get and put: a factory, `require`, a batch not held, a batch over the cap
     # (test_batch_io_messages), a batch over the whole budget (test_batch_budget_message), a
-    # record that is not a SessionState, a parked session that cannot be read.
-    "_manager/_access.py": 1 + 1 + 1 + 1 + 1 + 1 + 1,
+    # record that is not a SessionState, a parked session that cannot be read; then a batch
+    # over the budget midway, while its later members still hold their old records.
+    "_manager/_access.py": 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1,
     # Forks (4 + 1: a list of branch ids, test_fork.py), family snapshots (test_family_snapshot_*:
     # `snapshot`, `snapshot_many` two, a family not held, `restore_many` five).
     "_manager/_family.py": 4 + 1 + 1 + 2 + 1 + 5,
@@ -572,6 +619,7 @@ CORE_MESSAGES = {
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,
+    "_manager/_schedule.py": 1,  # `expect` given no sequence: test_a_schedule_that_is_not_one
     # check_count (pinned through KVPool in test_kvpool.py), then the session-id rule (None
     # and NaN ids: pinned in test_session_ids.py), then the validators: `check_bool` (through
     # the manager's `check_immutable`, test_reliability_contracts.py), `a_bool` (through the
@@ -677,11 +725,11 @@ def test_random_key_messages() -> None:
     ):
         ss.RandomKey.seeded("3")  # type: ignore[arg-type]
     msg = (
-        "Cannot split RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
+        "Cannot draw from RandomKey `noise`: it is not allocated; call `.allocate(seed=...)` "
         "first (or build it with `RandomKey.seeded(seed)`)."
     )
     with pytest.raises(ss.NotAllocatedError, match=_exact(msg)):
-        ss.RandomKey(name="noise").split(2)
+        ss.RandomKey(name="noise").split(2)[0].normal((2,))  # a split key is not allocated
     msg = (
         "RandomKey `random_key` holds its key as an int64 tensor of shape (2,) (stream, "
         "counter), got a torch.int32 tensor of shape (2,); build keys with "
@@ -965,3 +1013,50 @@ def test_read_many_messages() -> None:
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         read_many([long, short])
+
+
+def test_a_budget_text_is_refused_with_one_message_wherever_it_is_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sessionstate.cli import main
+
+    msg = (
+        "`max_bytes['cpu']` must be a byte count: a non-negative int or a string like '24GiB', "
+        "'512MiB' or '1.5GB'; got 'lots' (str)."
+    )
+    with pytest.raises(ss.BudgetTextError, match=_exact(msg)) as info:
+        ss.SessionStateManager(max_bytes="cpu=lots")
+    assert (info.value.rule, info.value.part) == ("count", "lots")
+    assert main(["ab", "--max-bytes", "cpu=lots"]) == 2
+    assert capsys.readouterr().err == (
+        f"sessionstate ab: error: argument --max-bytes: {msg.rstrip('.')} "
+        "(see `sessionstate ab --help`)\n"
+    )
+
+
+def test_metrics_without_their_extra_say_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from sessionstate.metrics import SessionStateCollector
+
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    msg = (
+        "Metrics need `prometheus_client`: install the `metrics` extra from your clone, "
+        "`pip install -e '.[metrics]'` (no release of sessionstate is on PyPI yet)."
+    )
+    with pytest.raises(ImportError, match=_exact(msg)):
+        SessionStateCollector(SessionStateManager())
+
+
+def test_keep_branch_refuses_the_session_as_its_own_branch() -> None:
+    from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline
+    from sessionstate.models.planning import keep_branch
+
+    msg = (
+        "`keep_branch` needs a branch other than the session, got 's' for both; pass the id "
+        "of a branch forked from it."
+    )
+    with pytest.raises(ValueError, match=_exact(msg)):
+        keep_branch(Cosmos3Pipeline(Cosmos3Config.preset("tiny")), "s", "s")

@@ -207,6 +207,8 @@ def test_budget_benchmark_smoke(tmp_path: Path) -> None:
     assert robin["prefetches"] > 0
     assert robin["prefetch_over_unbudgeted"] > 0
     assert robin["copying_over_unbudgeted"] > 0
+    assert robin["schedule_prefetch_over_unbudgeted"] > 0
+    assert robin["scheduled_prefetches"] > 0  # `expect` prefetched the next sessions
 
 
 SNAPSHOT_METHODS = (
@@ -292,3 +294,18 @@ def test_batches_benchmark_smoke_reports_every_variant_and_size() -> None:
         ratio = row["batched_ms"] / row["one_by_one_ms"]
         assert abs(row["batched_over_one_by_one"] - ratio) < 0.01
     assert [r["n"] for r in results["library"]] == [1, 2]
+
+
+def test_serve_benchmark_smoke_runs_every_policy_and_the_plan_check(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    _run("serve.py", "--smoke", "--out", str(out), "--plot", str(tmp_path), timeout=600)
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert set(results["headline"]) == {"dreamzero", "lingbot"}
+    for shape in results["headline"].values():
+        assert set(shape["lines"]) == {
+            "fixed", "cap", "lru", "schedule", "lru+admission", "schedule+admission"
+        }  # fmt: skip
+        assert all(len(line["runs"]) == 2 for line in shape["lines"].values())
+    for check in results["plan_vs_harness"].values():
+        assert {"lru", "schedule"} <= set(check)
+    assert (tmp_path / "serve_lingbot.png").stat().st_size > 0

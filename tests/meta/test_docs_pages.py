@@ -130,3 +130,24 @@ def test_the_changelog_page_includes_the_repositorys_changelog() -> None:
     config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     assert "pymdownx.snippets:" in config
     assert "check_paths: true" in config  # a missing CHANGELOG.md fails the strict build
+
+
+def test_the_quoted_branch_sizes_command_runs_what_its_figures_say() -> None:
+    # The figures name a 40-step session with eight branches of four steps; the command quoted
+    # for them must run that, not its own defaults (400 steps at deploy).
+    from sessionstate.cli import build_parser
+    from sessionstate.models._registry import get_model
+
+    text = " ".join((DOCS / "concepts.md").read_text(encoding="utf-8").split())
+    found = re.search(r"`sessionstate (sizes --branches [^`]*)` says it", text)
+    assert found is not None
+    args = build_parser().parse_args(found.group(1).split())
+    steps = get_model(args.model).size_steps if args.steps is None else args.steps
+    words = {"eight": 8, "four": 4}
+    said = re.search(r"(\w+) branches of a (\d+)-step session, (\w+) steps each", text)
+    assert said is not None
+    assert (args.branches, steps, args.branch_steps) == (
+        words[said.group(1)],
+        int(said.group(2)),
+        words[said.group(3)],
+    )

@@ -27,6 +27,7 @@ FIXED_NAMES = [
     "tree_flatten",
     "tree_unflatten",
     "tree_equal",
+    "BudgetTextError",  # raised for a budget text such as "cpu=lots", wherever it is read
 ]
 
 

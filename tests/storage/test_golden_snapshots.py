@@ -225,3 +225,25 @@ def test_the_golden_family_restores_with_its_sharing() -> None:
     assert len({h.blocks[0] for h in handles}) == 1
     assert len({h.blocks[-1] for h in handles[1:]}) == 3
     assert m.stats()["total_nbytes"] < sum(ss.nbytes_by_device(r)["cpu"] for r in restored.values())
+
+
+@pytest.mark.parametrize("model", ["dreamzero", "cosmos3"])
+def test_a_keyless_golden_session_forked_before_its_first_step_draws_apart(model: str) -> None:
+    # A file written before sessions held keys loads with a key not allocated; a fork before
+    # the first step splits it as it would the seeded key, so each branch draws its own noise:
+    # the seed's split, the branch's place in it.
+    path = DATA / "snapshots" / "0.1.0.dev0" / f"{model}_v4.safetensors"
+    assert _builder(path) in make_golden.BEFORE_KEY
+    document = _document(path)
+    pipe, inputs = make_golden.model_run(model, _fields(document), steps=0)
+    assert pipe.manager is not None
+    pipe.manager.restore("s", path)
+    pipe.fork("s", "b")
+    nxt = inputs[int(document["metadata"]["steps"])]
+    out_s, out_b = pipe.forward(nxt, "s"), pipe.forward(nxt, "b")
+    splits = ss.RandomKey.seeded(pipe.cfg.seed).split(2)
+    for sid, split in zip(("s", "b"), splits, strict=True):
+        assert ss.tree_equal(pipe.manager.peek(sid).random_key, split.normal(())[1])
+    tensors = [f.name for f in attrs.fields(type(out_s)) if torch.is_tensor(getattr(out_s, f.name))]
+    assert tensors
+    assert not all(torch.equal(getattr(out_s, n), getattr(out_b, n)) for n in tensors)

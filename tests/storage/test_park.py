@@ -343,6 +343,8 @@ def test_stats_keys_unchanged_without_a_budget() -> None:
         "evictions",
         "total_nbytes",
         "nbytes:cpu",
+        "forks",
+        "shared_sessions",
     }
 
 

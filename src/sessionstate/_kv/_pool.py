@@ -38,7 +38,9 @@ the id on, for the tokens it was restored with. Unparking reuses, instead of a f
 live block of the same content id that holds at least the tokens the parked handles read
 there: the block a sibling still holds, or the one a sibling unparked into. Tokens below a
 block's fill never change while it is held (appends land past every live handle's end), so
-the reused block reads exactly what the parked copy holds.
+the reused block reads exactly what the parked copy holds. A restored block written past its
+restored tokens holds a new content from then on, as a block written afresh does, so a
+family forked after that write parks it as one content and comes back sharing it.
 
 A snapshot saves handles by value (`register_snapshot_leaf`): per pool, the blocks its handles
 in the snapshot hold, once each, with only those handles' tokens (the rest of a block is
@@ -538,6 +540,11 @@ class KVPool:
                     take = min(bt - offset, n - written)
                     end = offset + take
                     block = blocks[-1]
+                    if self._valid[block] >= 0:
+                        # A restored block written past its content's tokens: what it holds
+                        # now is a new content (another block of the old one may hold other
+                        # tokens there), which it holds first, as a block written afresh.
+                        self._relabel(block)
                     # One view per side: the block's (kept by the pool), and all of `kv` when
                     # it fits.
                     dest = self._block_view(block)[offset:end]
@@ -964,12 +971,9 @@ def offload_payload(leaves: Sequence[tuple[str, KVHandle]]) -> dict[str, Any]:
             functools.partial(_read_into, pool, blocks, filled),
         )
         with pool._lock:  # (held by the handles: their contents cannot change)
-            # A restored block's tokens past those it was restored with are its holders'
-            # own, not its content's: such a saved block carries no content (0).
-            contents = [
-                pool._content[block] if pool._valid[block] < 0 or fill <= pool._valid[block] else 0
-                for block, fill in zip(blocks, filled, strict=True)
-            ]
+            # (A restored block written past its restored tokens holds a new content: see
+            # `append`.)
+            contents = [pool._content[block] for block in blocks]
         saved.append({"pool": pool, "blocks": data, "fills": filled, "contents": contents})
     return {"pools": saved, "handles": handles}
 

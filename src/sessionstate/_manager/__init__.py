@@ -10,8 +10,10 @@ delegates to the room that does the job, over one `Table`:
 - ``_family``: forks, and family snapshots (`snapshot_many`, `peek_many`, `restore_many`).
 - ``_stepping``: `step` and `step_many`, the pools' transactions, the read check.
 - ``_observe``: `stats`, `session_stats`, `metrics_snapshot`, events.
-- ``_prefetch``: background unparks and their room.
+- ``_prefetch``: background unparks and their room, and `expect`'s schedule of next use.
 - ``_decide``: the decisions as pure functions of plain data, tested without a manager.
+- ``_schedule``: under a schedule of next use (`SessionStateManager.expect`), whom to park
+  first (`park_order`, Belady's) and whom to prefetch (`prefetch_plan`), as pure functions.
 
 The parts: `SessionLedger` (``_ledger``: what the stored records hold, per device, kept up to
 date by the values that changed), `BudgetPolicy` (``_policy``: the byte budget's decisions; it

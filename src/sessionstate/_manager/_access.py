@@ -22,7 +22,7 @@ from sessionstate._errors import (
 from sessionstate._manager import _decide as decide
 from sessionstate._manager._ledger import Values, entries_of
 from sessionstate._manager._parking import parked_objects
-from sessionstate._manager._room import make_room, resident, store_unparked, unpark
+from sessionstate._manager._room import holders_of, make_room, resident, store_unparked, unpark
 from sessionstate._manager._table import SessionT, Table, batch_ids, not_held
 from sessionstate._session import SessionState
 from sessionstate._stateobject import ParkedObject
@@ -38,6 +38,8 @@ __all__ = [
     "put",
     "put_locked",
     "put_many",
+    "read",
+    "read_many",
     "read_parked",
     "refuse_batch_over_budget",
     "require",
@@ -49,6 +51,12 @@ __all__ = [
 
 def get(t: Table[SessionT], session_id: Hashable, /) -> SessionT | None:
     check_session_id(session_id)
+    return read(t, session_id, touch=True)
+
+
+def read(t: Table[SessionT], session_id: Hashable, *, touch: bool) -> SessionT | None:
+    # `get`; `touch=False` leaves the LRU order alone (a step's read: its session becomes
+    # the most recently used when the step publishes, and stays where it was if it fails).
     t.await_prefetch(session_id)
     with t.lock:
         state = t.records.get(session_id)
@@ -58,32 +66,46 @@ def get(t: Table[SessionT], session_id: Hashable, /) -> SessionT | None:
         t.verify(session_id, state)
         state = resident(t, session_id, state)
         t.hits += 1
-        t.records.move_to_end(session_id)
+        if touch:
+            t.records.move_to_end(session_id)
         return state
 
 
 def get_many(t: Table[SessionT], session_ids: Sequence[Hashable], /) -> list[SessionT]:
-    ids = batch_ids(session_ids, "get_many")
+    return read_many(t, batch_ids(session_ids, "get_many"), touch=True)
+
+
+def read_many(t: Table[SessionT], ids: list[Hashable], *, touch: bool) -> list[SessionT]:
+    # `get_many` of checked ids; `touch=False` leaves the LRU order alone, as `read`.
     t.await_prefetch(*ids)
     with t.lock:
         missing = [sid for sid in ids if sid not in t.records]
         if missing:
             msg = not_held(f"Cannot get the batch {ids!r}", missing, then="Nothing changed.")
             raise SessionStateLostError(msg)
+        for session_id in ids:  # every record, before anything is parked or unparked
+            t.verify(session_id, t.records[session_id])
         parking = t.parking
         need: dict[str, int] = {}
         parked = [sid for sid in ids if parking.is_parked(sid)]
+        counted: set[int] = set()  # parked bytes the batch brings back once, for all
+        holders: list[Hashable] = []
         for session_id in parked:
-            t.verify(session_id, t.records[session_id])
+            holders += holders_of(t, session_id)
             try:
-                for device, nbytes in parking.check(session_id).items():
+                for device, nbytes in parking.check(session_id, counted).items():
                     need[device] = need.get(device, 0) + nbytes
             except BaseException:
                 parking.discard(session_id)
                 raise
             parking.unreserve(session_id)
         if parked:
-            make_room(t, parked[0], need, keep=ids)
+            try:
+                make_room(t, parked[0], need, keep=[*ids, *holders])
+            except BaseException:
+                for session_id in parked:  # what `check` read, and their prefetches, go
+                    parking.discard(session_id)
+                raise
         out: list[SessionT] = []
         for session_id in ids:
             state = t.records[session_id]
@@ -94,12 +116,11 @@ def get_many(t: Table[SessionT], session_ids: Sequence[Hashable], /) -> list[Ses
                     parking.discard(session_id)
                     raise
                 store_unparked(t, session_id, state)
-            else:
-                t.verify(session_id, state)
             out.append(state)
-        for session_id in ids:
-            t.hits += 1
-            t.records.move_to_end(session_id)
+        t.hits += len(ids)
+        if touch:
+            for session_id in ids:
+                t.records.move_to_end(session_id)
         return out
 
 
@@ -312,12 +333,18 @@ def store_batch_by_one(
     # `_store_batch` when a member is new or holds parked objects: put by put.
     done: list[Hashable] = []
     try:
-        refuse_batch_over_budget(t, ids, walked)
+        olds = [t.ledger.held(sid) for sid in ids]
+        refuse_batch_over_budget(t, ids, walked, olds)
     except BaseException:
         t.ledger.undo_growth(t.ledger.growth(walked))
         raise
     before = {sid: t.records.get(sid) for sid in ids}
     order = list(t.records)
+    # The parked bytes of the records the batch replaces are held until it is stored
+    # whole: a refusal puts those records back, and their bytes must still be there.
+    parking = t.parking
+    replaced = [obj for r in before.values() if r is not None for obj in parked_objects(r).values()]
+    parking.replacing = tuple(replaced)
     try:
         for (session_id, state), values in zip(pairs, walked, strict=True):
             put_locked(t, session_id, state, touch=True, keep=ids, values=values)
@@ -335,11 +362,18 @@ def store_batch_by_one(
             if session_id in t.records:
                 t.records.move_to_end(session_id)
         raise
+    finally:
+        parking.replacing = ()
+        parking.abandon(replaced)  # what no stored record holds any more
 
 
-def refuse_batch_over_budget(t: Table[SessionT], ids: list[Hashable], walked: list[Values]) -> None:
+def refuse_batch_over_budget(
+    t: Table[SessionT], ids: list[Hashable], walked: list[Values], olds: Sequence[Values] = ()
+) -> None:
     # Refuse a batch whose records together (each storage once) exceed a device's whole
     # budget: storing it would evict or park every other session and still not fit.
+    # `olds`: the records the members held (stored put by put: while a member is put, the
+    # members after it still hold theirs), so a batch refused midway evicts no one.
     policy = t.policy
     if policy is None:
         return
@@ -354,6 +388,21 @@ def refuse_batch_over_budget(t: Table[SessionT], ids: list[Hashable], walked: li
             f"budget for {device}."
         )
         t.refuse(ids[0], SessionAdmissionError(msg))
+    for k in range(len(olds) - 1) if any(olds[1:]) else ():
+        held = [*walked[: k + 1], *olds[k + 1 :]]
+        peak = count_entries(entry for values in held for entry in entries_of(values))
+        device = decide.over_whole_budget(peak, policy.max_bytes)
+        if device is not None:
+            msg = (
+                f"Cannot store the batch {ids!r}: while {ids[k]!r} is stored, the "
+                "batch's new records up to it and the records the members after it "
+                f"still hold come to {peak[device]} bytes on {device}, more than the "
+                f"whole budget of {policy.max_bytes[device]} bytes there (`max_bytes`); "
+                "storing it would evict or park every other session and still not fit. "
+                "List the sessions it replaces first, store a smaller batch, or raise the "
+                f"budget for {device}."
+            )
+            t.refuse(ids[0], SessionAdmissionError(msg))
 
 
 def check_state(state: object, session_id: Hashable) -> None:

@@ -115,6 +115,11 @@ class Reporter:
         self.timings = Timings()
         self.counts: dict[str, int] = {}
         self._warned_at: float | None = None  # the last eviction WARNING
+        # What a callback raised beyond `Exception` (KeyboardInterrupt, SystemExit) while
+        # `defer` is set: held for the caller to raise once its work is whole (the manager,
+        # when it lets go of its lock), never swallowed. The first one is kept.
+        self.defer = False
+        self.deferred: BaseException | None = None
         self._quiet = 0  # evictions logged at DEBUG since
 
     def emit(self, event: SessionEvent, *, warned: bool = False) -> None:
@@ -146,6 +151,11 @@ class Reporter:
                 self.hook(event)
             except Exception:  # a callback's failure never fails the manager's work
                 logger.exception("The manager's `on_event` callback raised on %r", event)
+            except BaseException as exc:
+                if not self.defer:
+                    raise
+                if self.deferred is None:
+                    self.deferred = exc
 
     def _eviction_level(self, warned: bool) -> tuple[int, str]:
         # WARNING at most once every WARN_EVERY seconds, counting the DEBUG ones in between.
@@ -167,7 +177,11 @@ class Reporter:
 
 def span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A `torch.profiler.record_function` range named ``name`` while a profiler runs, else a
-    no-op (a record_function costs microseconds even with no profiler)."""
-    if torch._C._autograd._profiler_enabled():
+    no-op (a record_function costs microseconds even with no profiler).
+
+    A profiler started with ``profile_all_threads`` (``sessionstate ab --trace``) records
+    every thread yet leaves the thread-local flag off, on its own thread too; torch's Python
+    flag is set by every profiler, so either one counts."""
+    if torch._C._autograd._profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()

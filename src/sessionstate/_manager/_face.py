@@ -95,8 +95,11 @@ class SessionStateManager(Generic[SessionT]):
             unpark releases the copy, and every park copies.
         on_event: Called with each `SessionEvent` (park, unpark, prefetch, fork, evict, refuse),
             under the manager's lock: it must not call the manager, and what it raises is
-            logged, never raised. Every event is also logged on the ``sessionstate`` logger at
-            DEBUG, evictions at WARNING (at most one line a minute, with a count).
+            logged, never raised; a `BaseException` that is not an `Exception` (a
+            KeyboardInterrupt) is raised once the call that emitted the event has finished
+            its work, so the manager's state stays whole. Every event is also logged on the
+            ``sessionstate`` logger at DEBUG, evictions at WARNING (at most one line a
+            minute, with a count).
         pools: Engine pools of fixed-size blocks whose room the manager makes (`EnginePool`,
             e.g. a `KVPool` declaring ``step_tokens``): `step` parks the least recently used
             other sessions' objects holding a pool's blocks until the step's room is free,
@@ -460,12 +463,14 @@ class SessionStateManager(Generic[SessionT]):
         with a parked object), ``parks`` and ``unparks`` (times a session's objects were
         parked, and brought back), ``kv_parks`` and ``kv_unparks`` (those of them that moved
         a `KVHandle`'s blocks too), ``nbytes_parked:host`` and ``nbytes_parked:disk``
-        (bytes the tiers hold), ``reparks`` (parks that took a kept copy back, see
+        (bytes the tiers hold), ``scheduled_prefetches`` (background restores `expect`
+        started), ``reparks`` (parks that took a kept copy back, see
         ``keep_parked_copies``), ``nbytes_reparked`` (the bytes they did not copy), and
         ``nbytes_kept:host`` and ``nbytes_kept:disk`` (kept copies of resident sessions'
-        objects). Once `fork` made a branch: ``forks`` (branches made) and
-        ``shared_sessions`` (sessions holding a resident storage another session holds too:
-        a family's members until they let its history go).
+        objects). Always: ``forks`` (branches `fork` made) and ``shared_sessions`` (sessions
+        holding a resident storage another session holds too: a family's members, forked or
+        restored with `restore_many`, until they let its history go; counted once a family
+        was made, 0 before, so records shared by hand before any are not counted).
         Engine-owned bytes (blocks of a `KVPool` reached through a `KVHandle`) are part of the
         per-device totals and also reported on their own as ``engine_nbytes:<device>``, each
         block once; parking an object moves its handles' blocks to the tier with it (the pool
@@ -473,7 +478,7 @@ class SessionStateManager(Generic[SessionT]):
 
         >>> SessionStateManager(8).stats()  # doctest: +NORMALIZE_WHITESPACE
         {'sessions': 0, 'max_sessions': 8, 'hits': 0, 'misses': 0, 'evictions': 0,
-         'total_nbytes': 0}
+         'total_nbytes': 0, 'forks': 0, 'shared_sessions': 0}
         """
         return _observe.stats(self._table)
 
@@ -585,6 +590,47 @@ class SessionStateManager(Generic[SessionT]):
         """  # noqa: E501 - a doctest line
         return _prefetch.prefetch(self._table, session_id, make_room=make_room)
 
+    def expect(self, session_ids: Sequence[Hashable], /, *, prefetch: bool = True) -> None:
+        """Declare the order in which sessions will be used next (first = next).
+
+        For a server that schedules its next ticks: it replaces any earlier schedule, and
+        ``expect([])`` clears it. While a schedule is set, room-making (the byte budget's
+        parking, and the room of ``pools`` made by `step`, `step_many` and `park_until`)
+        parks first the sessions not in it, least recently used first, then the scheduled
+        ones, furthest next use first (Belady): a session used sooner than another is never
+        parked while the later one could go. An id scheduled twice counts at its first
+        position. A session's use does not take it off the schedule; call ``expect`` again
+        each tick. Eviction (``on_full="evict"``) stays least recently used first.
+
+        With ``prefetch`` (default), the parked sessions of the schedule are prefetched in
+        order (see `prefetch`, with ``make_room``), each making its room only by parking
+        sessions whose next use is later (or unknown), never evicting; the first that does
+        not fit stops the plan (not counted as dropped), and so does the first id not held
+        (a new session needs room before the ones after it). ``scheduled_prefetches`` in
+        `stats()` (with the other parking keys) counts the background restores it started.
+
+        Unknown ids are not an error (a scheduler's guess, or a session about to start): they
+        are kept in the order. Outputs are unchanged by a schedule; it decides only who is
+        parked and when bytes move.
+
+        Raises:
+            TypeError: for ``session_ids`` that are not a sequence (a str, a set, a
+                generator), an invalid id (None, unhashable), or a non-bool ``prefetch``.
+
+        >>> import torch
+        >>> from sessionstate import SessionState, TensorCache
+        >>> m = SessionStateManager(max_bytes={"cpu": 64})
+        >>> def record(): return SessionState(objects={"c": TensorCache().allocate().commit(torch.zeros(8))})
+        >>> for sid in "abc": m.put(sid, record())  # "a" is parked to fit "c"
+        >>> _ = m.get("b")  # least recently used first: "a", "c", "b"
+        >>> m.expect(["a", "c", "b"])  # "a" next: prefetched, parking "b" (used last), not "c"
+        >>> [bool(m.peek(sid).parked) for sid in "abc"], m.stats()["scheduled_prefetches"]
+        ([True, True, False], 1)
+        >>> _ = m.get("a"); m.stats()["prefetch_hits"]
+        1
+        """  # noqa: E501 - a doctest line
+        _prefetch.expect(self._table, session_ids, prefetch=prefetch)
+
     def step(
         self,
         session_id: Hashable,
@@ -604,7 +650,8 @@ class SessionStateManager(Generic[SessionT]):
         blocks (then their prefetches); the byte budget makes its room as `get` and `put`
         do. ``fn`` runs inside every pool's ``transaction()`` (where a pool has one), so a
         step that fails gives back what it took and leaves the stored record, or its
-        absence, exactly as it was.
+        absence, exactly as it was, and the LRU order too (the session becomes the most
+        recently used when the step publishes).
 
         Args:
             session_id: The session.
@@ -650,10 +697,11 @@ class SessionStateManager(Generic[SessionT]):
         `step` for a batch: the room for every session's step is made at once (in each pool,
         the blocks all their steps can take, parking least recently used sessions outside
         the batch; the byte budget as `get_many` and `put_many` make it), the records are
-        read with `get_many` (a session not held starts from ``new()``, unless ``begin`` is
-        False), ``fn`` runs once inside every pool's transaction, and its records are stored
-        with `put_many`. All or nothing: a step or a store that fails gives back what the
-        step took and leaves every session of the batch as it was.
+        read as `get_many` reads them (a session not held starts from ``new()``, unless
+        ``begin`` is False), ``fn`` runs once inside every pool's transaction, and its records
+        are stored with `put_many`, which makes them the most recently used. All or nothing: a
+        step or a store that fails gives back what the step took and leaves every session of
+        the batch as it was, and the LRU order too.
 
         Args:
             session_ids: The sessions, each once; ``fn`` gets their records in this order.
@@ -693,7 +741,8 @@ class SessionStateManager(Generic[SessionT]):
 
         For memory outside the byte budget that parking gives back, such as the blocks of a
         `KVPool` the manager was not given (a pool given as ``pools=`` has its room made by
-        `step`, `get` and `prefetch`): oldest first and never the sessions in ``keep``, each
+        `step`, `get` and `prefetch`): oldest first (under `expect`'s schedule, the furthest
+        next use first) and never the sessions in ``keep``, each
         session's parkable objects holding a storage ``frees`` picks (a `StorageEntry`, as
         the accounting reports it: ``frees=pool.owns_entry``) are parked, and ``done`` asked
         again. A session

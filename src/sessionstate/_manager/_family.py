@@ -31,6 +31,7 @@ from sessionstate._manager._access import (
     store_batch,
 )
 from sessionstate._manager._events import SessionEvent
+from sessionstate._manager._room import make_room
 from sessionstate._manager._table import SessionT, Table, batch_ids, not_held
 from sessionstate._session import SessionState
 from sessionstate._storage import (
@@ -100,10 +101,19 @@ def fork(
                 added.append(branch_id)
                 t.reporter.emit(SessionEvent("fork", branch_id, 0, reason=f"of {source_id!r}"))
             if records[0] is not state:
-                # The source's record with its own split key: only the key changed, for
-                # one of the same size (held alone), so no room to make and nothing to
-                # park; a prefetch of the source stays reserved.
-                t.ledger.set(source_id, t.ledger.values_for(source_id, records[0]))
+                # The source's record with its own split key: only the key changed, but
+                # its new key is held alone (the old one may be a branch's now), so its
+                # room is made as a put's, never parking a branch; nothing of the source
+                # is parked and a prefetch of it stays reserved.
+                values = t.ledger.values_for(source_id, records[0])
+                grown = t.ledger.growth((values,))
+                previous = t.ledger.set(source_id, values)
+                try:
+                    make_room(t, source_id, {}, added)
+                except BaseException:
+                    t.ledger.set(source_id, previous)
+                    t.ledger.undo_growth(grown)
+                    raise
                 t.set_record(source_id, records[0])
                 t.record_versions(source_id, records[0])
         except BaseException:
@@ -111,6 +121,7 @@ def fork(
                 t.forget(branch_id)
             raise
         t.forks += len(added)
+        t.families = True
 
 
 def admit_branches(t: Table[SessionT], source_id: Hashable, n: int) -> None:
@@ -277,4 +288,5 @@ def restore_many(
             t.refuse(ids[0], SessionAdmissionError(msg))
         pairs = [(sid, cast(SessionT, state)) for sid, state in zip(ids, records, strict=True)]
         store_batch(t, pairs, ids)
+        t.families = True
     return {sid: cast(SessionT, state) for sid, state in zip(ids, records, strict=True)}

@@ -47,9 +47,10 @@ def stats_locked(t: Table[SessionT]) -> tuple[dict[str, int], dict[str, int]]:
         out[f"nbytes:{device}"] = nbytes
     for device, nbytes in t.ledger.engine_totals().items():
         out[f"engine_nbytes:{device}"] = nbytes
-    if t.forks:
-        out["forks"] = t.forks
-        out["shared_sessions"] = sharing_sessions(t)
+    out["forks"] = t.forks
+    # The count walks every session's storages: done once a family was made (a fork,
+    # a family restore), 0 before (a worker reads `stats()` at every step).
+    out["shared_sessions"] = sharing_sessions(t) if t.families else 0
     if t.policy is not None:
         for device in sorted(t.policy.max_bytes):
             out[f"max_bytes:{device}"] = t.policy.max_bytes[device]
@@ -57,6 +58,7 @@ def stats_locked(t: Table[SessionT]) -> tuple[dict[str, int], dict[str, int]]:
     if t.policy is not None or t.parking.used:
         parking, by_tier = t.parking.summary()
         out.update(parking)
+        out["scheduled_prefetches"] = t.scheduled_prefetches
     return out, by_tier
 
 

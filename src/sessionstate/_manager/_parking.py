@@ -17,6 +17,10 @@ reaches both, so the next round can keep theirs. A kept copy goes as soon as one
 objects is gone, when the session is parked again without it, dropped or evicted, and first
 when the host pool is full.
 
+A session's K/V objects are parked into a handle of their own, apart from its other objects
+(unless a storage reaches both): a handle holding K/V is never shared between fork siblings,
+and the objects beside it would otherwise be parked again by each of them.
+
 It also owns the host tier's `HostBufferPool` (when the manager is given its bytes) and the
 prefetches: a parked session whose handles are being restored in the background, with the
 bytes that restore makes resident reserved (charged to the budget) until the session is
@@ -45,6 +49,7 @@ from sessionstate._storage import (
     SpoolDir,
     Tier,
     is_engine_leaf,
+    is_offloadable,
     reclaim_spool,
 )
 from sessionstate._tree import tree_leaves
@@ -123,6 +128,9 @@ class Parking:
         self._groups: dict[int, frozenset[int]] = {}
         # Parked objects of a record being stored (not tracked yet): their bytes are held.
         self.storing: tuple[ParkedObject, ...] = ()
+        # Parked objects of records a batch being stored replaced: their bytes are held until
+        # the batch is stored whole (then `abandon`ed) or put back (a refusal's rollback).
+        self.replacing: tuple[ParkedObject, ...] = ()
         # Whether an object a sibling unparked is handed to the next (off under the
         # immutability guard, whose versions are per session).
         self.share_restored = True
@@ -261,6 +269,9 @@ class Parking:
             ):
                 self._release(handle)
         copied = [name for name in names if name not in reused and name not in apart]
+        # K/V apart from the rest: a handle holding K/V is never shared, so the other objects
+        # parked with it would be parked again by every sibling.
+        kv_group, copied = _kv_apart(state, copied, held)
         new: _S = state
         made: list[tuple[list[str], list[ParkedBytes]]] = []  # per park, its names and handles
         spilled = False
@@ -269,7 +280,7 @@ class Parking:
         # the ones this park takes back (a sibling may keep the same handle).
         self._taking = frozenset(taken)
         try:
-            for group in (copied, apart):
+            for group in (kv_group, copied, apart):
                 if group:
                     new, spill = self._park_on_tier(session_id, new, group, names)
                     spilled = spilled or spill
@@ -452,23 +463,54 @@ class Parking:
         """``session_id`` is being unparked: its bytes are charged as its own from now on."""
         self._reserved.pop(session_id, None)
 
-    def check(self, session_id: Hashable, /) -> dict[str, int]:
+    def check(self, session_id: Hashable, /, counted: set[int] | None = None) -> dict[str, int]:
         """Check that ``session_id``'s parked bytes can be restored; return what they need.
 
         Reads and checks the bytes into host memory (a spool file's checksums), allocating no
         device memory, so the manager makes room only for bytes that will come back. Returns
-        the bytes unparking makes resident, per device.
+        the bytes unparking makes resident, per device: none for a handle whose objects come
+        back as the very objects a sibling unparked and still holds (`handed_back`; not read
+        either), nor for one in ``counted`` (the ids of handles a batch unparks before this
+        session, whose objects it then hands back), to which this session's are added.
 
         Raises:
             ParkingError: if the bytes cannot be restored (a damaged spool file); nothing
                 changes and the session stays parked.
         """
+        parked = self._parked[session_id]
+        back = {id(parked[name].handle) for name in self.handed_back(session_id)}
+        handles = [h for h in _handles_of(parked.values()) if id(h) not in back]
         try:
-            for handle in _handles_of(self._parked[session_id].values()):
+            for handle in handles:
                 handle.prefetch()
         except Exception as exc:
             raise self._unpark_error(session_id, exc) from exc
-        return self.parked_need(session_id)
+        need: dict[str, int] = {}
+        for handle in handles:
+            if counted is not None and id(handle) in counted:
+                continue
+            if counted is not None and self._shared_restore(handle):
+                counted.add(id(handle))
+            for device, nbytes in handle.nbytes_by_device.items():
+                need[device] = need.get(device, 0) + nbytes
+        return need
+
+    def handed_back(self, session_id: Hashable, /) -> dict[str, StateObject]:
+        """The objects unparking ``session_id`` now would hand back rather than restore: by
+        name, the very objects a sibling unparked from the same parked bytes and still holds,
+        unchanged (they cost no byte; the sessions holding them must stay resident until it
+        unparks)."""
+        if not self.share_restored:
+            return {}
+        return self._restored_already(self._parked[session_id])
+
+    def _shared_restore(self, handle: ParkedBytes) -> bool:
+        # Whether what an unpark restores from ``handle`` is handed to the next sibling that
+        # unparks it (this manager's, holding no K/V), as `unpark` records it.
+        handle_id = id(handle)
+        return (
+            self.share_restored and handle_id in self._handles and handle_id not in self._kv_handles
+        )
 
     def discard(self, session_id: Hashable, /) -> None:
         """Drop what `check` read for ``session_id`` (the unpark will not happen now), and
@@ -491,7 +533,7 @@ class Parking:
         prefetched = any(handle.prefetching for handle in handles)
         # What a sibling unparked from the same parked bytes and still holds comes back as
         # that very object: the sessions share it again instead of holding a copy each.
-        again = self._restored_already(state) if self.share_restored else {}
+        again = self._restored_already(state.objects) if self.share_restored else {}
         start = time.perf_counter()
         try:
             with span("sessionstate::unpark"):
@@ -502,13 +544,8 @@ class Parking:
             raise self._unpark_error(session_id, exc) from exc
         handed: list[tuple[str, _Handed]] = []
         for name, obj in state.objects.items():
-            handle_id = id(obj.handle) if isinstance(obj, ParkedObject) else None
-            if (
-                self.share_restored
-                and handle_id in self._handles
-                and handle_id not in self._kv_handles
-            ):
-                entry = self._remember_restored(obj, new.objects[name])  # type: ignore[arg-type]
+            if isinstance(obj, ParkedObject) and self._shared_restore(obj.handle):
+                entry = self._remember_restored(obj, new.objects[name])
                 handed.append((name, entry))
         self._to_version.pop(session_id, None)
         if handed:
@@ -825,6 +862,7 @@ class Parking:
         return (
             handle_id in self._taking
             or any(obj.handle is handle for obj in self.storing)
+            or any(obj.handle is handle for obj in self.replacing)
             or any(handle_id in kept for kept in self._kept.values())
             or self._parked_anywhere(handle)
         )
@@ -879,13 +917,14 @@ class Parking:
         table[key] = (weakref.ref(obj, gone), parked)
         self._parked_as_of.setdefault(id(parked.handle), []).append(key)
 
-    def _restored_already(self, state: SessionState) -> dict[str, StateObject]:
-        # Per handle, all of its objects ``state`` holds or none: each alive and unchanged
-        # since it came back (its bytes the parked ones). Objects restored from one storage
-        # share it but not a version counter: one written through leaves the others' as
-        # they were, so one changed object keeps every object of its handle from coming back.
+    def _restored_already(self, record: Mapping[str, StateObject]) -> dict[str, StateObject]:
+        # Per handle, all of its objects in ``record`` (a record's objects) or none: each
+        # alive and unchanged since it came back (its bytes the parked ones). Objects
+        # restored from one storage share it but not a version counter: one written through
+        # leaves the others' as they were, so one changed object keeps every object of its
+        # handle from coming back.
         found: dict[int, dict[str, StateObject | None]] = {}
-        for name, obj in state.objects.items():
+        for name, obj in record.items():
             if isinstance(obj, ParkedObject):
                 entry = self._restored.get(id(obj.handle), {}).get(obj.key)
                 alive = None
@@ -1003,6 +1042,35 @@ def _versions(obj: StateObject, item: Any = None) -> tuple[int, ...] | None:
         elif is_engine_leaf(leaf):
             return None
     return tuple(out)
+
+
+def _kv_apart(
+    state: SessionState, names: list[str], held: Mapping[ValueKey, Any] | None
+) -> tuple[list[str], list[str]]:
+    """``names`` split into the objects holding K/V and the others, when both are there and
+    no storage (or engine block) reaches both; else nothing set apart and ``names``.
+
+    The K/V objects are the library's (`KVCache`, `EncodeOnceKV`) and any holding a leaf that
+    parking offloads (a `KVHandle`). The storages are read from ``held`` (the ledger's
+    values): unknown or out of date, nothing is split.
+    """
+    if held is None or len(names) < 2:
+        return [], names
+    objects = state.objects
+    kv: list[str] = []
+    rest: list[str] = []
+    entries: dict[bool, set[Any]] = {True: set(), False: set()}
+    for name in names:
+        item = held.get(("o", name))
+        obj = objects[name]
+        if item is None or item.value is not obj:
+            return [], names
+        holds_kv = isinstance(obj, _KV_OBJECTS) or any(is_offloadable(x) for x in item.leaves)
+        (kv if holds_kv else rest).append(name)
+        entries[holds_kv].update(entry[1] for entry in item.entries)
+    if not kv or not rest or not entries[True].isdisjoint(entries[False]):
+        return [], names
+    return kv, rest
 
 
 def _unchanged(

@@ -12,7 +12,7 @@ from typing import Literal, cast
 import torch
 
 from sessionstate._checks import describe, is_int
-from sessionstate._errors import SessionAdmissionError
+from sessionstate._errors import BudgetTextError, SessionAdmissionError
 from sessionstate._manager._ledger import SessionLedger, Values, entries_of
 from sessionstate._protocols import StorageEntry
 from sessionstate._session import ValueKey
@@ -119,21 +119,6 @@ def check_max_bytes(max_bytes: object) -> dict[str, int] | None:
     for key, value in max_bytes.items():
         out[_device_key(key)] = parse_nbytes(value, name=f"max_bytes[{key!r}]")
     return out
-
-
-class BudgetTextError(ValueError):
-    """A budget text that is not one; ``rule`` names the rule it breaks, ``part`` the text.
-
-    ``rule`` is ``"device"`` (a key that is not a device tensors report, or none), ``"twice"``
-    (a device named again), ``"count"`` (not a byte count) or ``"zero"`` (a count of 0 where
-    a positive one is asked for). The message is the manager's; the config words its own
-    warning from ``rule`` and ``part``.
-    """
-
-    def __init__(self, message: str, /, *, rule: str, part: str) -> None:
-        super().__init__(message)
-        self.rule = rule
-        self.part = part
 
 
 def parse_budget_text(text: str, /, *, positive: bool = False) -> int | dict[str, int]:

@@ -22,18 +22,21 @@ from sessionstate._errors import (
 )
 from sessionstate._manager import _decide as decide
 from sessionstate._manager._policy import objects_to_park
+from sessionstate._manager._schedule import park_order
 from sessionstate._manager._table import NO_DEVICES, SessionT, Table
 from sessionstate._protocols import EnginePool, StorageEntry
 from sessionstate._storage import HostPoolFullError
 
 __all__ = [
     "has_free_blocks",
+    "holders_of",
     "make_room",
     "make_step_room",
     "park",
     "park_others",
     "park_until",
     "resident",
+    "room_order",
     "step_blocks",
     "store_unparked",
     "unpark",
@@ -93,7 +96,7 @@ def park_others(
         return over
     idle = t.nothing_to_park
     devices = frozenset(over)
-    for other in list(t.records):
+    for other in room_order(t):
         if idle.get(other, NO_DEVICES) >= devices:
             continue  # nothing of its record to park there
         if other == session_id or other in kept:
@@ -107,6 +110,12 @@ def park_others(
                 return over
             devices = frozenset(over)
     return over
+
+
+def room_order(t: Table[SessionT]) -> list[Hashable]:
+    # The order room-making tries the sessions in: least recently used first, or under
+    # `expect`'s schedule, Belady's (`park_order`).
+    return park_order(list(t.records), t.schedule)
 
 
 def park(t: Table[SessionT], session_id: Hashable, names: list[str]) -> bool:
@@ -141,7 +150,7 @@ def park_until(
         # any other predicate may be a new closure per call, and is not remembered.
         idle = t.nothing_to_park
         remembered = frees if isinstance(frees, types.MethodType) else None
-        for other in list(t.records):
+        for other in room_order(t):
             if other in keep:
                 continue
             if remembered is not None and remembered in idle.get(other, NO_DEVICES):
@@ -167,6 +176,7 @@ def resident(t: Table[SessionT], session_id: Hashable, state: SessionT) -> Sessi
     parking = t.parking
     if not parking.is_parked(session_id):
         return state
+    holders = holders_of(t, session_id)
     try:
         need = parking.check(session_id)
     except BaseException:
@@ -174,13 +184,26 @@ def resident(t: Table[SessionT], session_id: Hashable, state: SessionT) -> Sessi
         raise
     parking.unreserve(session_id)  # a prefetch's bytes: charged as the session's now
     try:
-        make_room(t, session_id, need)
+        make_room(t, session_id, need, holders)
         new = unpark(t, session_id, state)
     except BaseException:
         parking.discard(session_id)
         raise
     store_unparked(t, session_id, new)
     return new
+
+
+def holders_of(t: Table[SessionT], session_id: Hashable) -> list[Hashable]:
+    # The sessions holding the objects `session_id`'s unpark hands back (charged nothing
+    # for them): kept resident while room is made for it, so the objects stay alive.
+    back = {id(obj) for obj in t.parking.handed_back(session_id).values()}
+    if not back:
+        return []
+    return [
+        sid
+        for sid, record in t.records.items()
+        if sid != session_id and not back.isdisjoint(map(id, record.objects.values()))
+    ]
 
 
 def store_unparked(t: Table[SessionT], session_id: Hashable, state: SessionT) -> None:

@@ -19,7 +19,8 @@ from sessionstate._errors import (
     SessionStateLostError,
 )
 from sessionstate._kv._pool import kv_shortfall
-from sessionstate._manager._access import get, get_many, put, put_many
+from sessionstate._manager._access import put, put_many, read_many
+from sessionstate._manager._access import read as read_one
 from sessionstate._manager._events import span
 from sessionstate._manager._room import make_step_room, step_blocks
 from sessionstate._manager._table import SessionT, Table, batch_ids
@@ -51,7 +52,7 @@ def step(
     check_session_id(session_id)
     try:
         make_step_room(t, (session_id,))
-        state = None if begin else get(t, session_id)
+        state = None if begin else read_one(t, session_id, touch=False)
         if state is None:
             if begin is False:
                 raise SessionStateLostError(
@@ -93,7 +94,8 @@ def step_many(
             raise SessionStateLostError(
                 lost(missing) if lost is not None else lost_message(missing)
             )
-        records = dict(zip(held, get_many(t, held), strict=True)) if held else {}
+        read = read_many(t, held, touch=False) if held else []
+        records = dict(zip(held, read, strict=True))
         states = [records[sid] if sid in records else new() for sid in ids]
         with transactions(t), span("sessionstate::step_many"):
             stepped, outs = fn(states)
@@ -138,12 +140,18 @@ def step_shortfall(
     if len(session_ids) > 1:
         named, label, fix = list(session_ids), "Batch", "step a smaller batch, or "
     if pool.blocks_for_step(0) == 0:  # the pool says nothing of a step: no room was made
+        # The free blocks are counted after the step gave its own back: more than the
+        # failing append found, so the message says when each was counted.
+        blocks = "block" if needed == 1 else "blocks"
+        build = "Step a smaller batch, or build" if len(session_ids) > 1 else "Build"
         msg = (
             f"{label} {named!r}: KV pool {pool.name!r} ran out of blocks during the step "
-            f"({needed} needed, {pool.free_blocks} free). The pool declares no "
-            "`step_tokens`, so the manager made no room before the step: it parks other "
-            "sessions' KV only for a pool that says what a step takes. Build the pool with "
-            "`step_tokens` (and `window_tokens` for a windowed cache), or with more blocks."
+            f"(an append needed {needed} free {blocks} and found fewer; "
+            f"{pool.free_blocks} free now that the step gave its blocks back). The pool "
+            "declares no `step_tokens`, so the manager made no room before the step: it "
+            "parks other sessions' KV only for a pool that says what a step takes. "
+            f"{build} the pool with `step_tokens` (and `window_tokens` for a windowed "
+            "cache), or with more blocks."
         )
         return KVPoolExhaustedError(msg, pool=pool, needed=needed)
     return kv_shortfall(

@@ -18,7 +18,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Mapping, Sequence
-from typing import Generic
+from typing import Any, Generic
 
 import torch
 from typing_extensions import TypeVar
@@ -130,11 +130,14 @@ class Table(Generic[SessionT]):
         # have written into) is not handed to another session.
         self.parking.share_restored = self.guard is None
         self.warned_eviction = False
-        self.lock = threading.RLock()
+        self.lock = _Lock(threading.RLock(), self.reporter)
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.forks = 0
+        self.schedule: list[Hashable] = []  # `expect`'s order of next use (first = next)
+        self.scheduled_prefetches = 0
+        self.families = False  # whether a fork or a family restore was ever made
 
     def raise_max_sessions(self, n: int, /) -> bool:
         if not is_int(n):
@@ -267,6 +270,33 @@ class Table(Generic[SessionT]):
             pending = [handle for sid in session_ids for handle in parking.pending(sid)]
         for handle in pending:
             handle.wait_prefetch()
+
+
+class _Lock:
+    """The manager's re-entrant lock, under which `on_event` callbacks run: what one raises
+    beyond `Exception` (a KeyboardInterrupt) is held by the reporter until the outermost
+    holder lets go, when the manager's state is whole again, and raised then."""
+
+    __slots__ = ("_depth", "_lock", "_reporter")
+
+    def __init__(self, lock: Any, reporter: Reporter) -> None:
+        self._lock = lock
+        self._reporter = reporter
+        self._depth = 0
+        reporter.defer = True  # the manager emits under its lock only
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if self._depth or self._reporter.deferred is None:
+            self._lock.release()
+            return
+        raised, self._reporter.deferred = self._reporter.deferred, None
+        self._lock.release()
+        raise raised
 
 
 def batch_ids(session_ids: Sequence[Hashable], method: str) -> list[Hashable]:

@@ -79,6 +79,7 @@ from sessionstate._storage._park import (
     Tier,
     check_tier,
     is_engine_leaf,
+    is_offloadable,
     park_tree,
     reclaim_spool,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "dumps_state",
     "inspect_snapshot",
     "is_engine_leaf",
+    "is_offloadable",
     "load_state",
     "loads_parts",
     "loads_state",

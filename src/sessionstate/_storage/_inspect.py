@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,8 +19,14 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
 
     Returns a JSON-ready dict: the format and versions, the caller's metadata, the storages,
     and one row per top-level value (a session's named objects and attrs, a record's fields,
-    a dict's keys) with its structure and the bytes it holds per device. A storage reached by
-    two values is counted for the first, as `SessionState.nbytes_by_value` does.
+    a dict's keys, or, for a family written by `SessionStateManager.snapshot_many`, each
+    session by its id) with its structure and the bytes it holds per device. A storage reached
+    by two values is counted for the first, as `SessionState.nbytes_by_value` does.
+
+    Tensors are counted as references, the way every count here is made (``tensors``, and
+    the counts in the structures): a tensor two sessions of a family share counts once per
+    session, and the tensors a K/V leaf holds count too. ``views`` and ``storages`` say how
+    many distinct ones the references reach.
 
     Raises:
         SnapshotError: as `load_state`, for a file that is not a readable snapshot.
@@ -65,7 +72,12 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
         for b in ("objects", "attrs")
         if fields.get(b, {}).get("type") in ("dict", "frozendict")
     ]
-    if len(buckets) == 2:  # a SessionState: one row per named value
+    ids = _family_ids(document.get("metadata", {}), tree)
+    if ids is not None:  # a family (`snapshot_many`): one row per session
+        rows.extend(
+            row(sid, "session", child) for sid, child in zip(ids, tree["items"], strict=True)
+        )
+    elif len(buckets) == 2:  # a SessionState: one row per named value
         for bucket, node in buckets:
             rows.extend(row(str(k), bucket, child) for k, child in node["items"])
     elif tree.get("type") == "record":
@@ -85,11 +97,26 @@ def inspect_snapshot(path: str | os.PathLike[str], /) -> dict[str, Any]:
         "library_version": document.get("library_version"),
         "torch_version": document.get("torch_version"),
         "metadata": document.get("metadata", {}),
-        "root": _structure(tree, views, depth=0),
+        "root": _structure(tree, views, depth=0, leaves=leaves),
+        "tensors": len(_view_indices(tree, leaves)),
+        "views": len(views),
         "storages": storages,
         "values": rows,
         "nbytes": totals,
     }
+
+
+def _family_ids(metadata: Mapping[str, Any], tree: Any) -> list[str] | None:
+    """The session ids of a family file (a list root, one id per item), else None."""
+    if not isinstance(tree, dict) or tree.get("type") != "list":
+        return None
+    try:
+        ids = json.loads(str(metadata.get("session_ids")))
+    except ValueError:
+        return None
+    if not isinstance(ids, list) or len(ids) != len(tree["items"]):
+        return None
+    return [str(sid) for sid in ids]
 
 
 def _view_indices(node: Any, leaves: Mapping[str, Any] | None = None) -> list[int]:

@@ -1,6 +1,7 @@
 """The ``sessionstate`` command line: A/B validation, size tables, and a demo.
 
-Subcommands: ``ab``, ``sizes``, ``plan``, ``rollout``, ``demo``, ``inspect``, ``cluster`` (each with
+Subcommands: ``ab``, ``sizes``, ``plan``, ``rollout``, ``demo``, ``inspect``, ``cluster``,
+``serve-bench`` (each with
 ``--help``), one module each. ``ab``, ``sizes`` and ``plan`` take ``--model``
 (``dreamzero``, the default, or ``cosmos3``); each model describes itself to them with a
 `sessionstate.models._registry.ModelSpec`. Building the parser imports no torch, so
@@ -15,7 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
-from sessionstate.cli import _ab, _cluster, _demo, _inspect, _plan, _rollout, _sizes
+from sessionstate.cli import _ab, _cluster, _demo, _inspect, _plan, _rollout, _serve, _sizes
 from sessionstate.cli._ab import _print_ab as _print_ab  # tests render a report with it
 from sessionstate.cli._common import EXTRAS, ArgumentParser, HelpFormatter
 from sessionstate.cli._sizes import size_table
@@ -30,7 +31,7 @@ every session holds.
 Run `sessionstate COMMAND --help` for a command's options and their defaults.
 """
 
-_SUBCOMMANDS = (_ab, _sizes, _plan, _rollout, _demo, _inspect, _cluster)
+_SUBCOMMANDS = (_ab, _sizes, _plan, _rollout, _demo, _inspect, _cluster, _serve)
 
 
 def build_parser() -> ArgumentParser:
@@ -50,7 +51,7 @@ def build_parser() -> ArgumentParser:
         dest="command",
         required=True,
         parser_class=ArgumentParser,
-        metavar="{ab,sizes,plan,rollout,demo,inspect,cluster}",
+        metavar="{ab,sizes,plan,rollout,demo,inspect,cluster,serve-bench}",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
@@ -80,8 +81,8 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
         return None
     return (
         f"sessionstate {command}: error: `sessionstate {command}` needs {root}, which is not "
-        f'installed; install the `{extra}` extra: pip install "sessionstate[{extra}]" '
-        f'(from a clone: pip install -e ".[{extra}]").'
+        f'installed; install the `{extra}` extra from your clone: pip install -e ".[{extra}]" '
+        "(no release is on PyPI yet)."
     )
 
 

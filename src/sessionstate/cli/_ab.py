@@ -24,11 +24,14 @@ from sessionstate.cli._common import (
     ArgumentParser,
     HelpFormatter,
     add_budget_arguments,
+    budget,
+    budget_text,
     check_device,
     fmt_bytes,
     load_model_config,
     nbytes,
     positive_int,
+    stdout_console,
     with_budget,
 )
 from sessionstate.cli._sizes import progress_columns
@@ -65,11 +68,15 @@ def run_episode(args: argparse.Namespace) -> int:
     episode = list(spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed))
     profiler: Any = contextlib.nullcontext()
     if args.trace:
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            experimental_config=all_threads_config(),
+        )
     with profiler:
         _steps(args, pipe, episode, records, times, total)
     if args.trace:
         profiler.export_chrome_trace(args.trace)
+        name_worker_tracks(Path(args.trace))
     print(_DECODE, file=sys.stderr, flush=True)
     torch.save(
         {
@@ -168,6 +175,55 @@ def _batched_steps(
         print(f"{_PROGRESS}{done} {total}", file=sys.stderr, flush=True)
 
 
+PREFETCH_TRACK = "sessionstate-prefetch"
+"""The name of the prefetch worker's thread, and of its track in an ``ab --trace`` trace."""
+
+
+def all_threads_config() -> Any:
+    """A profiler config that records every thread, so the prefetch worker's restores show.
+
+    torch's profiler records only the thread that started it, and threads it starts, unless
+    told otherwise; the switch, ``profile_all_threads`` (torch 2.13 has it), is only on the
+    private ``_ExperimentalConfig``: there is no public one. None (the thread alone) where the
+    installed torch has no such switch.
+
+    >>> config = all_threads_config()
+    >>> config is None or type(config).__name__ == "_ExperimentalConfig"
+    True
+    """
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+    except ImportError:
+        return None
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch, without the switch
+        return None
+
+
+def name_worker_tracks(path: Path) -> None:
+    """Name the track of each prefetch worker thread in the Chrome trace at ``path``.
+
+    torch names every thread's track ``thread <tid> (python)``; the prefetch worker's, found
+    by its Python thread name (`PREFETCH_TRACK`), is renamed so it reads as what it is.
+    """
+    import threading
+
+    workers = {t.native_id for t in threading.enumerate() if t.name.startswith(PREFETCH_TRACK)}
+    if not workers:
+        return
+    trace = json.loads(path.read_text())
+    for event in trace.get("traceEvents", []):
+        if (
+            isinstance(event, dict)
+            and event.get("ph") == "M"
+            and event.get("name") == "thread_name"
+            and event.get("tid") in workers
+        ):
+            event["args"] = {"name": PREFETCH_TRACK}
+    path.write_text(json.dumps(trace))
+
+
 def merge_traces(parts: dict[str, Path], out: str) -> None:
     """Write the two paths' Chrome traces as one: a process per path, named after it.
 
@@ -204,7 +260,7 @@ def episode_command(args: argparse.Namespace, out: Path) -> list[str]:
     if args.device != "cpu":
         cmd += ["--device", args.device]
     if args.max_bytes is not None:
-        cmd += ["--max-bytes", str(args.max_bytes)]
+        cmd += ["--max-bytes", budget_text(args.max_bytes)]
     if args.park_tier and (args.max_bytes is not None or args.kv_pool_bytes is not None):
         cmd += ["--park-tier", args.park_tier]
     if args.kv_pool_bytes is not None:
@@ -380,17 +436,17 @@ def _cmd_ab(args: argparse.Namespace) -> int:
         refusal = budget_refusal(results)
         if refusal is not None:
             msg = (
-                f"the byte budget `--max-bytes {args.max_bytes}` is below what this workload "
-                f"needs: the managed path refused a step the bespoke path (which has no budget) "
-                f"served, so the two cannot be compared. Raise `--max-bytes` above one "
+                f"the byte budget `--max-bytes {budget_text(args.max_bytes)}` is below what this "
+                "workload needs: the managed path refused a step the bespoke path (which has no "
+                "budget) served, so the two cannot be compared. Raise `--max-bytes` above one "
                 f"session's bytes. The refusal, {refusal}"
             )
             raise ValueError(msg)
         evicted = budget_evictions(results)
         if evicted:
             msg = (
-                f"the byte budget `--max-bytes {args.max_bytes}` is below what this workload "
-                f"needs: even after parking, the managed path evicted {evicted} more "
+                f"the byte budget `--max-bytes {budget_text(args.max_bytes)}` is below what this "
+                f"workload needs: even after parking, the managed path evicted {evicted} more "
                 f"session(s) than the bespoke path (which has no budget), and they restarted "
                 f"there, so the two cannot be compared (first difference: {mismatch}). Raise "
                 f"`--max-bytes`, or run fewer `--sessions`."
@@ -469,11 +525,10 @@ def _counted(spec: ModelSpec, report: dict[str, Any]) -> str:
 
 
 def _print_ab(report: dict[str, Any], spec: ModelSpec | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     spec = spec or get_model(report.get("model", DEFAULT_MODEL))
-    console = Console()
+    console = stdout_console()
     verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
     model = f"{report['model']} " if "model" in report else ""
     console.print(
@@ -601,7 +656,7 @@ def episode_parser() -> argparse.ArgumentParser:
     episode.add_argument("--out", required=True)
     episode.add_argument("--max-sessions", type=int, required=True)
     episode.add_argument("--device", default="cpu")
-    episode.add_argument("--max-bytes", type=int)
+    episode.add_argument("--max-bytes", type=budget)
     episode.add_argument("--park-tier", choices=["host", "disk"])
     episode.add_argument("--kv-pool-bytes", type=int)
     episode.add_argument("--model", default=DEFAULT_MODEL)

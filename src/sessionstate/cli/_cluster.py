@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from sessionstate.cli._common import fmt_bytes, positive_int
+from sessionstate.cli._common import fmt_bytes, positive_int, stdout_console
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -35,10 +35,9 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _print_cluster(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
     console.print(
         f"cluster vs one process {verdict}: {report['outputs_compared']} outputs compared with "

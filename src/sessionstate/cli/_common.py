@@ -154,6 +154,64 @@ def nbytes(text: str) -> int:
     return value
 
 
+def budget(text: str) -> int | dict[str, int]:
+    """Parses ``--max-bytes``: a positive byte count, or ``device=count`` pairs.
+
+    The text a byte budget takes everywhere (`SessionStateManager`'s ``max_bytes``, the
+    deploy config, ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_BYTES``): one reading, one
+    message (`BudgetTextError`'s).
+
+    >>> budget("2MiB"), budget("cpu=2MiB")
+    (2097152, {'cpu': 2097152})
+    """
+    from sessionstate._manager import BudgetTextError, parse_budget_text
+
+    negative = negative_size(text, example="24GiB")
+    if negative is not None:
+        raise argparse.ArgumentTypeError(negative)
+    try:
+        return parse_budget_text(text, positive=True)
+    except BudgetTextError as error:
+        raise argparse.ArgumentTypeError(str(error).rstrip(".")) from None
+
+
+def budget_text(value: int | dict[str, int]) -> str:
+    """The ``--max-bytes`` text of a parsed budget (what `budget` reads back as ``value``).
+
+    >>> budget_text(2097152), budget_text({"cpu": 1024, "meta": 2})
+    ('2097152', 'cpu=1024,meta=2')
+    """
+    if isinstance(value, dict):
+        return ",".join(f"{device}={count}" for device, count in value.items())
+    return str(value)
+
+
+PIPED_WIDTH = 1000
+"""The width a command's console takes when stdout is not a terminal (wider than any table)."""
+
+
+def stdout_console() -> Any:
+    """The rich console a command prints its tables on.
+
+    On a terminal, the terminal's width. Piped or redirected there is no width to fit, and
+    rich's default of 80 columns cut a wide table's headers ("sessio…"); the console is then
+    `PIPED_WIDTH` wide, so every header and cell prints whole (a table takes only the width
+    its content needs), without colour.
+
+    >>> import io, contextlib
+    >>> with contextlib.redirect_stdout(io.StringIO()):
+    ...     console = stdout_console()
+    >>> console.width
+    1000
+    """
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        return console
+    return Console(width=PIPED_WIDTH)
+
+
 def check_device(text: str) -> None:
     """Raises `ValueError` with one line of fix unless ``text`` names a device this torch can use.
 
@@ -198,9 +256,10 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-bytes",
-        type=nbytes,
-        help="the managed path's byte budget on --device (e.g. 24GiB); least recently used "
-        "sessions are parked to stay under it",
+        type=budget,
+        help="the managed path's byte budget: a count for --device (e.g. 24GiB), or "
+        "device=count pairs as the environment variable takes them (e.g. cpu=2MiB or "
+        "cuda:0=24GiB,cpu=8GiB); least recently used sessions are parked to stay under it",
     )
     parser.add_argument(
         "--park-tier",

@@ -14,6 +14,7 @@ from sessionstate.cli._common import (
     fmt_bytes,
     load_model_config,
     positive_int,
+    stdout_console,
     with_budget,
 )
 from sessionstate.cli._sizes import step_bar
@@ -21,7 +22,6 @@ from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     check_device(args.device)
@@ -34,7 +34,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     pipe = spec.pipeline(deploy, environ=environ, device=args.device)
     assert pipe.manager is not None
     buckets = spec.buckets()
-    console = Console()
+    console = stdout_console()
     episode = spec.episode(cfg, steps=args.steps, sessions=args.sessions, seed=args.seed)
     total = args.steps * args.sessions
     with step_bar(f"{spec.title} sessions", total) as update:

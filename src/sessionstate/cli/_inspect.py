@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from sessionstate.cli._common import fmt_bytes
+from sessionstate.cli._common import fmt_bytes, stdout_console
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -16,7 +16,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
@@ -26,7 +25,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     def row(table: Table, *cells: str) -> None:
         table.add_row(*(Text(cell) for cell in cells))
 
-    console = Console()
+    console = stdout_console()
     about = Table("field", "value", title=escape(f"Snapshot {report['file']}"))
     row(about, "root", report["root"])
     row(about, "format_version", str(report["format_version"]))
@@ -34,12 +33,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     row(about, "torch_version", str(report["torch_version"]))
     row(about, "file size", fmt_bytes(report["file_nbytes"]))
     row(about, "storages", str(len(report["storages"])))
+    row(
+        about,
+        "tensors",
+        f"{report['tensors']} references to {report['views']} views of "
+        f"{len(report['storages'])} storages",
+    )
     for device, nbytes in sorted(report["nbytes"].items()):
         row(about, f"nbytes:{device}", fmt_bytes(nbytes))
     for key, value in report["metadata"].items():
         row(about, f"metadata:{key}", value)
     console.print(about)
-    values = Table("value", "bucket", "structure", "tensors", "bytes", title="Values")
+    family = any(value["bucket"] == "session" for value in report["values"])
+    values = Table(
+        "session" if family else "value",
+        "bucket",
+        "structure",
+        "tensors",
+        "bytes",
+        title="Sessions" if family else "Values",
+        caption="tensors: references (a tensor shared by two values counts for each, K/V "
+        "included); bytes: each storage once, counted for the first value that reaches it",
+    )
     for value in report["values"]:
         held = ", ".join(f"{fmt_bytes(n)} ({d})" for d, n in sorted(value["nbytes"].items()))
         row(

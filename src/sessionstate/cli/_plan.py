@@ -6,14 +6,17 @@ pool, the pool's geometry. Per session it splits the device bytes into
 
 - **KV** (the ``engine`` rows: the blocks the session's handle holds between steps),
 - **parkable** state objects (the ``object`` rows on the model's device),
+- **unparkable** state objects (``object`` rows the table marks ``"parkable": false``: the
+  16-byte `RandomKey`), which a budgeted manager never parks,
 - **attributes** (the ``attrs`` rows), which stay on the device when a session is parked,
 
 and sets apart the values a model keeps on the host anyway (its generated latents), which
 hold host memory whether the session is resident or parked.
 
 Assumption: parking moves a session's KV (the tokens its blocks hold) and its parkable
-objects to the host; its attributes stay on the device. So a parked session still holds its
-attributes on the device, and every parked session held lowers the resident count a little.
+objects to the host; its attributes and unparkable objects stay on the device. So a parked
+session still holds them on the device, and every parked session held lowers the resident
+count a little.
 `capacity_plan` fills the host with parked sessions and then keeps resident as many sessions
 as the device holds beside their remainders (`sessions_resident_without_parking` is the
 figure with nothing parked).
@@ -28,7 +31,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sessionstate.cli._common import fmt_at_least, fmt_bytes, negative_size, positive_int
+from sessionstate.cli._common import (
+    fmt_at_least,
+    fmt_bytes,
+    negative_size,
+    positive_int,
+    stdout_console,
+)
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 __all__ = [
@@ -59,8 +68,8 @@ checks this list against a pipeline whose host device differs from its device.
 
 ASSUMPTION = (
     "Parking moves a session's KV (the tokens its blocks hold) and its parkable state objects "
-    "to the host; its attributes stay on the device, so every parked session still holds them "
-    "there."
+    "to the host; its attributes and unparkable objects (its random key) stay on the device, "
+    "so every parked session still holds them there."
 )
 
 _KV_MODULES = {"dreamzero": "sessionstate.models.dreamzero.kv"}
@@ -198,22 +207,24 @@ def capacity_plan(
     """
     resident_requested = resident
     host_names = set(HOST_VALUES.get(model, ()))
-    kv_b = parkable = attrs_b = host_kept = 0
+    kv_b = parkable = kept = attrs_b = host_kept = 0
     for name, row in table["values"].items():
         n = int(row["managed_nbytes"])
         if name in host_names:
             host_kept += n
         elif row["bucket"] == "engine":
             kv_b += n
-        elif row["bucket"] == "object":
+        elif row["bucket"] == "object" and row.get("parkable", True):
             parkable += n
+        elif row["bucket"] == "object":
+            kept += n  # an object parking leaves on the device (a `RandomKey`)
         else:
             attrs_b += n
-    counted = kv_b + parkable + attrs_b + host_kept
+    counted = kv_b + parkable + kept + attrs_b + host_kept
     shared = counted - int(table["session_nbytes"]["managed"])
-    d = kv_b + parkable + attrs_b  # one resident session, on the device
+    d = kv_b + parkable + kept + attrs_b  # one resident session, on the device
     moved = kv_b + parkable  # what parking copies to the host
-    a = attrs_b  # what a parked session keeps on the device
+    a = kept + attrs_b  # what a parked session keeps on the device
     q = moved + host_kept  # one parked session, on the host
     h = host_kept  # one resident session, on the host
     title = get_model(model).title if model in MODELS else model
@@ -232,7 +243,7 @@ def capacity_plan(
         msg = (
             f"{_device_less_reserved(device_nbytes, reserved_nbytes)}, but {who} needs "
             f"{fmt_bytes(need)} on the device ({fmt_bytes(kv_b)} of KV, "
-            f"{fmt_bytes(parkable + attrs_b)} of model state"
+            f"{fmt_bytes(parkable + kept + attrs_b)} of model state"
             + (f", {fmt_bytes(headroom)} for one step's new KV blocks" if headroom else "")
             + f"); pass --device-bytes of at least {fmt_at_least(need + reserved_nbytes)}."
         )
@@ -292,6 +303,7 @@ def capacity_plan(
             "device_nbytes": d,
             "kv_nbytes": kv_b,
             "parkable_nbytes": parkable,
+            "unparkable_nbytes": kept,
             "attrs_nbytes": attrs_b,
             "host_kept_nbytes": host_kept,
             "parked_host_nbytes": q,
@@ -456,6 +468,7 @@ def plan_rows(plan: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     rows = [
         ("KV window (engine) per session", fmt_bytes(s["kv_nbytes"]), ""),
         ("parkable state objects per session", fmt_bytes(s["parkable_nbytes"]), ""),
+        ("unparkable state objects per session", fmt_bytes(s["unparkable_nbytes"]), ""),
         ("attributes per session (stay when parked)", fmt_bytes(s["attrs_nbytes"]), ""),
         ("kept on the host per session", "", fmt_bytes(s["host_kept_nbytes"])),
         (
@@ -504,7 +517,7 @@ def plan_notes(plan: Mapping[str, Any]) -> list[str]:
     notes = [
         f"Assumption: {plan['assumption']}",
         f"Each parked session keeps {fmt_bytes(s['parked_device_nbytes'])} of attributes "
-        f"on the device: {plan['sessions_parked']} parked sessions take "
+        f"and unparkable objects on the device: {plan['sessions_parked']} parked sessions take "
         f"{fmt_bytes(plan['sessions_parked'] * s['parked_device_nbytes'])} there, "
         + (
             f"which leaves room for all {plan['sessions_resident']} resident sessions"
@@ -575,10 +588,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     out = Table(
         "", "device", "host",
         title=f"Capacity plan: {spec.title}, preset {args.preset}, after {plan['steps']} steps "

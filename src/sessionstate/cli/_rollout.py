@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from sessionstate._env import ENV_ENABLE
-from sessionstate.cli._common import fmt_bytes, load_model_config, positive_int
+from sessionstate.cli._common import fmt_bytes, load_model_config, positive_int, stdout_console
 from sessionstate.models._registry import MODELS, get_model
 
 __all__ = ["add_parsers", "run_rollout"]
@@ -73,10 +73,9 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if report["identical"] else 1
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     verdict = "[bold green]IDENTICAL[/]" if report["identical"] else "[bold red]MISMATCH[/]"
     console.print(
         f"rollout {report['model']} {verdict}: {report['branches']} branches x "

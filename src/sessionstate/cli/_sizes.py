@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sessionstate.cli._common import fmt_bytes, positive_int
+from sessionstate.cli._common import fmt_bytes, positive_int, stdout_console
 from sessionstate.models._registry import DEFAULT_MODEL, MODELS, get_model
 
 __all__ = ["add_parsers", "progress_columns", "size_table", "step_bar"]
@@ -101,10 +101,9 @@ def _cmd_sizes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     out = Table(
         "value", "bucket", "managed", "bespoke",
         title=f"One {spec.title} session, preset {args.preset}, after {steps} steps (meta)",

@@ -4,7 +4,7 @@ A `Router` (in the driver) owns a set of `SessionWorker` actors, each with its o
 and `SessionStateManager`. Every session lives on exactly one worker; `Router.migrate` moves
 a live session's bytes between workers through Ray's object store (`Router.migrate_many` a
 family of forks, each shared storage once); `Router.rebalance` evens out resident bytes.
-Needs the optional extra: ``pip install 'sessionstate[ray]'``.
+Needs the optional extra, from your clone: ``pip install -e '.[ray]'``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import importlib.util
 
 if importlib.util.find_spec("ray") is None:  # pragma: no cover - the extra is installed in CI
     _msg = (
-        "`sessionstate.distributed` needs Ray, which is not installed; install the extra with "
-        "`pip install 'sessionstate[ray]'`."
+        "`sessionstate.distributed` needs Ray, which is not installed; install the `ray` extra "
+        "from your clone with `pip install -e '.[ray]'` (no release is on PyPI yet)."
     )
     raise ImportError(_msg)
 

@@ -268,8 +268,9 @@ class SessionTable(Generic[S]):
         out = {"sessions": len(self.states), "max_sessions": self.max_sessions, **self.counts}
         out["total_nbytes"] = sum(totals.values())
         out.update({f"nbytes:{d}": n for d, n in sorted(totals.items())})
-        if "forks" in self.counts:  # as the manager: once a fork was made
-            out["shared_sessions"] = _sharing(held)
+        # As the manager: both keys always, the sharing counted once a fork was made.
+        out["forks"] = self.counts.get("forks", 0)
+        out["shared_sessions"] = _sharing(held) if out["forks"] else 0
         return out
 
 
@@ -732,7 +733,7 @@ def split_bespoke(source: Any, branches: list[Any], *, share_random: bool) -> No
     True
     """
     key = getattr(source, "random_key", None)
-    if share_random or not isinstance(key, RandomKey) or not key.is_allocated:
+    if share_random or not isinstance(key, RandomKey):
         return
     keys = key.split(len(branches) + 1)
     source.random_key = keys[0]

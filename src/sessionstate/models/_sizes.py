@@ -314,7 +314,7 @@ def measure_both_paths(
     replay: Sequence[str] = (),
     meta_episode: Callable[[], Iterable[tuple[str, Any]]] | None = None,
     full: bool = False,
-) -> tuple[dict[str, dict[str, int]], dict[str, int], dict[str, dict[str, Any]]]:
+) -> tuple[dict[str, dict[str, int]], dict[str, int], dict[str, dict[str, Any]], frozenset[str]]:
     """Run ``episode`` on the bespoke path, then on the managed one, and count session-0.
 
     Args:
@@ -328,18 +328,20 @@ def measure_both_paths(
         full: Run ``episode`` with every call in full, as does `size_run` ``(full=True)``.
 
     Returns, per path (``"bespoke"``, ``"managed"``): the bytes of each value, the session's
-    bytes with every storage counted once, and the values themselves.
+    bytes with every storage counted once, and the values themselves; then the names of the
+    managed record's state objects that are not parkable (a budgeted manager's parking
+    leaves them on the device: the `RandomKey`).
 
     >>> from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
     >>> from sessionstate.models.dreamzero.episode import scripted_episode
     >>> cfg = DreamZeroConfig.preset("tiny")
-    >>> held, totals, _ = measure_both_paths(
+    >>> held, totals, _, unparkable = measure_both_paths(
     ...     lambda env: DreamZeroPipeline(cfg, device="meta", host_device="meta", environ=env),
     ...     lambda: scripted_episode(cfg, steps=2, sessions=1, seed=0),
     ...     steps=2,
     ... )
-    >>> sorted(totals), held["managed"]["call_count"]
-    (['bespoke', 'managed'], 0)
+    >>> sorted(totals), held["managed"]["call_count"], sorted(unparkable)
+    (['bespoke', 'managed'], 0, ['random_key'])
     """
     run = _RUN.get()
     full = full or run.full
@@ -348,6 +350,7 @@ def measure_both_paths(
     totals: dict[str, int] = {}
     values_by_path: dict[str, dict[str, Any]] = {}
     recorded: dict[str, dict[Hashable, Any]] = {}
+    unparkable: frozenset[str] = frozenset()
     done = 0
     for flag, name in (("0", "bespoke"), ("1", "managed")):
         pipe = build({ENV_ENABLE: flag})
@@ -362,18 +365,33 @@ def measure_both_paths(
         held[name] = {k: sum(nbytes_by_device(v).values()) for k, v in values.items()}
         totals[name] = sum(nbytes_by_device(list(values.values())).values())
         values_by_path[name] = values
-    return held, totals, values_by_path
+        if pipe.manager is not None:
+            record = pipe.manager.peek("session-0")
+            objects = {} if record is None else record.objects
+            unparkable = frozenset(k for k, o in objects.items() if not o.parkable)
+    return held, totals, values_by_path, unparkable
 
 
 def values_table(
-    held: Mapping[str, Mapping[str, int]], buckets: Mapping[str, str], /
+    held: Mapping[str, Mapping[str, int]],
+    buckets: Mapping[str, str],
+    unparkable: Iterable[str] | None = None,
+    /,
 ) -> dict[str, dict[str, Any]]:
     """The ``values`` section of a size table: each value's bucket and bytes on both paths.
 
+    Given the names of the state objects that are not parkable (see `measure_both_paths`),
+    each row also says whether a budgeted manager's parking moves the value off the device
+    (``parkable``): an attribute, or an object that is not parkable, stays.
+
     >>> values_table({"managed": {"x": 4}, "bespoke": {"x": 8}}, {"x": "attrs"})
     {'x': {'bucket': 'attrs', 'managed_nbytes': 4, 'bespoke_nbytes': 8}}
+    >>> held = {"managed": {"key": 16, "kv": 8}, "bespoke": {"key": 16, "kv": 8}}
+    >>> rows = values_table(held, {"key": "object", "kv": "engine"}, ["key"])
+    >>> rows["key"]["parkable"], rows["kv"]["parkable"]
+    (False, True)
     """
-    return {
+    table: dict[str, dict[str, Any]] = {
         k: {
             "bucket": buckets[k],
             "managed_nbytes": held["managed"][k],
@@ -381,3 +399,8 @@ def values_table(
         }
         for k in buckets
     }
+    if unparkable is not None:
+        stay = set(unparkable)
+        for k, row in table.items():
+            row["parkable"] = row["bucket"] != "attrs" and k not in stay
+    return table

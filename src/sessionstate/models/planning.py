@@ -19,7 +19,7 @@ import attrs
 
 from sessionstate._checks import check_session_id
 
-__all__ = ["Rollout", "rollout"]
+__all__ = ["Rollout", "keep_branch", "rollout"]
 
 
 @attrs.frozen
@@ -62,7 +62,7 @@ def rollout(
 
     Returns:
         The scores, the index kept, every branch's outputs, and the bytes held per step. The
-        session then holds the best branch's state; the branches are dropped.
+        session then holds the best branch's state (`keep_branch`); the branches are dropped.
 
     Raises:
         ValueError: for no candidates, or candidates of different lengths.
@@ -108,9 +108,7 @@ def rollout(
             nbytes.append(int(pipe.stats()["total_nbytes"]))
         scores = tuple(float(score(outs)) for outs in outputs)
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
-        pipe.drop_session(session_id)
-        # The session becomes the best branch, its random key included (not a split of it).
-        pipe.fork(branches[best], session_id, share_random=True)
+        keep_branch(pipe, branches[best], session_id)
     finally:
         for branch in branches:
             pipe.drop_session(branch)
@@ -121,6 +119,46 @@ def rollout(
         outputs=tuple(tuple(outs) for outs in outputs),
         nbytes=tuple(nbytes),
     )
+
+
+def keep_branch(pipe: Any, branch_id: Hashable, session_id: Hashable, /) -> None:
+    """Make the branch ``branch_id`` the session ``session_id``: the branch's id is given up.
+
+    What `rollout` does with the branch it keeps, for a fork made by hand: ``session_id``
+    (if held) is dropped and then holds the branch's state, its random key included (not a
+    split of it, so it draws what the branch would have), and ``branch_id`` is dropped. On the
+    managed path nothing is copied (a fork that shares the key, then a drop); on the bespoke
+    path the branch's state is deep-copied once. ``session_id`` becomes the most recently
+    used session.
+
+    Raises:
+        SessionStateLostError: if ``branch_id`` is not held (nothing changes).
+        ValueError: if ``branch_id`` and ``session_id`` are the same.
+
+    >>> import torch
+    >>> from sessionstate.models.cosmos3 import Cosmos3Config, Cosmos3Pipeline, Cosmos3Request
+    >>> pipe = Cosmos3Pipeline(Cosmos3Config.preset("tiny"),
+    ...                        environ={"OMNI_DIFFUSION_SESSION_STATE_MANAGER": "1"})
+    >>> still = torch.zeros(pipe.cfg.control_dim)
+    >>> _ = pipe.forward(Cosmos3Request(prompt="a red cube", control=still), "s")
+    >>> pipe.fork("s", "left", "right")
+    >>> keep_branch(pipe, "right", "s")
+    >>> pipe.session_ids()
+    ['left', 's']
+    """
+    check_session_id(session_id)
+    check_session_id(branch_id)
+    if branch_id == session_id:
+        msg = (
+            f"`keep_branch` needs a branch other than the session, got {branch_id!r} for "
+            "both; pass the id of a branch forked from it."
+        )
+        raise ValueError(msg)
+    if branch_id not in pipe.session_ids():
+        pipe.session_values(branch_id)  # raises: the branch is not held
+    pipe.drop_session(session_id)
+    pipe.fork(branch_id, session_id, share_random=True)
+    pipe.drop_session(branch_id)
 
 
 def _branch_id(session_id: Hashable, i: int) -> Hashable:

@@ -189,7 +189,14 @@ def test_threads_through_one_managed_pipeline_match_a_serial_run(
     recount = _recount(pipe)
     assert {k: v for k, v in stats.items() if k in recount} == recount
     engine = {k for k in stats if k.startswith("engine_nbytes:")}  # part of the device totals
-    assert set(stats) - set(recount) - engine == {"max_sessions", "hits", "misses", "evictions"}
+    assert set(stats) - set(recount) - engine == {
+        "max_sessions",
+        "hits",
+        "misses",
+        "evictions",
+        "forks",
+        "shared_sessions",
+    }
     assert stats["sessions"] == len(INPUTS)
     assert stats["evictions"] == 0
     assert stats["hits"] == len(INPUTS) * (STEPS - 1)  # one `get` per forward...

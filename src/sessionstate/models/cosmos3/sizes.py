@@ -36,7 +36,7 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
     ('object', 3)
     """
     cfg = Cosmos3Config.preset(preset, num_inference_steps=1)
-    held, session_totals, _ = measure_both_paths(
+    held, session_totals, _, unparkable = measure_both_paths(
         lambda env: Cosmos3Pipeline(cfg, device="meta", host_device="meta", environ=env),
         lambda: scripted_episode(
             cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
@@ -51,7 +51,7 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
         "model": "cosmos3",
         "preset": preset,
         "steps": steps,
-        "values": values_table(held, BUCKETS),
+        "values": values_table(held, BUCKETS, unparkable),
         "text_kv_layers": cfg.num_layers,
         "text_kv_branches": 2,
         "text_kv_geometry": {

@@ -76,7 +76,7 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
     'object'
     """
     cfg = DreamZeroConfig.preset(preset)
-    held, session_totals, values = measure_both_paths(
+    held, session_totals, values, unparkable = measure_both_paths(
         lambda env: DreamZeroPipeline(cfg, device="meta", host_device="meta", environ=env),
         lambda: scripted_episode(
             cfg, steps=steps, sessions=1, seed=0, prompt_change_every=steps + 1
@@ -91,7 +91,7 @@ def size_table(preset: str, steps: int, *, full: bool = False) -> dict[str, Any]
     return {
         "preset": preset,
         "steps": steps,
-        "values": values_table(held, BUCKETS),
+        "values": values_table(held, BUCKETS, unparkable),
         "vae_enc_feat_map_tensors": feat_tensors,
         "session_nbytes": session_totals,
         "sessions_64_nbytes": {k: DEFAULT_MAX_SESSIONS * v for k, v in session_totals.items()},
