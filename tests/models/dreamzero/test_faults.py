@@ -206,8 +206,9 @@ def test_managed_failed_step_keeps_the_record_and_continues_exactly(
     assert fault.fired
     monkeypatch.undo()
 
-    # Nothing was published: the same record objects, bit-identical to before the step.
-    assert pipe.session_ids() == [S1, S0]
+    # Nothing was published: the same record objects, bit-identical to before the step, and
+    # the LRU order as it was (a step makes its session the most recent when it publishes).
+    assert pipe.session_ids() == [S0, S1]
     assert record(pipe, S0) is before0
     assert record(pipe, S1) is before1
     assert tree_equal(before0, reference.clones[S0][j])
