@@ -45,8 +45,8 @@ MUTANTS = (
         "sessionstate/_manager/_table.py",
         (
             (
-                "self._lock = _Lock(threading.RLock(), self._reporter)",
-                'self._lock = __import__("contextlib").nullcontext()',
+                "self.lock = _Lock(threading.RLock(), self.reporter)",
+                'self.lock = __import__("contextlib").nullcontext()',
             ),
         ),
         ("tests/manager/test_manager_threads.py",),
@@ -68,12 +68,11 @@ MUTANTS = (
     Mutant(
         "put-stores-before-validating",
         "put stores the record before checking it",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "        _check_state(state, session_id)\n",
-                "        self._table[session_id] = state\n"
-                "        _check_state(state, session_id)\n",
+                "    check_state(state, session_id)\n",
+                "    t.records[session_id] = state\n    check_state(state, session_id)\n",
             ),
         ),
         ("tests/manager/test_manager.py",),
@@ -343,14 +342,15 @@ MUTANTS = (
     Mutant(
         "sharing-counts-own-aliases",
         "stats()'s shared_sessions counts a session that reaches a storage only itself holds",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_decide.py",
         (
             (
-                "count += any(references(identity) > n for identity, n in own.items())",
-                "count += any(references(identity) >= n for identity, n in own.items())",
+                "return any(references.get(identity, 0) > n for identity, n in own.items())",
+                "return any(references.get(identity, 0) >= n for identity, n in own.items())",
             ),
         ),
         (
+            "tests/manager/test_decide.py",
             "tests/manager/test_observability.py::"
             "test_the_fork_metrics_equal_stats_as_a_family_grows_and_lets_go",
         ),
@@ -358,9 +358,12 @@ MUTANTS = (
     Mutant(
         "batch-evicts-before-the-budget-check",
         "a batch the budget cannot hold evicts others before it is refused",
-        "sessionstate/_manager/_table.py",
-        (("            if totals.get(device, 0) > budget:", "            if False:"),),
-        ("tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",),
+        "sessionstate/_manager/_decide.py",
+        (("        if totals.get(device, 0) > nbytes:", "        if False:"),),
+        (
+            "tests/manager/test_decide.py",
+            "tests/manager/test_fork.py::test_a_batch_the_budget_cannot_hold_evicts_nobody_first",
+        ),
     ),
     Mutant(
         "put-walks-no-changed-value",
@@ -402,12 +405,12 @@ MUTANTS = (
     Mutant(
         "refused-batch-keeps-its-ledger",
         "a batch of held sessions refused by the budget leaves the ledger moved",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            ledger.set_many(zip(ids, replaced, strict=True))\n"
-                "            ledger.undo_growth(grown)\n",
-                "            ledger.undo_growth(grown)\n",
+                "        ledger.set_many(zip(ids, replaced, strict=True))\n"
+                "        ledger.undo_growth(grown)\n",
+                "        ledger.undo_growth(grown)\n",
             ),
         ),
         (
@@ -432,12 +435,11 @@ MUTANTS = (
     Mutant(
         "refused-put-keeps-its-growth",
         "a put refused after its walk leaves its new chunks in the stored buffer's backing",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            self._ledger.undo_growth(grown)\n"
-                "            self._parking.storing = ()",
-                "            self._parking.storing = ()",
+                "        t.ledger.undo_growth(grown)\n        t.parking.storing = ()",
+                "        t.parking.storing = ()",
             ),
         ),
         (
@@ -448,13 +450,8 @@ MUTANTS = (
     Mutant(
         "refused-batch-keeps-its-growth",
         "a batch refused after its walk leaves its new chunks in the stored buffers' backings",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "            ledger.undo_growth(grown)\n            raise",
-                "            raise",
-            ),
-        ),
+        "sessionstate/_manager/_access.py",
+        (("        ledger.undo_growth(grown)\n        raise", "        raise"),),
         (
             "tests/manager/test_ledger_fast_paths.py::"
             "test_a_refused_put_keeps_none_of_its_new_chunks_alive",
@@ -605,8 +602,8 @@ MUTANTS = (
         "step-never-checks-what-it-read",
         "a managed step that wrote into the record it read is published unseen (the guard "
         "records the versions anew)",
-        "sessionstate/_manager/_table.py",
-        (("                self._verify_read(session_id, read)\n", ""),),
+        "sessionstate/_manager/_stepping.py",
+        (("            t.verify_read(session_id, read)\n", ""),),
         ("tests/manager/test_step_many_adversarial.py",),
     ),
     Mutant(
@@ -634,8 +631,8 @@ MUTANTS = (
         "sessionstate/models/cosmos3/_bespoke.py",
         (
             (
-                "            max_sessions,\n            on_full,\n",
-                '            max_sessions,\n            "evict",\n',
+                "                max_sessions,\n                on_full,\n",
+                '                max_sessions,\n                "evict",\n',
             ),
         ),
         ("tests/models/test_two_model_contract.py",),
@@ -735,14 +732,15 @@ MUTANTS = (
         "manager-never-makes-step-room",
         "the manager steps a session without parking other sessions' blocks when a pool it "
         "was given runs short",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_decide.py",
         (
             (
-                "            if pool.free_blocks >= most * len(session_ids) + later:\n",
-                "            if True:\n",
+                "    return free >= per_step * sessions + prefetching * (session_blocks or 0)",
+                "    return True",
             ),
         ),
         (
+            "tests/manager/test_decide.py",
             "tests/models/dreamzero/test_kv_park_dreamzero.py",
             "tests/models/dreamzero/test_pool_pressure_record.py",
         ),
@@ -750,12 +748,11 @@ MUTANTS = (
     Mutant(
         "prefetch-ignores-budget",
         "a prefetch starts whether or not its bytes fit under max_bytes",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_prefetch.py",
         (
             (
-                "            if self._policy.over(self._ledger, extra):\n"
-                "                if sooner is None:\n",
-                "            if False:\n                if sooner is None:\n",
+                "        if t.policy.over(t.ledger, extra):\n            if sooner is None:\n",
+                "        if False:\n            if sooner is None:\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
@@ -987,11 +984,11 @@ MUTANTS = (
     Mutant(
         "failed-prefetch-keeps-its-charge",
         "a get whose parked bytes fail their check leaves the session's prefetch reserved",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "            parking.discard(session_id)  # a failed prefetch's charge goes too\n",
-                "            pass\n",
+                "        parking.discard(session_id)  # a failed prefetch's charge goes too\n",
+                "        pass\n",
             ),
         ),
         ("tests/manager/test_prefetch.py",),
@@ -1000,25 +997,15 @@ MUTANTS = (
         "reading-parked-state-takes-device-room",
         "peek(on_host=True), and so snapshot and export, unpark a parked session onto its "
         "devices and pools instead of reading it in host memory",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "            return state.unpark_on_host()\n",
-                "            return state.unpark()\n",
-            ),
-        ),
+        "sessionstate/_manager/_access.py",
+        (("        return state.unpark_on_host()\n", "        return state.unpark()\n"),),
         ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
         "get-makes-no-kv-room",
         "a get of a parked session whose KV pool is short raises instead of parking others' KV",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "                if pool is None or id(pool) in tried:\n",
-                "                if True:\n",
-            ),
-        ),
+        "sessionstate/_manager/_room.py",
+        (("            if pool is None or id(pool) in tried:\n", "            if True:\n"),),
         ("tests/storage/test_park_reading.py",),
     ),
     Mutant(
@@ -1094,7 +1081,7 @@ MUTANTS = (
     Mutant(
         "fork-shares-the-random-key",
         "a fork hands every branch the source's random key instead of splitting it",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_family.py",
         (
             (
                 "records = (state,) * n if share_random else state.split_random(n)",
@@ -1183,26 +1170,21 @@ MUTANTS = (
         "room-scan-asks-every-parked-session",
         "a scan for room asks every other session what it could park, at every get, those "
         "with nothing left to park included",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "            if idle.get(other, _NO_DEVICES) >= devices:\n",
-                "            if False:\n",
-            ),
-        ),
+        "sessionstate/_manager/_room.py",
+        (("        if idle.get(other, NO_DEVICES) >= devices:\n", "        if False:\n"),),
         ("tests/manager/test_budget_incremental.py",),
     ),
     Mutant(
         "room-scan-forgets-an-unpark",
         "an unparked session stays known as holding nothing to park, so it is never parked "
         "again for room",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "        self._set_record(session_id, state)\n"
-                "        self._ledger.set(session_id, self._ledger.values_for(session_id, state))",
-                "        self._table[session_id] = state\n"
-                "        self._ledger.set(session_id, self._ledger.values_for(session_id, state))",
+                "    t.set_record(session_id, state)\n"
+                "    t.ledger.set(session_id, t.ledger.values_for(session_id, state))",
+                "    t.records[session_id] = state\n"
+                "    t.ledger.set(session_id, t.ledger.values_for(session_id, state))",
             ),
         ),
         ("tests/manager/test_budget_incremental.py", "tests/manager/test_budget_stateful.py"),
@@ -1211,12 +1193,12 @@ MUTANTS = (
         "room-maker-asks-every-session",
         "making a step's pool room asks every other session what it could free, at every "
         "step, those whose K/V is parked included",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_room.py",
         (
             (
-                "                if remembered is not None and remembered in idle.get(other, "
-                "_NO_DEVICES):\n",
-                "                if False:\n",
+                "            if remembered is not None and remembered in idle.get(other, "
+                "NO_DEVICES):\n",
+                "            if False:\n",
             ),
         ),
         ("tests/manager/test_room_maker.py",),
@@ -1349,6 +1331,20 @@ MUTANTS = (
         ("tests/manager/test_kept_copies.py",),
     ),
     Mutant(
+        "fork-refusal-forgets-the-source",
+        "the cap is thought to hold as many branches as places, the source's included",
+        "sessionstate/_manager/_decide.py",
+        (("    if branches <= cap - 1 and", "    if branches <= cap and"),),
+        ("tests/manager/test_decide.py", "tests/manager/test_fork.py"),
+    ),
+    Mutant(
+        "batch-fits-counts-held-places-as-free",
+        "with on_full='refuse' a batch's new sessions may take places other sessions hold",
+        "sessionstate/_manager/_decide.py",
+        (("fresh <= cap - held)", "fresh <= cap)"),),
+        ("tests/manager/test_decide.py", "tests/manager/test_get_put_many.py"),
+    ),
+    Mutant(
         "serving-restore-ignores-room",
         "on the simulated clock a restore starts before the park that made its room is done",
         "sessionstate/serving/_sim.py",
@@ -1411,7 +1407,7 @@ MUTANTS = (
     Mutant(
         "span-thread-flag-only",
         "a library range is recorded only where torch's thread-local profiler flag is on",
-        "sessionstate/_events.py",
+        "sessionstate/_manager/_events.py",
         (
             (
                 "_profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:",
@@ -1489,23 +1485,18 @@ MUTANTS = (
     Mutant(
         "schedule-ignored",
         "`expect`'s schedule is kept but room-making stays least recently used first",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "        return park_order(list(self._table), self._schedule)\n",
-                "        return list(self._table)\n",
-            ),
-        ),
+        "sessionstate/_manager/_room.py",
+        (("    return park_order(list(t.records), t.schedule)\n", "    return list(t.records)\n"),),
         ("tests/manager/test_expect.py",),
     ),
     Mutant(
         "scheduled-prefetch-parks-sooner",
         "a prefetch `expect` starts may park a session the schedule uses sooner",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_prefetch.py",
         (
             (
-                "                if not self._start_prefetch(session_id, True, sooner):\n",
-                "                if not self._start_prefetch(session_id, True, {session_id}):\n",
+                "            if not start_prefetch(t, session_id, True, sooner):\n",
+                "            if not start_prefetch(t, session_id, True, {session_id}):\n",
             ),
         ),
         ("tests/manager/test_expect.py",),
@@ -1513,11 +1504,11 @@ MUTANTS = (
     Mutant(
         "scheduled-prefetch-over-budget",
         "a prefetch `expect` starts skips the budget check",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_prefetch.py",
         (
             (
-                "            if self._policy.over(self._ledger, extra):\n",
-                "            if sooner is None and self._policy.over(self._ledger, extra):\n",
+                "        if t.policy.over(t.ledger, extra):\n",
+                "        if sooner is None and t.policy.over(t.ledger, extra):\n",
             ),
         ),
         ("tests/manager/test_expect.py",),
@@ -1546,11 +1537,11 @@ MUTANTS = (
         "refused-get-many-keeps-prefetched-restore",
         "a get_many the budget refuses keeps what check read and a prefetch restored, "
         "charged to nobody",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "                    for session_id in parked:  # what `check` read",
-                "                    for session_id in ():  # what `check` read",
+                "                for session_id in parked:  # what `check` read",
+                "                for session_id in ():  # what `check` read",
             ),
         ),
         ("tests/manager/test_get_put_many.py",),
@@ -1558,11 +1549,11 @@ MUTANTS = (
     Mutant(
         "fork-source-key-without-room",
         "a fork gives the source its new split key without making room for it",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_family.py",
         (
             (
-                "                        self._make_room(source_id, {}, added)\n",
-                "                        pass\n",
+                "                    make_room(t, source_id, {}, added)\n",
+                "                    pass\n",
             ),
         ),
         ("tests/manager/test_fork.py",),
@@ -1597,15 +1588,15 @@ MUTANTS = (
         "failed-step-moves-lru",
         "a step's read makes its sessions the most recently used before the step publishes, "
         "so a failed or refused step reorders the LRU",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            if touch:\n                self._table.move_to_end(session_id)\n",
-                "            self._table.move_to_end(session_id)\n",
+                "        if touch:\n            t.records.move_to_end(session_id)\n",
+                "        t.records.move_to_end(session_id)\n",
             ),
             (
-                "            if touch:\n                for session_id in ids:\n",
-                "            if True:\n                for session_id in ids:\n",
+                "        if touch:\n            for session_id in ids:\n",
+                "        if True:\n            for session_id in ids:\n",
             ),
         ),
         ("tests/manager/test_step_many.py",),
@@ -1613,12 +1604,12 @@ MUTANTS = (
     Mutant(
         "put-many-leaves-lru",
         "put_many of held, resident sessions leaves them where they were in the LRU order",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            table.move_to_end(session_id)\n"
-                "            parking.track(session_id, state, {})\n",
-                "            parking.track(session_id, state, {})\n",
+                "        table.move_to_end(session_id)\n"
+                "        parking.track(session_id, state, {})\n",
+                "        parking.track(session_id, state, {})\n",
             ),
         ),
         ("tests/manager/test_get_put_many.py",),
@@ -1627,11 +1618,11 @@ MUTANTS = (
         "shared-sessions-only-after-a-fork",
         "stats() reports shared_sessions only once a fork was made (a restored family reads 0 "
         "on the gauge)",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_family.py",
         (
             (
-                "            self._store_batch(pairs, ids)\n            self._families = True\n",
-                "            self._store_batch(pairs, ids)\n",
+                "        store_batch(t, pairs, ids)\n        t.families = True\n",
+                "        store_batch(t, pairs, ids)\n",
             ),
         ),
         ("tests/manager/test_observability.py::test_a_restored_family_is_counted_as_sharing",),
@@ -1640,23 +1631,19 @@ MUTANTS = (
         "batch-peak-not-checked",
         "a batch that replaces held sessions is checked against the budget without the "
         "records its later members still hold, so it evicts others and is refused midway",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "        for k in range(len(olds) - 1) if any(olds[1:]) else ():\n",
-                "        for k in ():\n",
-            ),
-        ),
+        "sessionstate/_manager/_access.py",
+        (("    for k in range(len(olds) - 1) if any(olds[1:]) else ():\n", "    for k in ():\n"),),
         ("tests/manager/test_get_put_many.py",),
     ),
     Mutant(
         "get-many-skips-guard",
         "get_many hands out a batch without the immutability guard's check of each record",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_access.py",
         (
             (
-                "            for session_id in ids:  # every record, before anything is parked or "
-                "unparked\n                self._verify(session_id, self._table[session_id])\n",
+                "        for session_id in ids:  # every record, before anything is parked or "
+                "unparked\n"
+                "            t.verify(session_id, t.records[session_id])\n",
                 "",
             ),
         ),
@@ -1665,12 +1652,11 @@ MUTANTS = (
     Mutant(
         "family-read-skips-guard",
         "snapshot_many and peek_many read a family without the immutability guard's check",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_family.py",
         (
             (
-                "                self._verify(session_id, state)\n"
-                "                if state.parked:\n",
-                "                if state.parked:\n",
+                "            t.verify(session_id, state)\n            if state.parked:\n",
+                "            if state.parked:\n",
             ),
         ),
         ("tests/manager/test_guard_batches.py",),
@@ -1691,19 +1677,14 @@ MUTANTS = (
         "first-pool-transaction-only",
         "a step runs inside the first pool's transaction only, so a failed step keeps the "
         "blocks it took from the others",
-        "sessionstate/_manager/_table.py",
-        (
-            (
-                "        for transaction in opened:\n",
-                "        for transaction in opened[:1]:\n",
-            ),
-        ),
+        "sessionstate/_manager/_stepping.py",
+        (("    for transaction in opened:\n", "    for transaction in opened[:1]:\n"),),
         ("tests/manager/test_step_many.py",),
     ),
     Mutant(
         "callback-interrupt-raised-mid-work",
         "a KeyboardInterrupt an on_event callback raises escapes at once, mid-unpark",
-        "sessionstate/_events.py",
+        "sessionstate/_manager/_events.py",
         (("                if not self.defer:\n", "                if True:\n"),),
         ("tests/manager/test_observability.py",),
     ),
@@ -1791,7 +1772,7 @@ MUTANTS = (
         "stats-by-kind-last-reach-wins",
         "session_stats counts a storage an object and an attribute share as the kind that "
         "reaches it last (the attribute's), not the object's",
-        "sessionstate/_manager/_table.py",
+        "sessionstate/_manager/_decide.py",
         (("kinds.setdefault(entry[1], kind)", "kinds[entry[1]] = kind"),),
         (
             "tests/manager/test_observability.py::"

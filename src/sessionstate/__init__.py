@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from sessionstate._errors import SnapshotError as SnapshotError
     from sessionstate._errors import StaleKVHandleError as StaleKVHandleError
     from sessionstate._errors import UnsupportedTensorError as UnsupportedTensorError
-    from sessionstate._events import SessionEvent as SessionEvent
     from sessionstate._kv import EncodeOnceKV as EncodeOnceKV
     from sessionstate._kv import GatheredKV as GatheredKV
     from sessionstate._kv import KVCache as KVCache
@@ -65,6 +64,7 @@ if TYPE_CHECKING:
     from sessionstate._kv import KVPool as KVPool
     from sessionstate._manager import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
     from sessionstate._manager import SessionStateManager as SessionStateManager
+    from sessionstate._manager._events import SessionEvent as SessionEvent
     from sessionstate._objects import LatentBuffer as LatentBuffer
     from sessionstate._objects import TensorCache as TensorCache
     from sessionstate._protocols import DeferredRead as DeferredRead
@@ -165,7 +165,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "nbytes_by_device",
         "nbytes_by_key",
     ),
-    "sessionstate._events": ("SessionEvent",),
+    "sessionstate._manager._events": ("SessionEvent",),
     # -- snapshots, devices and the host tier --------------------------------------------
     "sessionstate._storage": (
         "HostBufferPool",

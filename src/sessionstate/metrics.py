@@ -34,8 +34,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from sessionstate._events import BUCKETS
 from sessionstate._manager import SessionStateManager
+from sessionstate._manager._events import BUCKETS
 
 __all__ = ["SessionStateCollector"]
 

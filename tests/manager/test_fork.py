@@ -161,21 +161,23 @@ def test_fork_refuses_bad_ids_and_changes_nothing() -> None:
     assert m.session_ids() == ["a", "z"]
 
 
-def test_a_refused_branch_rolls_the_whole_fork_back() -> None:
+def test_a_refused_branch_rolls_the_whole_fork_back(monkeypatch: pytest.MonkeyPatch) -> None:
     # The second branch's put fails (its put made to fail: a fork adds no bytes, so no
     # budget refuses one).
+    import sessionstate._manager._family as family_module
+
     m: SessionStateManager[SessionState] = SessionStateManager()
     m.put("a", SessionState(objects={"c": TensorCache(name="c").allocate()}))
     calls = []
-    real = m._put_locked
+    real = family_module.put_locked
 
-    def failing(session_id: object, state: SessionState, **kwargs: Any) -> None:
+    def failing(table: Any, session_id: object, state: SessionState, **kwargs: Any) -> None:
         calls.append(session_id)
         if session_id == "c":
             raise RuntimeError("no room")
-        real(session_id, state, **kwargs)
+        real(table, session_id, state, **kwargs)
 
-    m._put_locked = failing  # type: ignore[method-assign]
+    monkeypatch.setattr(family_module, "put_locked", failing)
     with pytest.raises(RuntimeError, match="no room"):
         m.fork("a", "b", "c")
     assert calls == ["b", "c"]

@@ -453,13 +453,13 @@ class KVBudgetMachine(RuleBasedStateMachine):
         else:
             assert self.manager.get(sid) is None
         _settle()  # a dropped prefetch's tree is gone (its blocks back) once its restore ends
-        assert not self.manager._parking.reserved()  # nothing is prefetched past the get
+        assert not self.manager._table.parking.reserved()  # nothing is prefetched past the get
 
     def _within_budget_with_prefetches(self) -> None:
         # A prefetch's restored bytes are resident before the get: charged to the budget.
         if self.budget is None:
             return
-        reserved = self.manager._parking.reserved().get("cpu", 0)
+        reserved = self.manager._table.parking.reserved().get("cpu", 0)
         assert self.manager.stats().get("nbytes:cpu", 0) + reserved <= self.budget
 
     # -- invariants -------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def _check(m: SessionStateManager, held: dict[str, SessionState]) -> None:
     if "max_bytes:cpu" in stats:  # what the budget reads on every put: each session alone
         for sid, record in held.items():
             alone = recount_nbytes_by_device([record]).get("cpu", 0)
-            assert m._ledger.session_total(sid, "cpu") == alone
+            assert m._table.ledger.session_total(sid, "cpu") == alone
 
 
 @pytest.mark.parametrize("budget", [None, {"cpu": 1 << 20}], ids=["no-budget", "budget"])

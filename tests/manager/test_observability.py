@@ -29,7 +29,7 @@ from sessionstate import (
     SessionStateManager,
     TensorCache,
 )
-from sessionstate._events import SessionEvent
+from sessionstate._manager._events import SessionEvent
 from sessionstate.models.dreamzero import DreamZeroConfig, DreamZeroPipeline
 from sessionstate.models.dreamzero.episode import scripted_episode
 from tests.support import assert_stats_equal_a_recount, torch_threads
@@ -381,7 +381,7 @@ def test_a_migration_is_counted_and_timed_on_both_workers(
 def test_evictions_warn_once_a_minute_with_a_count(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sessionstate import _events
+    from sessionstate._manager import _events
 
     now = [0.0]
     monkeypatch.setattr(_events, "_now", lambda: now[0])

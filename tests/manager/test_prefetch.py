@@ -138,7 +138,7 @@ def test_prefetch_then_drop_or_evict_gives_everything_back(end: str, tmp_path: P
     m.put("a", _record(pool, 1))
     m.put("b", _record(pool, 2))
     assert m.prefetch("a", make_room=True)
-    m._parking.pending("a")[0].wait_prefetch()  # the background restore took its blocks
+    m._table.parking.pending("a")[0].wait_prefetch()  # the background restore took its blocks
     if end == "drop":
         assert m.drop("a")
     elif end == "replace":

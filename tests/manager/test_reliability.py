@@ -73,7 +73,7 @@ def stored(manager: SessionStateManager | None, sid: str) -> SessionState:
     # Read the stored record without touching LRU order, the counters or the guard (`peek`
     # checks the guard), straight from the manager's table.
     assert manager is not None
-    state = manager._table.get(sid)
+    state = manager._table.records.get(sid)
     assert state is not None
     return state
 

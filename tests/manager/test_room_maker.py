@@ -114,19 +114,19 @@ def test_the_room_maker_passes_by_sessions_whose_kv_is_parked(
     # Forty sessions, a pool with room for about three: each step parks the K/V of the least
     # recently used session that holds some. A session whose K/V is parked is asked once
     # what it could free, not at every step (the scan would cost every session held).
-    import sessionstate._manager._table as table_module
+    import sessionstate._manager._room as room_module
 
     pool = KVPool(8, block_tokens=2, token_shape=(), step_tokens=2, window_tokens=WINDOW)
     m = SessionStateManager(pools=(pool,))
     new, step = _tiny_model(pool)
     asked: list[str] = []
-    objects_to_park = table_module.objects_to_park
+    objects_to_park = room_module.objects_to_park
 
     def counted(*args: object) -> list[str]:
         asked.append("")
         return objects_to_park(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(table_module, "objects_to_park", counted)
+    monkeypatch.setattr(room_module, "objects_to_park", counted)
     ids = [f"s{i}" for i in range(40)]
     want: dict[str, list[float]] = {}
     steps = 0

@@ -596,17 +596,26 @@ CORE_MESSAGES = {
     # (its bool fields' message is `_checks.a_bool`'s now.)
     # (`session_state_on_full` and `session_state_host_pool_full` are `check_choice`'s now.)
     "_config.py": 5 + 3 + 3 + 4 + 2 + 1,
-    # The manager's messages, spread over the modules it is built from (parse_nbytes's, in
+    # The manager's messages, spread over the rooms it is built from (parse_nbytes's, in
     # the policy since the manager became a subpackage, is pinned in test_park.py).
     # (`check_immutable`, `max_sessions`, `on_full` and `host_pool_full` are checked by
-    # `_checks` now.) Then `pools` (two) and `session_stats` (one), pinned below; then
-    # the warning for host parking under a cpu-only budget, its `msg =` and its `warn(`
-    # (messages/test_messages_park_tier.py).
-    # Then forks (4 + 1: a list of branch ids, test_fork.py), family snapshots (5 + 3:
-    # test_family_snapshot_*), batches (3: test_batch_io_messages), a batch over the whole
-    # budget (1: test_batch_budget_message) and a batched step's count of records (1:
-    # test_step_many.py).
-    "_manager/_table.py": 9 + 2 + 2 + 1 + 2 + 4 + 1 + 5 + 3 + 3 + 1 + 1 + 1 + 1,
+    # `_checks` now.) The table: `raise_max_sessions` (two), the cap's refusal, the eviction
+    # warning, the warning for host parking under a cpu-only budget (its `msg =` and its
+    # `warn(`, messages/test_messages_park_tier.py), `pools` (two), `host_pool_bytes` and a
+    # batch's ids (test_batch_io_messages).
+    "_manager/_table.py": 2 + 1 + 1 + 2 + 2 + 1 + 1,
+    # Get and put: a factory, `require`, a batch not held, a batch over the cap
+    # (test_batch_io_messages), a batch over the whole budget (test_batch_budget_message), a
+    # record that is not a SessionState, a parked session that cannot be read; then a batch
+    # over the budget midway, while its later members still hold their old records.
+    "_manager/_access.py": 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1,
+    # Forks (4 + 1: a list of branch ids, test_fork.py), family snapshots (test_family_snapshot_*:
+    # `snapshot`, `snapshot_many` two, a family not held, `restore_many` five).
+    "_manager/_family.py": 4 + 1 + 1 + 2 + 1 + 5,
+    "_manager/_observe.py": 1,  # `session_stats` of a session not held, pinned below
+    "_manager/_prefetch.py": 1,  # `make_room` not a bool
+    # A batched step's count of records (test_step_many.py), a pool short during a step.
+    "_manager/_stepping.py": 1 + 1,
     "_manager/_policy.py": 5 + 2,  # a bare count and a device named twice: test_budget_forms.py
     "_manager/_parking.py": 2,
     "_manager/_guard.py": 2,

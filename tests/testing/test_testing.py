@@ -576,12 +576,13 @@ class _UntouchedGetManager(SessionStateManager):
     """`get` does not mark the session most recently used."""
 
     def get(self, session_id: str, /) -> SessionState | None:
-        with self._lock:
-            state = self._table.get(session_id)
+        table = self._table
+        with table.lock:
+            state = table.records.get(session_id)
             if state is None:
-                self._misses += 1
+                table.misses += 1
                 return None
-            self._hits += 1
+            table.hits += 1
             return state
 
 
@@ -602,22 +603,34 @@ class _SummingStatsManager(SessionStateManager):
 class _MutatingManager(SessionStateManager):
     """Zeroes the tensors of a record it evicts (as if recycling their memory)."""
 
-    def _admit(self, session_id: str, keep: Collection[Hashable] = ()) -> None:
-        if len(self._table) >= self._max_sessions and self._on_full == "evict":
-            _, evicted = next(iter(self._table.items()))
-            for t in _tensors_of(evicted):
-                if t.device.type == "cpu" and t.numel():
-                    t.zero_()
-        super()._admit(session_id, keep)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        table, admit = self._table, self._table.admit
+
+        def mutating(session_id: Hashable, keep: Collection[Hashable] = ()) -> None:
+            if len(table.records) >= table.max_sessions and table.on_full == "evict":
+                _, evicted = next(iter(table.records.items()))
+                for t in _tensors_of(evicted):
+                    if t.device.type == "cpu" and t.numel():
+                        t.zero_()
+            admit(session_id, keep)
+
+        table.admit = mutating  # type: ignore[method-assign]
 
 
 class _RefuseLeaksManager(SessionStateManager):
     """Refuses a new session, but only after dropping the oldest one."""
 
-    def _admit(self, session_id: str, keep: Collection[Hashable] = ()) -> None:
-        if len(self._table) >= self._max_sessions and self._on_full == "refuse":
-            self._table.popitem(last=False)
-        super()._admit(session_id, keep)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        table, admit = self._table, self._table.admit
+
+        def leaking(session_id: Hashable, keep: Collection[Hashable] = ()) -> None:
+            if len(table.records) >= table.max_sessions and table.on_full == "refuse":
+                table.records.popitem(last=False)
+            admit(session_id, keep)
+
+        table.admit = leaking  # type: ignore[method-assign]
 
 
 _CPU_STATES = session_states(pools=tensor_pools(devices=("cpu",), allow_empty=False))

@@ -1,4 +1,8 @@
-"""An engine-owned paged KV pool, and the immutable handle a session record holds.
+"""One idea, a paged K/V pool's blocks and who holds them: the pool, and the immutable handle.
+
+A session record holds the handle; the pool and its handles share one module because every
+operation on either (append, copy on write, release, park, a transaction's undo) moves the
+other's reference counts and free list.
 
 A `KVPool` preallocates one tensor of fixed-size blocks on one device and hands blocks out
 from a free list. A session record never holds the pool's memory as tensors: it holds a

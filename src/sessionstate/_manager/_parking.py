@@ -1,4 +1,4 @@
-"""The manager's parking part: its tier, its spool directory, the handles it made, their counts.
+"""One idea, what the manager holds parked: its tier, spool directory, handles and counts.
 
 `Parking` carries out what the budget policy decided: it parks a session's objects on the
 tier, checks a parked session's bytes before the manager makes room for them, unparks, and
@@ -38,8 +38,8 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 
 from sessionstate._errors import KVPoolExhaustedError, ParkingError, reason
-from sessionstate._events import Reporter, SessionEvent, span
 from sessionstate._kv import EncodeOnceKV, KVCache
+from sessionstate._manager._events import Reporter, SessionEvent, span
 from sessionstate._session import SessionState, ValueKey
 from sessionstate._stateobject import ParkedObject, StateObject
 from sessionstate._storage import (

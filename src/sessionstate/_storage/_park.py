@@ -1,4 +1,8 @@
-"""Parking: moving a tree's bytes out of residence and back, without losing a bit.
+"""One idea, parking: moving a tree's bytes out of residence and back, without losing a bit.
+
+The host and disk tiers, their batched movers, the handle they return (`ParkedBytes`) and its
+lifecycle (prefetch, release, the spool directory's owner) are one module because they share
+the storage walk and the handle.
 
 Both tiers move each distinct *storage* once (never each leaf) and describe every tensor leaf
 as a view of one (the snapshot format's storage walk, `collect_storages`, and its rebuild,

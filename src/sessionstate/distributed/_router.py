@@ -1,4 +1,8 @@
-"""The driver-side router: strict session affinity, live migration, rebalancing, worker loss."""
+"""One idea, the driver's map of which worker owns each session, and moving that ownership.
+
+Strict session affinity (every call for a session goes to its owner), live migration,
+rebalancing and worker loss all read and change the one map, under one lock.
+"""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import torch
 
 from sessionstate._config import ENV_ENABLE, OmniDiffusionConfig
 from sessionstate._errors import SessionStateLostError
-from sessionstate._events import SessionEvent
 from sessionstate._manager import SessionStateManager
+from sessionstate._manager._events import SessionEvent
 from sessionstate._storage import SnapshotParts, recorded_devices
 from sessionstate.distributed._outcomes import StaleEpochError
 from sessionstate.distributed._transport import (

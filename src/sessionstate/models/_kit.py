@@ -333,6 +333,40 @@ def check_bespoke_cap(max_bespoke_sessions: object, upstream: int) -> None:
         raise ValueError(msg)
 
 
+class BespokePathBase(Generic[S]):
+    """What every reference model's bespoke path does alike, over its `SessionTable`.
+
+    Ends, branches and lists sessions; a model's path adds its ``forward`` and whatever it
+    reads of a session (``session_values``, ``video_latents``, ``stats``).
+
+    Args:
+        table: The path's table of mutable session states.
+
+    >>> path = BespokePathBase(SessionTable("Toy", dict, 2, "evict", lost=str, unknown=str))
+    >>> _ = path.table.state("a", None)
+    >>> path.session_ids(), path.drop_session("a"), path.session_ids()
+    (['a'], True, [])
+    """
+
+    def __init__(self, table: SessionTable[S]) -> None:
+        self.table = table
+
+    def drop_session(self, session_id: Hashable) -> bool:
+        """End a session; returns whether it was held."""
+        return self.table.drop(session_id)
+
+    def fork(
+        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
+    ) -> None:
+        """Branch a session the bespoke way: a deep copy of its state per branch (its random
+        key split as the manager splits it, or shared)."""
+        self.table.fork(source_id, branch_ids, share_random=share_random)
+
+    def session_ids(self) -> list[Hashable]:
+        """Retained sessions, least recently used first."""
+        return list(self.table.states)
+
+
 class ManagedPathBase(Generic[R]):
     """What every reference model's managed path does alike, over its `SessionStateManager`.
 

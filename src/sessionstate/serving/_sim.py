@@ -52,8 +52,8 @@ from typing import Any, Literal
 import torch
 
 from sessionstate._errors import SessionAdmissionError
-from sessionstate._events import SessionEvent
 from sessionstate._manager import SessionStateManager
+from sessionstate._manager._events import SessionEvent
 from sessionstate._session import SessionState
 from sessionstate.serving._load import DeployShape
 from sessionstate.serving._server import SessionFailedError

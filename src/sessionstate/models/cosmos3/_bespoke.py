@@ -17,7 +17,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from sessionstate import KVPair
-from sessionstate.models._kit import SessionTable
+from sessionstate.models._kit import BespokePathBase, SessionTable
 from sessionstate.models.cosmos3._model import (
     Cosmos3Model,
     Cosmos3Output,
@@ -45,7 +45,7 @@ def instance_cache(transformer: GenerationTransformer) -> tuple[dict[str, KVPair
     return tuple(dict(b.cached_kv) for b in blocks if isinstance(b, GenerationBlock))
 
 
-class BespokePath:
+class BespokePath(BespokePathBase[Cosmos3State]):
     """Sessions as mutable `Cosmos3State` objects, the K/V on the transformer instance.
 
     Args:
@@ -67,13 +67,15 @@ class BespokePath:
     ) -> None:
         self.model = model
         chunks, seed = model.cfg.context_chunks, model.cfg.seed
-        self.table = SessionTable(
-            "Cosmos3",
-            lambda: Cosmos3State(chunks, seed),
-            max_sessions,
-            on_full,
-            lost=lost_continuation,
-            unknown=unknown_session,
+        super().__init__(
+            SessionTable(
+                "Cosmos3",
+                lambda: Cosmos3State(chunks, seed),
+                max_sessions,
+                on_full,
+                lost=lost_continuation,
+                unknown=unknown_session,
+            )
         )
         self.session_keyed = session_keyed
 
@@ -116,21 +118,6 @@ class BespokePath:
         state.video_latents.append(latents.detach().to(model.host_device, copy=True))
         state.chunk_count += 1
         return Cosmos3Output(video_latents=latents, reset=reason)
-
-    def drop_session(self, session_id: Hashable) -> bool:
-        """End a session; returns whether it was held."""
-        return self.table.drop(session_id)
-
-    def fork(
-        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
-    ) -> None:
-        """Branch a session the bespoke way: a deep copy of its state per branch (its random
-        key split as the manager splits it, or shared)."""
-        self.table.fork(source_id, branch_ids, share_random=share_random)
-
-    def session_ids(self) -> list[Hashable]:
-        """Retained sessions, least recently used first."""
-        return list(self.table.states)
 
     def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds or reads, by name (without touching LRU order).

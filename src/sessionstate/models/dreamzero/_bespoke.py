@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from sessionstate.models._kit import SessionTable
+from sessionstate.models._kit import BespokePathBase, SessionTable
 from sessionstate.models.dreamzero import kv as kv_cache
 from sessionstate.models.dreamzero._model import (
     BODY_FRAMES,
@@ -26,7 +26,7 @@ from sessionstate.models.dreamzero.transform import Observation, stitch_views
 __all__ = ["BespokePath"]
 
 
-class BespokePath:
+class BespokePath(BespokePathBase[DreamZeroState]):
     """Sessions as mutable `DreamZeroState` objects in a capped `SessionTable`.
 
     Args:
@@ -44,13 +44,15 @@ class BespokePath:
     def __init__(self, model: DreamZeroModel, max_sessions: int, on_full: str) -> None:
         self.model = model
         seed = model.cfg.seed
-        self.table = SessionTable(
-            "DreamZero",
-            lambda: DreamZeroState(seed),
-            max_sessions,
-            on_full,
-            lost=lost_continuation,
-            unknown=unknown_session,
+        super().__init__(
+            SessionTable(
+                "DreamZero",
+                lambda: DreamZeroState(seed),
+                max_sessions,
+                on_full,
+                lost=lost_continuation,
+                unknown=unknown_session,
+            )
         )
 
     def forward(
@@ -58,21 +60,6 @@ class BespokePath:
     ) -> DreamZeroOutput:
         """One step of ``session_id``; see `DreamZeroPipeline.forward`."""
         return self._forward(self.table.state(session_id, begin), obs)
-
-    def drop_session(self, session_id: Hashable) -> bool:
-        """End a session; returns whether it was held."""
-        return self.table.drop(session_id)
-
-    def fork(
-        self, source_id: Hashable, /, *branch_ids: Hashable, share_random: bool = False
-    ) -> None:
-        """Branch a session the bespoke way: a deep copy of its state per branch (its random
-        key split as the manager splits it, or shared)."""
-        self.table.fork(source_id, branch_ids, share_random=share_random)
-
-    def session_ids(self) -> list[Hashable]:
-        """Retained sessions, least recently used first."""
-        return list(self.table.states)
 
     def session_values(self, session_id: Hashable) -> dict[str, object]:
         """Every value the session holds, by name (without touching LRU order)."""
