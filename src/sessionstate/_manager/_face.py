@@ -16,7 +16,12 @@ from typing import Any, Generic
 import torch
 from typing_extensions import TypeVar
 
-from sessionstate._manager import _access, _family, _observe, _prefetch, _room, _stepping
+import sessionstate._manager._access as _access
+import sessionstate._manager._family as _family
+import sessionstate._manager._observe as _observe
+import sessionstate._manager._prefetch as _prefetch
+import sessionstate._manager._room as _room
+import sessionstate._manager._stepping as _stepping
 from sessionstate._manager._events import EventHook, SessionEvent
 from sessionstate._manager._parking import HostPoolFull
 from sessionstate._manager._policy import OnFull
