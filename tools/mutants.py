@@ -1212,19 +1212,6 @@ MUTANTS = (
         ("tests/kv/test_kv_family_park.py", "tests/manager/test_fork_kv_stateful.py"),
     ),
     Mutant(
-        "kv-unpark-extends-a-block-written-past-its-tokens",
-        "a restored block that its holder wrote past its restored tokens is extended with "
-        "another sibling's tokens, overwriting the holder's",
-        "sessionstate/_kv/_pool.py",
-        (
-            (
-                "and self._valid[block] == self._filled[block]  # restored, not written past",
-                "and self._valid[block] >= 0",
-            ),
-        ),
-        ("tests/kv/test_kv_family_park.py",),
-    ),
-    Mutant(
         "kv-restored-block-keeps-a-fresh-content",
         "a block restored from a parked copy keeps the fresh content id it was taken with, so "
         "no sibling unparked after it finds it",

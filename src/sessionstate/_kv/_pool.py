@@ -731,11 +731,9 @@ class KVPool:
                 if block is None:
                     continue
                 valid = self._content_tokens(block)
-                if (
-                    valid < fill
-                    and self._valid[block] == self._filled[block]  # restored, not written past
-                    and isinstance(data, torch.Tensor)
-                ):
+                # (A block restored and written past since holds a new content, `append`'s
+                # relabel: the live holder here was written no further than it was restored.)
+                if valid < fill and isinstance(data, torch.Tensor):
                     self.storage[block, valid:fill].copy_(data[slot, valid:fill])
                     self._filled[block] = self._valid[block] = valid = fill
                 if valid >= fill:
