@@ -731,9 +731,14 @@ class KVPool:
                 if block is None:
                     continue
                 valid = self._content_tokens(block)
-                # (A block restored and written past since holds a new content, `append`'s
-                # relabel: the live holder here was written no further than it was restored.)
-                if valid < fill and isinstance(data, torch.Tensor):
+                # Extended only while its count of the content's tokens is its fill: a block
+                # written past its restored tokens holds a new content (`append`'s relabel), so
+                # this holds unless that count went stale, and then the block is not reused.
+                if (
+                    valid < fill
+                    and self._valid[block] == self._filled[block]
+                    and isinstance(data, torch.Tensor)
+                ):
                     self.storage[block, valid:fill].copy_(data[slot, valid:fill])
                     self._filled[block] = self._valid[block] = valid = fill
                 if valid >= fill:
